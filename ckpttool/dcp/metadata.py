@@ -1,0 +1,451 @@
+"""Read a DCP `.metadata` file safely into our own frozen types.
+
+torch writes `.metadata` with `pickle.dump(Metadata)`; torch reads it back with plain
+`pickle.load`, which would run any code a hostile checkpoint carries. We unpickle through an
+allowlist that maps each admitted class to a small stand-in of our own, so this module never
+imports torch and never executes anything from the file.
+
+Example:
+    >>> ckpt = read_checkpoint("runs/x/step-00000020")
+    >>> ckpt.tensors["model.tok_emb.weight"].shape
+    (256, 64)
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Iterator
+
+from ckpttool import dtypes
+from ckpttool.errors import CorruptMetadata, NotACheckpoint, UnsafeMetadata
+
+METADATA_FILENAME = ".metadata"  # torch/distributed/checkpoint/filesystem.py `_metadata_fn`
+RANK_METADATA_PATTERN = re.compile(r"^__(\d+)\.metadata$")  # written when use_collectives=False
+DATA_FILE_PATTERN = re.compile(r"^__(\d+)_(\d+)\.distcp$")  # `__{rank}_{n}.distcp`
+MAX_METADATA_BYTES = 4 << 30  # a metadata pickle larger than this is refused before reading
+
+# Top-level state-dict keys and the group they belong to.
+MODEL_KEYS = ("model",)
+OPTIMIZER_KEYS = ("optim", "optimizer", "optimizers")
+
+
+# ---------------------------------------------------------------------------------------------
+# Our types
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Where an entry's bytes sit: a byte range of one data file, plus stream transforms."""
+
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of a tensor: `offsets` and `sizes` per dimension, and the blob holding it."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    blob: Blob | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor entry of the checkpoint: its global shape, dtype and chunks."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.ITEMSIZE.get(self.dtype, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class Object:
+    """A non-tensor entry (torch.save'd bytes: ints, floats, lists, param_groups, ...)."""
+
+    fqn: str
+    blob: Blob | None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Everything `.metadata` says, in our own types. Entries are sorted by fqn."""
+
+    path: Path
+    metadata_file: str
+    version: str | None
+    tensors: dict[str, Tensor]
+    objects: dict[str, Object]
+    # fqn -> path of keys in the nested state dict (torch's planner_data); empty when absent.
+    nesting: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    # blobs in the storage table that no tensor or object refers to (torch never writes these)
+    orphan_blobs: tuple[tuple[str, Blob], ...] = ()
+    # entries the storage table mentions for unknown fqns
+    save_id: str | None = None
+    # problems found while converting, kept for `validate` (e.g. unknown dtype names)
+    notes: tuple[str, ...] = ()
+
+    def entries(self) -> Iterator[Tensor | Object]:
+        """Yield tensors and objects in fqn order."""
+        names = sorted(set(self.tensors) | set(self.objects))
+        for name in names:
+            yield self.tensors.get(name) or self.objects[name]
+
+    def data_files(self) -> list[str]:
+        """Return the relative data-file paths referenced by any blob, sorted."""
+        files = {c.blob.file for t in self.tensors.values() for c in t.chunks if c.blob}
+        files |= {o.blob.file for o in self.objects.values() if o.blob}
+        return sorted(files)
+
+
+def group_of(fqn: str) -> str:
+    """Return `model`, `optimizer` or `other` from an fqn's top-level key."""
+    top = fqn.split(".", 1)[0]
+    if top in MODEL_KEYS:
+        return "model"
+    if top in OPTIMIZER_KEYS:
+        return "optimizer"
+    return "other"
+
+
+# ---------------------------------------------------------------------------------------------
+# The restricted unpickler
+
+
+class _Record:
+    """Stand-in for an admitted torch dataclass: keeps the pickled state, runs nothing."""
+
+    kind = "record"
+    args: tuple = ()
+    state: Any = None
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if isinstance(self.state, dict):
+            return self.state.get(name, default)
+        if isinstance(self.state, tuple) and len(self.state) == 2 and isinstance(self.state[1], dict):
+            # (dict_state, slots_state) form pickle uses for __slots__ classes
+            merged = dict(self.state[0] or {}, **self.state[1])
+            return merged.get(name, default)
+        return default
+
+
+def _record_class(name: str) -> type:
+    return type(name, (_Record,), {"kind": name})
+
+
+@dataclass(frozen=True)
+class _DType:
+    name: str
+
+
+def _size(values: Any = ()) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _path(*parts: Any) -> str:
+    return str(PurePosixPath(*[str(p) for p in parts]))
+
+
+def _windows_path(*parts: Any) -> str:
+    return str(PureWindowsPath(*[str(p) for p in parts]))
+
+
+def _layout(name: Any) -> str:
+    return str(name)
+
+
+def _memory_format_encoding(value: Any) -> int:
+    return int(value)
+
+
+_METADATA_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    # TensorProperties lived here before torch 2.2
+    "torch.distributed._shard.sharded_tensor.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint._fsspec_filesystem",
+)
+_METADATA_CLASSES = (
+    "Metadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "StorageMeta",
+    "_StorageInfo",
+    "_StoragePrefix",
+)
+_RECORD_TYPES = {name: _record_class(name) for name in _METADATA_CLASSES}
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): _size,
+    ("torch.serialization", "_get_layout"): _layout,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("pathlib", "Path"): _path,
+    ("pathlib", "WindowsPath"): _windows_path,
+    ("pathlib", "PureWindowsPath"): _windows_path,
+    ("collections", "OrderedDict"): dict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+}
+for _module in _METADATA_MODULES:
+    for _name, _cls in _RECORD_TYPES.items():
+        _ALLOWED[(_module, _name)] = _cls
+    _ALLOWED[(_module, "_MEM_FORMAT_ENCODING")] = _memory_format_encoding
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler that admits only the names in `allowed`; anything else is refused."""
+
+    def __init__(
+        self,
+        file: io.BufferedIOBase,
+        allowed: dict[tuple[str, str], Any],
+        source: str,
+        persistent: Any = None,
+    ):
+        super().__init__(file)
+        self._allowed = allowed
+        self._source = source
+        self._persistent = persistent
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is not None:
+            return found
+        if module == "torch" and not name.startswith("_"):
+            try:
+                return _DType(dtypes.canonical(name))
+            except KeyError:
+                pass
+            if name.endswith("_format") or name in ("strided", "sparse_coo"):
+                return _DType(name)
+            # an unknown torch dtype attribute from a newer torch: keep the name, flag it later
+            if name.islower() and name.replace("_", "").isalnum():
+                return _DType(name)
+        raise UnsafeMetadata(
+            f"{self._source}: refuses to load `{module}.{name}`, which is not part of DCP "
+            "metadata; nothing from the file was executed (the checkpoint is corrupt or "
+            "was crafted to run code)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise UnsafeMetadata(f"{self._source}: unexpected persistent id in pickle")
+        return self._persistent(pid)
+
+
+def _unpickle_metadata(raw: bytes, source: str) -> Any:
+    try:
+        return RestrictedUnpickler(io.BytesIO(raw), _ALLOWED, source).load()
+    except UnsafeMetadata:
+        raise
+    except RecursionError as error:
+        raise CorruptMetadata(f"{source}: metadata pickle nests too deeply ({error})") from None
+    except Exception as error:  # pickle raises many kinds on truncated or garbage input
+        raise CorruptMetadata(
+            f"{source}: cannot decode DCP metadata ({type(error).__name__}: {error}); "
+            "the file is truncated or not a DCP .metadata file"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion into our types
+
+
+def find_metadata_file(path: Path) -> Path:
+    """Return the `.metadata` file of a checkpoint directory (or the lowest `__N.metadata`)."""
+    if not path.exists():
+        raise NotACheckpoint(f"{path}: no such directory")
+    if not path.is_dir():
+        raise NotACheckpoint(f"{path}: not a directory (pass the checkpoint directory)")
+    main = path / METADATA_FILENAME
+    if main.is_file():
+        return main
+    per_rank = sorted(
+        (int(m.group(1)), p) for p in path.iterdir() if (m := RANK_METADATA_PATTERN.match(p.name))
+    )
+    if per_rank:
+        return per_rank[0][1]
+    raise NotACheckpoint(
+        f"{path}: no {METADATA_FILENAME} file, so this is not a DCP checkpoint "
+        "(or the save did not finish: torch writes .metadata last)"
+    )
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Return the checkpoint's metadata as our types, reading only `.metadata`.
+
+    Raises NotACheckpoint, UnsafeMetadata or CorruptMetadata; never runs code from the file.
+    """
+    root = Path(path)
+    metadata_path = find_metadata_file(root)
+    size = metadata_path.stat().st_size
+    if size > MAX_METADATA_BYTES:
+        raise CorruptMetadata(f"{metadata_path}: {size} bytes is implausibly large for DCP metadata")
+    if size == 0:
+        raise CorruptMetadata(f"{metadata_path}: empty file (the save was interrupted?)")
+    raw = metadata_path.read_bytes()
+    record = _unpickle_metadata(raw, str(metadata_path))
+    return _convert(root, metadata_path, record)
+
+
+def _kind(obj: Any) -> str:
+    return obj.kind if isinstance(obj, _Record) else type(obj).__name__
+
+
+def _require(obj: Any, kind: str, where: str, source: Path) -> _Record:
+    if _kind(obj) != kind:
+        raise CorruptMetadata(f"{source}: expected {kind} at {where}, found {_kind(obj)}")
+    return obj
+
+
+def _int_tuple(value: Any, where: str, source: Path) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise CorruptMetadata(f"{source}: {where} is not a sequence of integers: {value!r:.80}")
+    return tuple(value)
+
+
+def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
+    metadata = _require(record, "Metadata", "top level", source)
+    entries = metadata.get("state_dict_metadata")
+    if not isinstance(entries, dict):
+        raise CorruptMetadata(f"{source}: Metadata.state_dict_metadata is missing or not a dict")
+    storage = metadata.get("storage_data") or {}
+    if not isinstance(storage, dict):
+        raise CorruptMetadata(f"{source}: Metadata.storage_data is not a dict")
+
+    blobs: dict[tuple[str, tuple[int, ...] | None], Blob] = {}
+    for index, info in storage.items():
+        index = _require(index, "MetadataIndex", "a storage_data key", source)
+        fqn = index.get("fqn")
+        offset = index.get("offset")
+        key = (fqn, None if offset is None else _int_tuple(offset, f"{fqn} storage offset", source))
+        blobs[key] = _blob(info, fqn, source)
+
+    tensors: dict[str, Tensor] = {}
+    objects: dict[str, Object] = {}
+    notes: list[str] = []
+    used: set[tuple[str, tuple[int, ...] | None]] = set()
+    for fqn in sorted(entries):
+        entry = entries[fqn]
+        if not isinstance(fqn, str):
+            raise CorruptMetadata(f"{source}: state_dict_metadata key {fqn!r:.80} is not a string")
+        kind = _kind(entry)
+        if kind == "BytesStorageMetadata":
+            key = (fqn, None)
+            used.add(key)
+            objects[fqn] = Object(fqn, blobs.get(key))
+            continue
+        if kind != "TensorStorageMetadata":
+            raise CorruptMetadata(f"{source}: {fqn}: unknown storage metadata type {kind}")
+        tensor, keys, note = _tensor(fqn, entry, blobs, source)
+        used |= keys
+        tensors[fqn] = tensor
+        if note:
+            notes.append(note)
+
+    orphans = tuple(sorted(((k[0], b) for k, b in blobs.items() if k not in used), key=str))
+    nesting = metadata.get("planner_data")
+    storage_meta = metadata.get("storage_meta")
+    save_id = storage_meta.get("save_id") if isinstance(storage_meta, _Record) else None
+    return Checkpoint(
+        path=root,
+        metadata_file=source.name,
+        version=metadata.get("version"),
+        tensors=tensors,
+        objects=objects,
+        nesting=_nesting(nesting) if isinstance(nesting, dict) else {},
+        orphan_blobs=orphans,
+        save_id=save_id if isinstance(save_id, str) else None,
+        notes=tuple(notes),
+    )
+
+
+def _nesting(planner_data: dict) -> dict[str, tuple[str | int, ...]]:
+    out: dict[str, tuple[str | int, ...]] = {}
+    for fqn, keys in planner_data.items():
+        if isinstance(fqn, str) and isinstance(keys, (tuple, list)):
+            if all(isinstance(k, (str, int)) for k in keys):
+                out[fqn] = tuple(keys)
+    return out
+
+
+def _blob(info: Any, fqn: Any, source: Path) -> Blob:
+    info = _require(info, "_StorageInfo", f"storage entry of {fqn}", source)
+    file, offset, length = info.get("relative_path"), info.get("offset"), info.get("length")
+    transforms = info.get("transform_descriptors") or ()
+    if not isinstance(file, str):
+        raise CorruptMetadata(f"{source}: {fqn}: storage relative_path is not a string")
+    for name, value in (("offset", offset), ("length", length)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise CorruptMetadata(f"{source}: {fqn}: storage {name} is not an integer")
+    if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
+        raise CorruptMetadata(f"{source}: {fqn}: transform_descriptors is not a list of strings")
+    return Blob(file, offset, length, tuple(transforms))
+
+
+def _tensor(
+    fqn: str, entry: _Record, blobs: dict, source: Path
+) -> tuple[Tensor, set, str | None]:
+    properties = entry.get("properties")
+    dtype_name, note = "unknown", None
+    if isinstance(properties, _Record):
+        state = properties.state
+        dtype = state[0] if isinstance(state, tuple) and state else properties.get("dtype")
+        if isinstance(dtype, _DType):
+            dtype_name = dtype.name
+    if dtype_name not in dtypes.ITEMSIZE:
+        note = f"{fqn}: unknown dtype {dtype_name!r}"
+    shape = _int_tuple(entry.get("size"), f"{fqn} size", source)
+    raw_chunks = entry.get("chunks")
+    if not isinstance(raw_chunks, (list, tuple)):
+        raise CorruptMetadata(f"{source}: {fqn}: chunks is not a list")
+    chunks = []
+    keys = set()
+    for position, raw in enumerate(raw_chunks):
+        raw = _require(raw, "ChunkStorageMetadata", f"{fqn} chunk {position}", source)
+        offsets = _int_tuple(raw.get("offsets"), f"{fqn} chunk {position} offsets", source)
+        sizes = _int_tuple(raw.get("sizes"), f"{fqn} chunk {position} sizes", source)
+        key = (fqn, offsets)
+        keys.add(key)
+        chunks.append(Chunk(offsets, sizes, blobs.get(key)))
+    chunks.sort(key=lambda c: c.offsets)
+    return Tensor(fqn, dtype_name, shape, tuple(chunks)), keys, note

@@ -1,0 +1,197 @@
+"""Pure geometry of chunks: boxes, overlaps, coverage, and how FSDP splits a tensor.
+
+A *box* is `(offsets, sizes)`, one entry per dimension. Nothing here reads files or imports
+torch, so every function is tested on plain tuples.
+
+Example:
+    >>> split_dim0(7, 3)            # what fully_shard on 3 ranks gives each rank
+    [(0, 3), (3, 3), (6, 1)]
+    >>> classify([((0, 0), (3, 5)), ((3, 0), (4, 5))], (7, 5))
+    'dim0-uneven'
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def volume(sizes: Sequence[int]) -> int:
+    """Return the element count of a box with these sizes."""
+    return math.prod(sizes)
+
+
+def in_bounds(offsets: Sequence[int], sizes: Sequence[int], shape: Sequence[int]) -> bool:
+    """True when the box lies inside a tensor of `shape` (and has its rank)."""
+    if len(offsets) != len(shape) or len(sizes) != len(shape):
+        return False
+    return all(o >= 0 and s >= 0 and o + s <= n for o, s, n in zip(offsets, sizes, shape))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """Return the common box of `a` and `b`, or None when they share no element."""
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        start, end = max(ao, bo), min(ao + asz, bo + bsz)
+        if end <= start:
+            return None
+        offsets.append(start)
+        sizes.append(end - start)
+    return tuple(offsets), tuple(sizes)
+
+
+def find_overlaps(boxes: Sequence[Box], limit: int = 100) -> list[tuple[int, int]]:
+    """Return index pairs of boxes that share elements (at most `limit` pairs).
+
+    A sweep along dim 0: boxes are sorted by start, and each is compared only with the boxes
+    still open at its start. For FSDP's dim-0 shards at most one is open, so this is
+    O(n log n); block (2-D) sharding with k column blocks costs O(n log n + n k).
+    """
+    order = sorted(
+        (i for i, (_, sizes) in enumerate(boxes) if volume(sizes) > 0),
+        key=lambda i: boxes[i][0],
+    )
+    pairs: list[tuple[int, int]] = []
+    if not order or not boxes[order[0]][0]:
+        # 0-d tensors: every non-empty box is the one element
+        return [(order[0], j) for j in order[1:limit + 1]] if len(order) > 1 else []
+    open_boxes: list[tuple[int, int]] = []  # heap of (end along dim 0, index)
+    for i in order:
+        start = boxes[i][0][0]
+        while open_boxes and open_boxes[0][0] <= start:
+            heapq.heappop(open_boxes)
+        for _, j in open_boxes:
+            if intersect(boxes[i], boxes[j]) is not None:
+                pairs.append((min(i, j), max(i, j)))
+                if len(pairs) >= limit:
+                    return pairs
+        heapq.heappush(open_boxes, (start + boxes[i][1][0], i))
+    return pairs
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How well a tensor's chunks cover it."""
+
+    covered: int  # elements covered, counting overlaps once per chunk
+    total: int
+    missing_rows: tuple[tuple[int, int], ...]  # uncovered [start, end) ranges along dim 0, if known
+
+    @property
+    def complete(self) -> bool:
+        return self.covered >= self.total
+
+
+def coverage(boxes: Sequence[Box], shape: Sequence[int]) -> Coverage:
+    """Return how many elements the (non-overlapping, in-bounds) boxes cover.
+
+    With no overlaps, the boxes cover the tensor exactly when their volumes add up to its
+    volume. When every box spans the full extent of dims 1.. (FSDP), the missing dim-0 row
+    ranges are named as well.
+    """
+    total = volume(shape)
+    covered = sum(volume(sizes) for _, sizes in boxes)
+    missing: list[tuple[int, int]] = []
+    if shape and covered < total and all(tuple(s[1:]) == tuple(shape[1:]) for _, s in boxes):
+        rows = sorted((o[0], o[0] + s[0]) for o, s in boxes if s[0] > 0)
+        at = 0
+        for start, end in rows:
+            if start > at:
+                missing.append((at, start))
+            at = max(at, end)
+        if at < shape[0]:
+            missing.append((at, shape[0]))
+    return Coverage(covered, total, tuple(missing))
+
+
+def classify(boxes: Sequence[Box], shape: Sequence[int]) -> str:
+    """Return how a tensor is split: `replicated`, `dim0`, `dim0-uneven`, `dimK`, `block`.
+
+    `replicated` means one chunk holds the whole tensor (DCP writes replicated tensors once).
+    A `+empty` suffix says some ranks hold empty chunks.
+    """
+    nonempty = [(o, s) for o, s in boxes if volume(s) > 0]
+    empty = len(nonempty) < len(boxes)
+    suffix = "+empty" if empty else ""
+    if len(nonempty) <= 1:
+        whole = len(nonempty) == 1 and tuple(nonempty[0][1]) == tuple(shape)
+        return ("replicated" if whole else "partial") + suffix
+    split_dims = {d for o, s in nonempty for d in range(len(shape)) if s[d] != shape[d]}
+    if len(split_dims) == 1:
+        (dim,) = split_dims
+        extents = [s[dim] for _, s in sorted(nonempty)]
+        even = all(e == extents[0] for e in extents[:-1]) and extents[-1] <= extents[0]
+        uneven = "" if even and extents[-1] == extents[0] else "-uneven"
+        return f"dim{dim}{uneven}{suffix}"
+    return "block" + suffix
+
+
+def split_dim0(length: int, world_size: int) -> list[tuple[int, int]]:
+    """Return `(offset, size)` of each rank's rows when `length` rows are split FSDP-style.
+
+    FSDP2 splits with `torch.chunk`: every rank gets `ceil(length / world_size)` rows except
+    the last ones, and ranks past the last chunk get empty shards (offset = length, size 0).
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    step = -(-length // world_size) if length else 0
+    shards = []
+    for rank in range(world_size):
+        start = min(rank * step, length)
+        end = min(start + step, length)
+        shards.append((start, end - start))
+    return shards
+
+
+def row_major_runs(
+    box: Box, region: Box, itemsize: int
+) -> list[tuple[int, int]]:
+    """Return `(byte offset within box, byte length)` runs that make up `region` inside `box`.
+
+    `box` is a chunk stored row-major; `region` is a sub-box of it (global coordinates). Runs
+    are contiguous in the chunk's storage and listed in the region's row-major order, so
+    concatenating them gives the region's own row-major bytes. Adjacent runs are merged.
+    """
+    offsets, sizes = box
+    r_offsets, r_sizes = region
+    dims = len(sizes)
+    if dims == 0:
+        return [(0, itemsize)]
+    # the innermost dims that the region spans completely can be copied as one run
+    inner = dims
+    run = itemsize
+    while inner > 0 and r_sizes[inner - 1] == sizes[inner - 1]:
+        inner -= 1
+        run *= sizes[inner]
+    if inner == 0:
+        return [(0, run)] if run else []
+    run *= r_sizes[inner - 1]
+    strides = [itemsize] * dims
+    for d in range(dims - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
+    local = [ro - o for ro, o in zip(r_offsets, offsets)]
+    outer_sizes = r_sizes[: inner - 1]
+    runs: list[tuple[int, int]] = []
+    if volume(r_sizes) == 0:
+        return runs
+    base = sum(local[d] * strides[d] for d in range(inner - 1, dims))
+    for index in _ndindex(outer_sizes):
+        start = base + sum((local[d] + index[d]) * strides[d] for d in range(inner - 1))
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + run)
+        else:
+            runs.append((start, run))
+    return runs
+
+
+def _ndindex(sizes: Sequence[int]):
+    if not sizes:
+        yield ()
+        return
+    for head in range(sizes[0]):
+        for rest in _ndindex(sizes[1:]):
+            yield (head, *rest)

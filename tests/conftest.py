@@ -1,0 +1,89 @@
+"""Shared test fixtures: the bundled checkpoints, torch's own reference output, byte compare.
+
+Real checkpoints only: `fixtures/` holds checkpoints written by torch's `dcp.save` from FSDP2
+runs (see fixtures/generate.py); tests that need other layouts write them once per session.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+FIXTURE_NAMES = ("fsdp2_world2", "fsdp2_world2_adamw", "fsdp2_world2_bf16", "fsdp2_world3_uneven")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(params=FIXTURE_NAMES)
+def fixture_checkpoint(request) -> Path:
+    """Each bundled checkpoint in turn (read-only: copy it before corrupting)."""
+    return FIXTURES / request.param
+
+
+_reference_cache: dict[Path, dict] = {}
+
+
+def torch_reference(checkpoint: Path, tmp_root: Path) -> dict:
+    """Return torch's own `dcp_to_torch_save` result for a checkpoint, flattened to fqn -> value."""
+    checkpoint = Path(checkpoint).resolve()
+    if checkpoint not in _reference_cache:
+        import torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        out = tmp_root / f"reference-{len(_reference_cache)}.pt"
+        dcp_to_torch_save(checkpoint, out)
+        _reference_cache[checkpoint] = flatten(torch.load(out, weights_only=False))  # we wrote it
+    return _reference_cache[checkpoint]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """`reference(path)` -> {fqn: tensor or object} as torch's dcp_to_torch_save produces it."""
+    root = tmp_path_factory.mktemp("reference")
+    return lambda checkpoint: torch_reference(checkpoint, root)
+
+
+def flatten(state: dict, prefix: str = "") -> dict:
+    """Flatten nested dicts the way DCP names entries (`a.b.c`); lists stay values."""
+    flat = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def tensor_bytes(tensor) -> bytes:
+    """Raw row-major bytes of a tensor (any dtype, including bf16 and 0-d)."""
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def assert_same_bytes(actual, expected, name: str = "") -> None:
+    """Assert two tensors have the same dtype, shape and raw bytes (never allclose)."""
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert tensor_bytes(actual) == tensor_bytes(expected), f"{name}: bytes differ"
+
+
+@pytest.fixture
+def cli():
+    """Run the ckpttool CLI in-process: `cli("inspect", path, "--json")` -> click Result."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    runner = CliRunner()
+
+    def run(*args):
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return run
