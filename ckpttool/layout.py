@@ -6,8 +6,8 @@ torch, so every function is tested on plain tuples.
 Example:
     >>> split_dim0(7, 3)            # what fully_shard on 3 ranks gives each rank
     [(0, 3), (3, 3), (6, 1)]
-    >>> classify([((0, 0), (3, 5)), ((3, 0), (4, 5))], (7, 5))
-    'dim0-uneven'
+    >>> str(classify([((0, 0), (3, 5)), ((3, 0), (4, 5))], (7, 5)))
+    'dim0 uneven'
 """
 
 from __future__ import annotations
@@ -108,26 +108,42 @@ def coverage(boxes: Sequence[Box], shape: Sequence[int]) -> Coverage:
     return Coverage(covered, total, tuple(missing))
 
 
-def classify(boxes: Sequence[Box], shape: Sequence[int]) -> str:
-    """Return how a tensor is split: `replicated`, `dim0`, `dim0-uneven`, `dimK`, `block`.
+@dataclass(frozen=True)
+class Sharding:
+    """How a tensor is split into chunks.
 
-    `replicated` means one chunk holds the whole tensor (DCP writes replicated tensors once).
-    A `+empty` suffix says some ranks hold empty chunks.
+    `kind` is `replicated` (one chunk holds the whole tensor: DCP writes replicated tensors
+    once), `dim<K>` (split along one dimension K), `block` (split along several, e.g. 2-D or
+    tensor parallel), `partial` (chunks do not add up to a whole) or `empty` (no elements).
     """
-    nonempty = [(o, s) for o, s in boxes if volume(s) > 0]
-    empty = len(nonempty) < len(boxes)
-    suffix = "+empty" if empty else ""
+
+    kind: str
+    uneven: bool = False
+    empty_chunks: int = 0
+
+    def __str__(self) -> str:
+        text = self.kind + (" uneven" if self.uneven else "")
+        if self.empty_chunks:
+            text += f", {self.empty_chunks} empty"
+        return text
+
+
+def classify(boxes: Sequence[Box], shape: Sequence[int]) -> Sharding:
+    """Return how a tensor of `shape` is split into `boxes`."""
+    nonempty = sorted((tuple(o), tuple(s)) for o, s in boxes if volume(s) > 0)
+    empty = len(boxes) - len(nonempty)
+    if volume(shape) == 0:
+        return Sharding("empty", False, empty)
     if len(nonempty) <= 1:
-        whole = len(nonempty) == 1 and tuple(nonempty[0][1]) == tuple(shape)
-        return ("replicated" if whole else "partial") + suffix
-    split_dims = {d for o, s in nonempty for d in range(len(shape)) if s[d] != shape[d]}
+        whole = len(nonempty) == 1 and nonempty[0][1] == tuple(shape)
+        return Sharding("replicated" if whole else "partial", False, empty)
+    split_dims = {d for _, s in nonempty for d in range(len(shape)) if s[d] != shape[d]}
     if len(split_dims) == 1:
         (dim,) = split_dims
-        extents = [s[dim] for _, s in sorted(nonempty)]
-        even = all(e == extents[0] for e in extents[:-1]) and extents[-1] <= extents[0]
-        uneven = "" if even and extents[-1] == extents[0] else "-uneven"
-        return f"dim{dim}{uneven}{suffix}"
-    return "block" + suffix
+        extents = [s[dim] for _, s in nonempty]
+        uneven = any(e != extents[0] for e in extents)
+        return Sharding(f"dim{dim}", uneven, empty)
+    return Sharding("block", False, empty)
 
 
 def split_dim0(length: int, world_size: int) -> list[tuple[int, int]]:

@@ -47,12 +47,14 @@ def reference(tmp_path_factory):
     return lambda checkpoint: torch_reference(checkpoint, root)
 
 
-def flatten(state: dict, prefix: str = "") -> dict:
-    """Flatten nested dicts the way DCP names entries (`a.b.c`); lists stay values."""
+def flatten(state, prefix: str = "") -> dict:
+    """Flatten nested dicts the way DCP names entries (`a.b.c`, list items by index when the
+    list holds dicts, as in `optim.param_groups.0.lr`); other lists stay values."""
+    items = state.items() if isinstance(state, dict) else enumerate(state)
     flat = {}
-    for key, value in state.items():
+    for key, value in items:
         name = f"{prefix}{key}"
-        if isinstance(value, dict):
+        if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, dict) for v in value)):
             flat.update(flatten(value, name + "."))
         else:
             flat[name] = value

@@ -21,7 +21,6 @@ import math
 import os
 import struct
 import threading
-import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -375,6 +374,7 @@ class RawData:
     file: str
     offset: int
     length: int
+    crc32: int | None = None  # CRC-32 the torch.save record states for these bytes, if any
 
 
 def _where(files: DataFiles, tensor: Tensor, chunk: Chunk) -> str:
@@ -410,7 +410,7 @@ def locate(files: DataFiles, tensor: Tensor, chunk: Chunk) -> RawData | None:
     _check_record(where, tensor, chunk, record.dtype, record.shape)
     if not record.is_plain:
         return None
-    return RawData(blob.file, record.data_offset, record.data_length)
+    return RawData(blob.file, record.data_offset, record.data_length, record.crc32)
 
 
 def _check_record(where: str, tensor: Tensor, chunk: Chunk, dtype: str, shape: tuple) -> None:
@@ -488,10 +488,8 @@ def load_torch_bytes(data: bytes, where: str) -> Any:
         raise CorruptBlob(f"{where}: unreadable torch.save blob ({type(error).__name__}: {error})") from None
 
 
-def crc32_of(files: DataFiles, raw: RawData, block: int = 16 << 20) -> int:
-    """Return the CRC-32 of a byte range, read in blocks."""
-    crc = 0
+def iter_blocks(files: DataFiles, raw: RawData, block: int = 16 << 20):
+    """Yield the bytes of a range in blocks of at most `block` bytes (keep it a multiple of
+    the itemsize so each block holds whole elements)."""
     for start in range(raw.offset, raw.offset + raw.length, block):
-        length = min(block, raw.offset + raw.length - start)
-        crc = zlib.crc32(files.read(raw.file, start, length), crc)
-    return crc
+        yield files.read(raw.file, start, min(block, raw.offset + raw.length - start))

@@ -1,0 +1,202 @@
+"""`inspect`: what a checkpoint holds, from its metadata alone (no tensor bytes are read).
+
+Example:
+    >>> report = inspect("runs/x/step-00000020")
+    >>> report.summary.parameters, report.tensors[0].sharding.kind
+    (1234567, 'dim0')
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from ckpttool.dcp.metadata import DATA_FILE_PATTERN, Checkpoint, Tensor, group_of, paused_gc, read_checkpoint
+from ckpttool.layout import Sharding, classify
+
+GROUPS = ("model", "optimizer", "other")
+
+
+class ChunkInfo(NamedTuple):
+    """One chunk as inspect reports it (a NamedTuple: there may be 100k+ of them)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str | None
+    offset: int | None  # byte offset of the blob in its file
+    length: int | None  # blob length in bytes (torch.save record, with its small header)
+    nbytes: int  # element bytes of the chunk
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    fqn: str
+    group: str
+    dtype: str
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    sharding: Sharding
+    chunks: tuple[ChunkInfo, ...]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    fqn: str
+    group: str
+    file: str | None
+    length: int | None
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One data file: which rank wrote it and how many bytes each group has in it."""
+
+    file: str
+    rank: int | None
+    size: int | None  # on disk; None when missing
+    referenced_bytes: int  # blob bytes the metadata points into this file
+    tensor_bytes: dict[str, int]  # group -> element bytes of chunks in this file
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    tensors: int
+    objects: int
+    numel: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    dcp_version: str | None
+    metadata_file: str
+    tensors: int
+    objects: int
+    chunks: int
+    tensor_bytes: int
+    file_bytes: int
+    files: int
+    ranks: tuple[int, ...]
+    parameters: int  # elements of tensors under the `model` key
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    path: Path
+    summary: Summary
+    groups: dict[str, GroupInfo]
+    tensors: tuple[TensorInfo, ...]
+    objects: tuple[ObjectInfo, ...]
+    files: tuple[FileInfo, ...]
+    filters: tuple[str, ...] = ()
+
+
+def matches(fqn: str, patterns: Sequence[str]) -> bool:
+    """True when no patterns are given or the fqn matches one of the globs."""
+    return not patterns or any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+
+
+def _tensor_info(tensor: Tensor) -> TensorInfo:
+    chunks = tuple(
+        ChunkInfo(
+            offsets=c.offsets,
+            sizes=c.sizes,
+            file=c.blob.file if c.blob else None,
+            offset=c.blob.offset if c.blob else None,
+            length=c.blob.length if c.blob else None,
+            nbytes=c.numel * tensor.itemsize,
+        )
+        for c in tensor.chunks
+    )
+    sharding = classify([(c.offsets, c.sizes) for c in tensor.chunks], tensor.shape)
+    return TensorInfo(
+        fqn=tensor.fqn,
+        group=group_of(tensor.fqn),
+        dtype=tensor.dtype,
+        shape=tensor.shape,
+        numel=tensor.numel,
+        nbytes=tensor.nbytes,
+        sharding=sharding,
+        chunks=chunks,
+    )
+
+
+def rank_of(file: str) -> int | None:
+    """Return the rank that wrote `__{rank}_{n}.distcp`, or None for other names."""
+    match = DATA_FILE_PATTERN.match(os.path.basename(file))
+    return int(match.group(1)) if match else None
+
+
+def inspect(src: str | os.PathLike, filters: Sequence[str] = ()) -> InspectReport:
+    """Return what the checkpoint at `src` holds, reading only its `.metadata`.
+
+    `filters` are fqn globs (`model.layers.*`); summary, groups and files count all entries,
+    `tensors` and `objects` list only the matching ones.
+    """
+    checkpoint = read_checkpoint(src)
+    with paused_gc():
+        return build_report(checkpoint, tuple(filters))
+
+
+def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = ()) -> InspectReport:
+    """Return the inspect report of already-read metadata."""
+    tensors = [_tensor_info(t) for t in checkpoint.tensors.values()]
+    objects = [
+        ObjectInfo(o.fqn, group_of(o.fqn), o.blob.file if o.blob else None, o.blob.length if o.blob else None)
+        for o in checkpoint.objects.values()
+    ]
+
+    referenced: Counter[str] = Counter()
+    per_file_group: dict[str, Counter[str]] = defaultdict(Counter)
+    for info in tensors:
+        for chunk in info.chunks:
+            if chunk.file is not None:
+                referenced[chunk.file] += chunk.length or 0
+                per_file_group[chunk.file][info.group] += chunk.nbytes
+    for obj in objects:
+        if obj.file is not None:
+            referenced[obj.file] += obj.length or 0
+    files = []
+    for name in sorted(referenced, key=lambda f: (rank_of(f) is None, rank_of(f) or 0, f)):
+        path = checkpoint.path / name
+        try:
+            size = path.stat().st_size if ".." not in Path(name).parts and not os.path.isabs(name) else None
+        except OSError:
+            size = None
+        files.append(FileInfo(name, rank_of(name), size, referenced[name], dict(per_file_group[name])))
+
+    groups = {}
+    for group in GROUPS:
+        members = [t for t in tensors if t.group == group]
+        groups[group] = GroupInfo(
+            tensors=len(members),
+            objects=sum(1 for o in objects if o.group == group),
+            numel=sum(t.numel for t in members),
+            nbytes=sum(t.nbytes for t in members),
+        )
+    summary = Summary(
+        dcp_version=checkpoint.version,
+        metadata_file=checkpoint.metadata_file,
+        tensors=len(tensors),
+        objects=len(objects),
+        chunks=sum(len(t.chunks) for t in tensors),
+        tensor_bytes=sum(t.nbytes for t in tensors),
+        file_bytes=sum(f.size or 0 for f in files),
+        files=len(files),
+        ranks=tuple(sorted({f.rank for f in files if f.rank is not None})),
+        parameters=groups["model"].numel,
+    )
+    return InspectReport(
+        path=checkpoint.path,
+        summary=summary,
+        groups=groups,
+        tensors=tuple(t for t in tensors if matches(t.fqn, filters)),
+        objects=tuple(o for o in objects if matches(o.fqn, filters)),
+        files=tuple(files),
+        filters=filters,
+    )

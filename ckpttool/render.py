@@ -1,0 +1,214 @@
+"""Human tables and stable `--json` documents for command reports.
+
+JSON documents carry a `schema` name with a version; fields are only ever added within a
+version. The schemas are documented in README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Iterable, TextIO
+
+from ckpttool.commands.inspect import GROUPS, InspectReport, TensorInfo
+from ckpttool.commands.validate import ValidationReport
+
+INSPECT_SCHEMA = "ckpttool.inspect/1"
+VALIDATE_SCHEMA = "ckpttool.validate/1"
+
+
+def human_bytes(count: int) -> str:
+    """Return `count` bytes as e.g. `1.5 GB` (decimal units, as disks and the Hub count)."""
+    value = float(count)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{count} B"
+
+
+def human_count(count: int) -> str:
+    """Return a count as e.g. `124.4M`."""
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
+
+
+def emit_json(document: dict[str, Any], out: TextIO | None = None) -> None:
+    """Write one JSON document on one line (stdout by default); pipe to `jq` to read it.
+
+    `json.dumps` without indent uses the C encoder (`json.dump` to a stream does not):
+    100k chunks encode in 0.2 s instead of 4 s.
+    """
+    out = out or sys.stdout
+    out.write(json.dumps(document))
+    out.write("\n")
+
+
+def table(rows: Iterable[tuple], headers: tuple[str, ...], right: set[int] = frozenset()) -> list[str]:
+    """Return aligned text lines; columns in `right` are right-aligned."""
+    rows = [tuple(str(c) for c in row) for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(parts).rstrip()
+
+    return [line(headers)] + [line(r) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def inspect_document(report: InspectReport) -> dict[str, Any]:
+    """Return the `ckpttool.inspect/1` JSON document of a report."""
+    s = report.summary
+    return {
+        "schema": INSPECT_SCHEMA,
+        "path": str(report.path),
+        "summary": {
+            "dcp_version": s.dcp_version,
+            "metadata_file": s.metadata_file,
+            "tensors": s.tensors,
+            "objects": s.objects,
+            "chunks": s.chunks,
+            "tensor_bytes": s.tensor_bytes,
+            "file_bytes": s.file_bytes,
+            "files": s.files,
+            "ranks": list(s.ranks),
+            "parameters": s.parameters,
+        },
+        "groups": {
+            name: {"tensors": g.tensors, "objects": g.objects, "numel": g.numel, "bytes": g.nbytes}
+            for name, g in report.groups.items()
+        },
+        "filters": list(report.filters),
+        "tensors": [_tensor_document(t) for t in report.tensors],
+        "objects": [
+            {"fqn": o.fqn, "group": o.group, "file": o.file, "length": o.length} for o in report.objects
+        ],
+        "files": [
+            {
+                "file": f.file,
+                "rank": f.rank,
+                "size": f.size,
+                "referenced_bytes": f.referenced_bytes,
+                "tensor_bytes": {g: f.tensor_bytes.get(g, 0) for g in GROUPS},
+            }
+            for f in report.files
+        ],
+    }
+
+
+def _tensor_document(tensor: TensorInfo) -> dict[str, Any]:
+    return {
+        "fqn": tensor.fqn,
+        "group": tensor.group,
+        "dtype": tensor.dtype,
+        "shape": list(tensor.shape),
+        "numel": tensor.numel,
+        "bytes": tensor.nbytes,
+        "sharding": tensor.sharding.kind,
+        "uneven": tensor.sharding.uneven,
+        "empty_chunks": tensor.sharding.empty_chunks,
+        "chunk_count": len(tensor.chunks),
+        "chunks": [
+            {
+                "offsets": list(c.offsets),
+                "sizes": list(c.sizes),
+                "file": c.file,
+                "offset": c.offset,
+                "length": c.length,
+                "bytes": c.nbytes,
+            }
+            for c in tensor.chunks
+        ],
+    }
+
+
+def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = False) -> str:
+    """Return the human view of an inspect report."""
+    s = report.summary
+    ranks = f"ranks {s.ranks[0]}..{s.ranks[-1]}" if len(s.ranks) > 1 else f"rank {s.ranks[0]}" if s.ranks else "no ranks"
+    lines = [
+        f"{report.path}  (DCP {s.dcp_version or 'unversioned'}, {s.metadata_file})",
+        f"  {s.tensors} tensors in {s.chunks} chunks, {s.objects} other entries; "
+        f"{human_bytes(s.tensor_bytes)} of tensor data in {s.files} files ({human_bytes(s.file_bytes)} on disk) from {ranks}",
+        f"  model parameters: {human_count(s.parameters)} ({s.parameters:,})",
+    ]
+    if report.filters:
+        lines.append(f"  showing entries matching {', '.join(report.filters)}")
+    for group in GROUPS:
+        members = [t for t in report.tensors if t.group == group]
+        objects = [o for o in report.objects if o.group == group]
+        if not members and not objects:
+            continue
+        info = report.groups[group]
+        lines += ["", f"{group}: {info.tensors} tensors, {human_count(info.numel)} elements, {human_bytes(info.nbytes)}"
+                  + (f", {info.objects} other entries" if info.objects else "")]
+        rows = [
+            (t.fqn, t.dtype, "x".join(map(str, t.shape)) or "scalar", len(t.chunks), str(t.sharding), human_bytes(t.nbytes))
+            for t in members
+        ]
+        if rows:
+            lines += ["  " + line for line in table(rows, ("TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SHARDING", "BYTES"), {3, 5})]
+        if chunks:
+            for t in members:
+                lines.append(f"  {t.fqn}:")
+                chunk_rows = [
+                    (list(c.offsets), list(c.sizes), c.file, c.offset, c.length) for c in t.chunks
+                ]
+                lines += ["      " + line for line in table(chunk_rows, ("OFFSETS", "SIZES", "FILE", "AT", "LENGTH"), {3, 4})]
+        if objects:
+            lines.append("  other: " + ", ".join(o.fqn for o in objects[:8]) + (" ..." if len(objects) > 8 else ""))
+    if by_file:
+        rows = [
+            (f.file, "" if f.rank is None else f.rank, human_bytes(f.size) if f.size is not None else "MISSING",
+             human_bytes(f.tensor_bytes.get("model", 0)), human_bytes(f.tensor_bytes.get("optimizer", 0)),
+             human_bytes(f.tensor_bytes.get("other", 0)))
+            for f in report.files
+        ]
+        lines += ["", "files:"] + ["  " + line for line in table(rows, ("FILE", "RANK", "SIZE", "MODEL", "OPTIMIZER", "OTHER"), {1, 2, 3, 4, 5})]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# validate
+
+
+def validate_document(report: ValidationReport) -> dict[str, Any]:
+    """Return the `ckpttool.validate/1` JSON document of a report."""
+    return {
+        "schema": VALIDATE_SCHEMA,
+        "path": str(report.path),
+        "valid": report.valid,
+        "deep": report.deep,
+        "errors": len(report.errors),
+        "warnings": len(report.warnings),
+        "checked": {
+            "tensors": report.tensors,
+            "chunks": report.chunks,
+            "objects": report.objects,
+            "files": report.files,
+            "bytes_read": report.bytes_read,
+        },
+        "seconds": round(report.seconds, 3),
+        "problems": [
+            {"severity": p.severity, "code": p.code, "file": p.file, "fqn": p.fqn, "message": p.message}
+            for p in report.problems
+        ],
+        "numerics": [{"fqn": n.fqn, "nan": n.nan, "inf": n.inf} for n in report.numerics],
+    }
+
+
+def validate_text(report: ValidationReport) -> str:
+    """Return the human view of a validation report."""
+    lines = [f"{p.severity}: [{p.code}] {p.message}" for p in report.problems]
+    checked = f"{report.tensors} tensors, {report.chunks} chunks, {report.objects} other entries in {report.files} files"
+    depth = f", {human_bytes(report.bytes_read)} read and checksummed" if report.deep else " (metadata and file sizes; --deep reads every byte)"
+    verdict = "VALID" if report.valid else f"INVALID: {len(report.errors)} error(s)"
+    warnings = f", {len(report.warnings)} warning(s)" if report.warnings else ""
+    lines.append(f"{verdict}{warnings}: {report.path}: {checked}{depth}, {report.seconds:.2f} s")
+    return "\n".join(lines)
