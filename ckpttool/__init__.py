@@ -1,3 +1,37 @@
-"""ckpttool: see inside, validate, reshard and consolidate PyTorch Distributed Checkpoints."""
+"""ckpttool: see inside, validate, reshard and consolidate PyTorch Distributed Checkpoints.
+
+The public API, imported lazily so that `import ckpttool` stays cheap (no torch):
+
+    >>> import ckpttool
+    >>> ckpttool.inspect("runs/gpt/step-00000200").summary.parameters
+    >>> ckpttool.validate("runs/gpt/step-00000200", deep=True).valid
+    >>> ckpttool.read_checkpoint("runs/gpt/step-00000200").tensors["model.tok_emb.weight"].shape
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# public name -> (module, attribute)
+_API = {
+    "inspect": ("ckpttool.commands.inspect", "inspect"),
+    "validate": ("ckpttool.commands.validate", "validate"),
+    "consolidate": ("ckpttool.commands.consolidate", "consolidate"),
+    "reshard": ("ckpttool.commands.reshard", "reshard"),
+    "read_checkpoint": ("ckpttool.dcp.metadata", "read_checkpoint"),
+    "CheckpointError": ("ckpttool.errors", "CheckpointError"),
+}
+
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
+    module, attribute = _API[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value

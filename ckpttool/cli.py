@@ -13,7 +13,7 @@ import click
 from ckpttool import __version__
 from ckpttool.errors import EXIT_INVALID, CheckpointError
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "show_default": True}
 
 
 def reports_errors(command):
