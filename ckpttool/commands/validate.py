@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import os
+import stat
 import time
 import zlib
 from collections import defaultdict
@@ -144,7 +145,11 @@ def _check_files(checkpoint: Checkpoint, report: ValidationReport) -> dict[str, 
             report.add(ERROR, "path-traversal", f"{name}: path of {fqn} leaves the checkpoint directory (absolute or `..`); not read", name, fqn)
             continue
         try:
-            sizes[name] = path.stat().st_size
+            status = path.stat()
+            if not stat.S_ISREG(status.st_mode):
+                report.add(ERROR, "missing-file", f"{path}: referenced by {fqn} but is not a regular file", name, fqn)
+                continue
+            sizes[name] = status.st_size
         except FileNotFoundError:
             report.add(ERROR, "missing-file", f"{path}: referenced by {fqn} (and maybe others) but missing; was the save interrupted or the copy partial?", name, fqn)
         except OSError as error:

@@ -93,6 +93,8 @@ class DataFiles:
                         f"{path}: referenced by the metadata but missing (was the save "
                         "interrupted or the directory copied partially? run `ckpttool validate`)"
                     ) from None
+                except OSError as error:
+                    raise CorruptBlob(f"{path}: cannot open data file ({error.strerror or error})") from None
                 self._fds[relative] = fd
                 self._sizes[relative] = os.fstat(fd).st_size
             return fd
@@ -109,7 +111,10 @@ class DataFiles:
                 f"{self.path(relative)}: byte range {offset}..{offset + length} is beyond the "
                 f"file's {self._sizes[relative]} bytes (truncated file?)"
             )
-        data = os.pread(fd, length, offset)
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError as error:  # EISDIR, EIO, ...
+            raise CorruptBlob(f"{self.path(relative)}: cannot read ({error.strerror or error})") from None
         parts = [data]
         got = len(data)
         while got < length:  # pread may return short reads on some filesystems
