@@ -41,7 +41,17 @@ def main() -> None:
 
 checkpoint_dir = click.Path(file_okay=False, dir_okay=True, exists=True)
 
-# -- inspect and validate commands --
+
+def byte_progress(quiet: bool):
+    """Return a factory of tqdm bars counting bytes on stderr (disabled with --quiet)."""
+
+    def start(description: str, total: int):
+        from tqdm import tqdm
+
+        return tqdm(desc=description, total=total, unit="B", unit_scale=True, file=sys.stderr,
+                    disable=quiet, leave=False, dynamic_ncols=True)
+
+    return start
 
 
 @main.command()
@@ -81,8 +91,67 @@ def validate(src: str, deep: bool, as_json: bool) -> None:
     if not report.valid:
         sys.exit(EXIT_INVALID)
 
-# -- consolidate command --
 
-# -- reshard command --
+@main.command()
+@click.argument("src", type=checkpoint_dir)
+@click.argument("out", type=click.Path(dir_okay=True, file_okay=True))
+@click.option("--all", "everything", is_flag=True, help="Export every entry (optimizer state, scheduler, step, ...) under its full name, nested as saved; python objects need a .pt OUT.")
+@click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose checkpoint fqn or output key matches (repeatable), e.g. 'layers.0.*'.")
+@click.option("--keep-keys", is_flag=True, help="Keep keys as saved: do not strip _fsdp_wrapped_module., _orig_mod., _checkpoint_wrapped_module. and a leading module.")
+@click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite output keys with re.sub (repeatable, in order); two keys becoming one is an error.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Cast floating tensors to this dtype (integer and bool tensors are never cast).  [default: keep]")
+@click.option("--dtype-map", multiple=True, metavar="GLOB=DTYPE", help="Per-key dtype, first match wins over --dtype (repeatable), e.g. '*norm*=fp32'.")
+@click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights (e.g. lm_head.weight == embed.weight), as the Hub expects.")
+@click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a sharded (directory) output, decimal like huggingface_hub.  [default: 5GB]")
+@click.option("--max-memory", default="512MB", metavar="SIZE", help="Bound on read/convert buffers in flight.")
+@click.option("--threads", default=4, type=click.IntRange(1, 64), help="Parallel reads/writes.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Show the keys, dtypes and files that would be written; write nothing.")
+@click.option("--verify", is_flag=True, help="Read the output back and compare it with the source before keeping it.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@reports_errors
+def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], keep_keys: bool,
+                renames: tuple[str, ...], dtype: str | None, dtype_map: tuple[str, ...], drop_tied: bool,
+                max_shard_size: str | None, max_memory: str, threads: int, force: bool, dry_run: bool,
+                verify: bool, quiet: bool) -> None:
+    """Write a sharded checkpoint as one full state dict: OUT.safetensors, OUT.pt/.bin, or a
+    directory of Hub-style safetensors shards with model.safetensors.index.json."""
+    from ckpttool.commands import consolidate as command
 
-# -- hub commands --
+    report = command.consolidate(
+        src, out, everything=everything, filters=filters, keep_keys=keep_keys, renames=renames,
+        dtype=dtype, dtype_map=dtype_map, drop_tied=drop_tied, max_shard_size=max_shard_size,
+        max_memory=max_memory, threads=threads, force=force, dry_run=dry_run, verify=verify,
+        progress=byte_progress(quiet),
+    )
+    if dry_run:
+        click.echo(command.plan_text(report))
+        return
+    for line in command.tie_lines(report):
+        click.echo(line, err=True)
+    click.echo(command.summary_line(report))
+
+
+@main.command()
+@click.argument("src", type=checkpoint_dir)
+@click.argument("dst", required=False, type=click.Path(file_okay=False, dir_okay=True))
+@click.option("--world", "world_size", type=click.IntRange(1, 1 << 20), metavar="N", help="Target world size (FSDP2 ranks).  [required unless --mesh]")
+@click.option("--mesh", metavar="R,S", help="HSDP target: R replicas x S shards (N = R*S); shards along dim 0 over S.")
+@click.option("--max-memory", default="512MB", metavar="SIZE", help="Bound on read/write buffers in flight.")
+@click.option("--threads", default=4, type=click.IntRange(1, 64), help="Parallel reads/writes.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (per target rank: chunks, tensors, bytes); write nothing.")
+@click.option("--verify", is_flag=True, help="Read the output back and compare it with the source before keeping it.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@reports_errors
+def reshard(src: str, dst: str | None, world_size: int | None, mesh: str | None, max_memory: str,
+            threads: int, force: bool, dry_run: bool, verify: bool, quiet: bool) -> None:
+    """Rewrite a DCP checkpoint for another world size: rank r's file holds what FSDP2 on N
+    ranks owns. DST defaults to SRC-world{N} beside SRC."""
+    from ckpttool.commands import reshard as command
+
+    report = command.reshard(
+        src, dst, world_size, mesh, max_memory=max_memory, threads=threads, force=force,
+        dry_run=dry_run, verify=verify, progress=byte_progress(quiet),
+    )
+    click.echo(command.summary_text(report))

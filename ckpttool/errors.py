@@ -58,3 +58,12 @@ class UsageError(CheckpointError):
     """Arguments that do not fit the checkpoint (unknown dtype name, bad size string, ...)."""
 
     exit_code = EXIT_USAGE
+
+
+class WriteFailed(CheckpointError):
+    """Writing an output failed (disk full, file size limit, I/O error); nothing was left
+    at the destination."""
+
+
+class VerificationFailed(CheckpointError):
+    """`--verify` read back the output and found bytes that differ from the source."""

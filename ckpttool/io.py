@@ -19,8 +19,10 @@ import os
 import re
 import shutil
 import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from ckpttool.errors import OutputExists, UsageError
 
@@ -162,3 +164,57 @@ def write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
+
+
+# ---------------------------------------------------------------------------------------------
+# Running many independent IO operations (consolidate's Copy/Convert/Gather) on a thread pool
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of IO work: `run()` returns the bytes it wrote (for progress); `memory` is
+    the buffer bytes it holds while running (0 for in-kernel copies)."""
+
+    run: Callable[[], int]
+    memory: int = 0
+
+
+def run_tasks(
+    tasks: Iterable[Task],
+    threads: int,
+    max_memory: int,
+    on_done: Callable[[int], None] | None = None,
+) -> None:
+    """Run `tasks` on `threads` threads, with at most `max_memory` bytes of task buffers in
+    flight (a single task larger than that runs alone).
+
+    On the first error, or KeyboardInterrupt in the calling thread, no further task starts;
+    running ones finish (so no thread writes to a file the caller is about to remove), then
+    the error is raised.
+    """
+    pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpttool-io")
+    in_flight: dict[Future, int] = {}
+    used = 0
+
+    def drain(until_below: int, needed: int) -> None:
+        nonlocal used
+        while in_flight and (len(in_flight) >= until_below or used + needed > max_memory):
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in done:
+                used -= in_flight.pop(future)
+                written = future.result()
+                if on_done is not None:
+                    on_done(written)
+
+    try:
+        for task in tasks:
+            drain(2 * max(1, threads), task.memory)
+            in_flight[pool.submit(task.run)] = task.memory
+            used += task.memory
+        drain(1, 0)
+    except BaseException:
+        for future in in_flight:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)

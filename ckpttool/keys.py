@@ -1,0 +1,133 @@
+"""Output key names: which checkpoint entries are exported, and under what name.
+
+A DCP fqn such as `model.layers.0._fsdp_wrapped_module.fc1.weight` becomes the key
+`layers.0.fc1.weight`, the name `model.state_dict()` of the unwrapped model has. Rules, in
+order: select (model subtree by default, or everything with `--all`), normalise wrapper
+names away (unless `--keep-keys`), apply each `--rename REGEX=REPL`, then `--filter GLOB`.
+
+Example:
+    >>> rules = KeyRules(renames=(Rename.parse(r"^layers\\.(\\d+)=h.\\1"),))
+    >>> output_keys(["model.layers.0._orig_mod.fc1.weight"], rules, nesting={})
+    {'h.0.fc1.weight': 'model.layers.0._orig_mod.fc1.weight'}
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from ckpttool.errors import KeyCollision, UsageError
+
+# Module wrappers that insert a path component into parameter names:
+# FSDP1 (torch/distributed/fsdp/_common_utils.py FSDP_WRAPPED_MODULE), torch.compile
+# (torch/_dynamo/eval_frame.py OptimizedModule._orig_mod), activation checkpointing
+# (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py _CHECKPOINT_WRAPPED_MODULE).
+WRAPPER_COMPONENTS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+DDP_PREFIX = "module."  # DistributedDataParallel / DataParallel wrap the whole model
+MODEL_SUBTREE = "model"
+
+
+@dataclass(frozen=True)
+class Rename:
+    """One `--rename 'REGEX=REPL'` rule (re.sub on the whole key)."""
+
+    pattern: str
+    replacement: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Rename":
+        """Return the rule from `REGEX=REPL`; the first `=` not inside the regex splits it."""
+        pattern, separator, replacement = text.partition("=")
+        if not separator or not pattern:
+            raise UsageError(f"--rename {text!r}: expected 'REGEX=REPLACEMENT'")
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise UsageError(f"--rename {text!r}: bad regular expression ({error})") from None
+        return cls(pattern, replacement)
+
+    def apply(self, key: str) -> str:
+        try:
+            return re.sub(self.pattern, self.replacement, key)
+        except (re.error, IndexError) as error:
+            raise UsageError(f"--rename {self.pattern}={self.replacement}: {error}") from None
+
+
+@dataclass(frozen=True)
+class KeyRules:
+    """How checkpoint fqns become output keys."""
+
+    everything: bool = False  # --all: every entry under its full fqn; else the model subtree
+    normalise: bool = True  # strip wrapper components (--keep-keys turns this off)
+    renames: tuple[Rename, ...] = ()
+    filters: tuple[str, ...] = ()  # globs; an entry is kept when its fqn or its key matches one
+
+
+def normalise(key: str) -> str:
+    """Return `key` without FSDP1/compile/activation-checkpoint wrapper components and a
+    leading DDP `module.`.
+
+    Example:
+        >>> normalise("module.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.w")
+        'layers.0.w'
+    """
+    for component in WRAPPER_COMPONENTS:
+        key = key.replace(component, "")
+    return key.removeprefix(DDP_PREFIX)
+
+
+def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool) -> str | None:
+    """Return the key before normalisation, or None when `fqn` is outside the selection.
+
+    The model subtree is `nesting[fqn][0] == "model"` (torch's planner_data), so a model
+    key holding dots stays one key; without nesting the `model.` prefix is cut.
+    """
+    path = nesting.get(fqn)
+    if everything:
+        return fqn
+    if path:
+        if path[0] != MODEL_SUBTREE or len(path) < 2:
+            return None
+        return ".".join(str(part) for part in path[1:])
+    prefix = MODEL_SUBTREE + "."
+    return fqn[len(prefix):] if fqn.startswith(prefix) else None
+
+
+def output_keys(fqns: Iterable[str], rules: KeyRules, nesting: Mapping[str, tuple]) -> dict[str, str]:
+    """Return {output key: fqn} for the selected entries, sorted by output key.
+
+    Raises KeyCollision naming both fqns when two entries end up with one key.
+    """
+    chosen: dict[str, str] = {}
+    for fqn in sorted(fqns):
+        key = base_key(fqn, nesting, rules.everything)
+        if key is None:
+            continue
+        if rules.normalise:
+            key = normalise(key)
+        for rename in rules.renames:
+            key = rename.apply(key)
+        if rules.filters and not any(
+            fnmatch.fnmatchcase(fqn, glob) or fnmatch.fnmatchcase(key, glob) for glob in rules.filters
+        ):
+            continue
+        if not key:
+            raise KeyCollision(f"{fqn}: the key rules leave an empty name; adjust --rename")
+        if key in chosen:
+            raise KeyCollision(
+                f"{chosen[key]} and {fqn} both become {key!r}; adjust --rename, or pass "
+                "--keep-keys if the normalisation caused it"
+            )
+        chosen[key] = fqn
+    return dict(sorted(chosen.items()))
+
+
+def match_dtype(key: str, dtype_map: tuple[tuple[str, str], ...], default: str | None) -> str | None:
+    """Return the target dtype of `key`: the first `--dtype-map GLOB=DTYPE` that matches,
+    else `default` (None = keep)."""
+    for glob, dtype in dtype_map:
+        if fnmatch.fnmatchcase(key, glob):
+            return dtype
+    return default

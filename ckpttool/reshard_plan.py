@@ -1,0 +1,380 @@
+"""ReshardPlan: which rank file gets which chunk, and which source bytes fill it (pure data).
+
+Planning reads nothing but the metadata. For a target world of N ranks (or an HSDP mesh of
+R replicas x S shards, N = R * S) it decides, the way FSDP2's `fully_shard` lays state out:
+
+- which tensors are sharded (`is_sharded`, the rule below) and their dim-0 split over S
+  ranks (`layout.split_dim0`: torch.chunk sizes, empty shards past the chunk count);
+- which rank's file holds each chunk: a sharded chunk lives with a rank that owns it, and
+  anything several ranks hold (replicated tensors, objects, HSDP replicas, identical empty
+  chunks) is written once, by the least-loaded holder, exactly as DCP's `dedup_save_plans`
+  balances a real save;
+- for each target chunk, the byte runs of source chunks that fill it, as offsets into the
+  chunks' raw row-major bytes (the executor finds those with `dcp.blobs.locate`).
+
+The sharding rule: a tensor is sharded when the source shards it (more than one chunk), or,
+for a source stored whole (world 1), when it is a parameter by the optimizer's account: a
+`model.<name>` tensor with `optim.state.<name>.*` entries, and that optimizer state itself
+when it is not 0-d. Everything else (buffers, 0-d `step`, non-model entries) stays whole.
+FSDP2 also shards parameters without optimizer state (frozen ones); a world-1 source cannot
+tell those from buffers, so they stay whole (DCP still loads them, reading more than its shard).
+
+Example:
+    >>> plan = plan_reshard(read_checkpoint("ckpt/step-00000100"), Mesh(1, 3))
+    >>> [(f.rank, len(f.chunks), f.nbytes) for f in plan.files]
+    [(0, 12, 1088), (1, 11, 1056), (2, 11, 612)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from ckpttool.dcp.metadata import MODEL_KEYS, OPTIMIZER_KEYS, Blob, Checkpoint, Tensor
+from ckpttool.dcp.writer import data_file_name
+from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
+from ckpttool.layout import Box, intersect, row_major_runs, split_dim0, volume
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The target layout: `replicas` x `shards` ranks (FSDP: one replica; HSDP: several).
+
+    Rank `r * shards + s` holds shard `s` in replica `r`, as `init_device_mesh(
+    "cpu", (replicas, shards))` numbers them.
+    """
+
+    replicas: int
+    shards: int
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shards
+
+    def holders(self, shard: int) -> tuple[int, ...]:
+        """Return the ranks that own shard `shard` (one per replica)."""
+        return tuple(r * self.shards + shard for r in range(self.replicas))
+
+    def __str__(self) -> str:
+        return f"{self.replicas}x{self.shards}" if self.replicas > 1 else str(self.shards)
+
+
+def parse_mesh(world_size: int | None, mesh: str | tuple[int, int] | None) -> Mesh:
+    """Return the Mesh for `--world N` and/or `--mesh R,S` (R replicas x S shards).
+
+    Example:
+        >>> parse_mesh(4, "2,2")
+        Mesh(replicas=2, shards=2)
+    """
+    if mesh is None:
+        if world_size is None:
+            raise UsageError("give the target world size (--world N) or an HSDP mesh (--mesh R,S)")
+        if world_size < 1:
+            raise UsageError(f"--world {world_size}: the world size must be at least 1")
+        return Mesh(1, world_size)
+    if isinstance(mesh, str):
+        parts = mesh.replace("x", ",").split(",")
+        try:
+            replicas, shards = (int(p) for p in parts)
+        except ValueError:
+            raise UsageError(f"--mesh {mesh!r}: expected R,S (replicas,shards), e.g. 2,4") from None
+    else:
+        replicas, shards = mesh
+    if replicas < 1 or shards < 1:
+        raise UsageError(f"--mesh {replicas},{shards}: both sizes must be at least 1")
+    if world_size is not None and world_size != replicas * shards:
+        raise UsageError(f"--world {world_size} does not match --mesh {replicas},{shards} ({replicas * shards} ranks)")
+    return Mesh(replicas, shards)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Bytes of one source chunk that land in a target chunk (offsets into raw bytes)."""
+
+    source_chunk: int  # index into the source Tensor.chunks
+    source_offset: int
+    target_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TargetChunk:
+    """One chunk of the resharded checkpoint and how to fill it."""
+
+    fqn: str
+    dtype: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+    runs: tuple[Run, ...]
+
+
+@dataclass(frozen=True)
+class TargetObject:
+    """A non-tensor entry, copied verbatim from its source blob."""
+
+    fqn: str
+    source: Blob
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """What rank `rank`'s data file holds, in file order (objects first, as torch writes)."""
+
+    rank: int
+    name: str
+    objects: tuple[TargetObject, ...]
+    chunks: tuple[TargetChunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor data bytes (not counting record headers and objects)."""
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+    @property
+    def tensors(self) -> int:
+        return len({chunk.fqn for chunk in self.chunks})
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """A tensor of the resharded checkpoint: whether it is sharded and its chunks in order."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    sharded: bool
+    chunks: tuple[tuple[int, ...], ...]  # offsets of its chunks, in metadata order
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    mesh: Mesh
+    files: tuple[RankFile, ...]
+    tensors: tuple[TensorLayout, ...]
+    planner_data: dict[str, tuple]
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def describe(self) -> str:
+        """Return the plan as text, one line per target rank (what `--dry-run` prints)."""
+        sharded = sum(t.sharded for t in self.tensors)
+        lines = [
+            f"reshard to {self.world_size} ranks (mesh {self.mesh}): {len(self.tensors)} tensors "
+            f"({sharded} sharded, {len(self.tensors) - sharded} whole), {self.nbytes} bytes of tensor data"
+        ]
+        for f in self.files:
+            lines.append(
+                f"  rank {f.rank:>3}  {f.name}: {len(f.chunks)} chunks of {f.tensors} tensors, "
+                f"{f.nbytes} bytes, {len(f.objects)} objects"
+            )
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which tensors are sharded
+
+
+def _split_fqn(fqn: str) -> tuple[str, str]:
+    top, _, rest = fqn.partition(".")
+    return top, rest
+
+
+def parameters_with_optimizer_state(checkpoint: Checkpoint) -> frozenset[str]:
+    """Return the names `<name>` for which the checkpoint holds `optim.state.<name>.<key>`."""
+    names = set()
+    for fqn in checkpoint.tensors:
+        top, rest = _split_fqn(fqn)
+        if top in OPTIMIZER_KEYS and rest.startswith("state."):
+            name, _, _key = rest[len("state."):].rpartition(".")
+            if name:
+                names.add(name)
+    return frozenset(names)
+
+
+def is_sharded(tensor: Tensor, optimized: frozenset[str]) -> bool:
+    """Return True when FSDP2 would shard `tensor` along dim 0 (the rule in the module doc)."""
+    if not tensor.shape:
+        return False
+    if len(tensor.chunks) > 1:
+        return True
+    top, rest = _split_fqn(tensor.fqn)
+    if top in MODEL_KEYS:
+        return rest in optimized
+    if top in OPTIMIZER_KEYS and rest.startswith("state."):
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Filling a target chunk from source chunks
+
+
+def _zip_runs(
+    source: list[tuple[int, int]], target: list[tuple[int, int]], chunk_index: int
+) -> Iterator[Run]:
+    """Pair two run lists that cover the same bytes in the same order, splitting as needed."""
+    si = ti = 0
+    s_off, s_left = source[0] if source else (0, 0)
+    t_off, t_left = target[0] if target else (0, 0)
+    while si < len(source) and ti < len(target):
+        length = min(s_left, t_left)
+        yield Run(chunk_index, s_off, t_off, length)
+        s_off, s_left, t_off, t_left = s_off + length, s_left - length, t_off + length, t_left - length
+        if s_left == 0:
+            si += 1
+            if si < len(source):
+                s_off, s_left = source[si]
+        if t_left == 0:
+            ti += 1
+            if ti < len(target):
+                t_off, t_left = target[ti]
+
+
+def fill_runs(tensor: Tensor, box: Box) -> tuple[Run, ...]:
+    """Return the runs that fill target `box` of `tensor` from its source chunks.
+
+    Raises CorruptMetadata when the source chunks do not cover the box exactly once.
+
+    Example (rows 3..8 of a (10, 4) float32 tensor stored as rows 0..5 and 5..10):
+        >>> [(r.source_chunk, r.source_offset, r.target_offset, r.length) for r in fill_runs(t, ((3, 0), (5, 4)))]
+        [(0, 48, 0, 32), (1, 0, 32, 48)]
+    """
+    itemsize = tensor.itemsize
+    runs: list[Run] = []
+    for index, chunk in enumerate(tensor.chunks):
+        if volume(chunk.sizes) == 0:
+            continue
+        region = intersect((chunk.offsets, chunk.sizes), box)
+        if region is None:
+            continue
+        source_runs = row_major_runs((chunk.offsets, chunk.sizes), region, itemsize)
+        target_runs = row_major_runs(box, region, itemsize)
+        runs.extend(_zip_runs(source_runs, target_runs, index))
+    covered = sum(run.length for run in runs)
+    expected = volume(box[1]) * itemsize
+    if covered != expected:
+        raise CorruptMetadata(
+            f"{tensor.fqn}: the source chunks cover {covered} of the {expected} bytes of "
+            f"box {list(box[0])}+{list(box[1])} (missing or overlapping chunks; run `ckpttool validate`)"
+        )
+    runs.sort(key=lambda run: run.target_offset)
+    return tuple(runs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass(frozen=True)
+class _Item:
+    fqn: str
+    offsets: tuple[int, ...] | None  # None for objects
+    sizes: tuple[int, ...]
+    holders: tuple[int, ...]
+    size: int  # weight in dedup_save_plans' balancing
+
+
+def _state_dict_order(checkpoint: Checkpoint) -> list[str]:
+    # the save's own order (planner_data is built while flattening the state dict), then
+    # anything it does not name, sorted
+    names = set(checkpoint.tensors) | set(checkpoint.objects)
+    ordered = [fqn for fqn in checkpoint.nesting if fqn in names]
+    seen = set(ordered)
+    return ordered + sorted(names - seen)
+
+
+def _target_boxes(tensor: Tensor, sharded: bool, mesh: Mesh) -> list[tuple[Box, tuple[int, ...]]]:
+    """Return (box, holders) for each distinct chunk of `tensor` on the target mesh."""
+    if not sharded:
+        whole = (tuple(0 for _ in tensor.shape), tuple(tensor.shape))
+        return [(whole, tuple(range(mesh.world_size)))]
+    rest = tuple(tensor.shape[1:])
+    by_offsets: dict[tuple[int, ...], tuple[Box, list[int]]] = {}
+    for shard, (start, rows) in enumerate(split_dim0(tensor.shape[0], mesh.shards)):
+        box = ((start, *(0 for _ in rest)), (rows, *rest))
+        # identical boxes (the empty shards past the chunk count) are one chunk, as DCP
+        # dedups write items with equal (fqn, offsets)
+        entry = by_offsets.setdefault(box[0], (box, []))
+        entry[1].extend(mesh.holders(shard))
+    return [(box, tuple(sorted(holders))) for box, holders in by_offsets.values()]
+
+
+def plan_reshard(checkpoint: Checkpoint, mesh: Mesh) -> ReshardPlan:
+    """Return the plan that lays `checkpoint` out for `mesh` (reads no data files).
+
+    Raises UnsupportedFormat for dtypes of unknown size and CorruptMetadata when a tensor's
+    chunks do not cover it.
+    """
+    optimized = parameters_with_optimizer_state(checkpoint)
+    order = _state_dict_order(checkpoint)
+    layouts: dict[str, TensorLayout] = {}
+    items_by_rank: list[list[_Item]] = [[] for _ in range(mesh.world_size)]
+    for fqn in order:
+        tensor = checkpoint.tensors.get(fqn)
+        if tensor is None:
+            item = _Item(fqn, None, (), tuple(range(mesh.world_size)), 1)
+            for rank in item.holders:
+                items_by_rank[rank].append(item)
+            continue
+        if tensor.itemsize == 0:
+            raise UnsupportedFormat(f"{checkpoint.path}: {fqn} has dtype {tensor.dtype!r}, whose size is unknown")
+        sharded = is_sharded(tensor, optimized)
+        boxes = _target_boxes(tensor, sharded, mesh)
+        layouts[fqn] = TensorLayout(fqn, tensor.dtype, tensor.shape, sharded, tuple(b[0] for b, _ in boxes))
+        for box, holders in boxes:
+            # dedup_save_plans weighs an item by WriteItem.tensor_storage_size(), which is the
+            # bytes of the whole tensor (not of the chunk), or 1 when that is 0
+            item = _Item(fqn, box[0], box[1], holders, volume(tensor.shape) * tensor.itemsize or 1)
+            for rank in holders:
+                items_by_rank[rank].append(item)
+
+    # torch/distributed/checkpoint/_dedup_save_plans.py: walk the ranks' plans in order; each
+    # item goes to the holder with the fewest bytes planned so far
+    load = [0] * mesh.world_size
+    assigned: dict[tuple[str, tuple[int, ...] | None], int] = {}
+    for rank_items in items_by_rank:
+        for item in rank_items:
+            key = (item.fqn, item.offsets)
+            if key in assigned:
+                continue
+            owner = min(item.holders, key=lambda rank: (load[rank], rank))
+            assigned[key] = owner
+            load[owner] += item.size
+
+    objects: list[list[TargetObject]] = [[] for _ in range(mesh.world_size)]
+    chunks: list[list[TargetChunk]] = [[] for _ in range(mesh.world_size)]
+    for fqn in order:
+        tensor = checkpoint.tensors.get(fqn)
+        if tensor is None:
+            source = checkpoint.objects[fqn].blob
+            if source is None:
+                raise CorruptMetadata(f"{checkpoint.path}: {fqn} has no storage entry in the metadata")
+            objects[assigned[(fqn, None)]].append(TargetObject(fqn, source))
+            continue
+        for offsets in layouts[fqn].chunks:
+            sizes = _sizes_at(tensor, layouts[fqn], offsets, mesh)
+            box = (offsets, sizes)
+            target = TargetChunk(fqn, tensor.dtype, offsets, sizes, volume(sizes) * tensor.itemsize, fill_runs(tensor, box))
+            chunks[assigned[(fqn, offsets)]].append(target)
+    files = tuple(
+        RankFile(rank, data_file_name(rank), tuple(objects[rank]), tuple(chunks[rank]))
+        for rank in range(mesh.world_size)
+    )
+    planner_data = {fqn: checkpoint.nesting[fqn] for fqn in order if fqn in checkpoint.nesting}
+    return ReshardPlan(mesh, files, tuple(layouts[f] for f in order if f in layouts), planner_data)
+
+
+def _sizes_at(tensor: Tensor, layout: TensorLayout, offsets: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+    if not layout.sharded:
+        return tuple(tensor.shape)
+    for start, rows in split_dim0(tensor.shape[0], mesh.shards):
+        if start == offsets[0]:
+            return (rows, *tensor.shape[1:])
+    raise AssertionError(f"no shard of {tensor.fqn} starts at {offsets}")

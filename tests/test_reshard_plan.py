@@ -1,0 +1,90 @@
+"""Planning a reshard needs no files: which rank file holds which chunk, and which source
+bytes fill it, follow from the metadata alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FIXTURES
+
+from ckpttool.dcp.metadata import Blob, Chunk, Tensor, read_checkpoint
+from ckpttool.errors import CorruptMetadata, UsageError
+from ckpttool.reshard_plan import Mesh, fill_runs, is_sharded, parse_mesh, plan_reshard
+
+
+def tensor(fqn: str, shape: tuple, boxes: list, dtype: str = "float32") -> Tensor:
+    chunks = tuple(Chunk(tuple(o), tuple(s), Blob("__0_0.distcp", 0, 0)) for o, s in boxes)
+    return Tensor(fqn, dtype, tuple(shape), chunks)
+
+
+def test_rows_3_to_8_of_two_row_blocks_come_from_both_blocks_as_contiguous_runs():
+    t = tensor("model.w", (10, 4), [((0, 0), (5, 4)), ((5, 0), (5, 4))])
+    runs = fill_runs(t, ((3, 0), (5, 4)))
+    assert [(r.source_chunk, r.source_offset, r.target_offset, r.length) for r in runs] == [(0, 48, 0, 32), (1, 0, 32, 48)]
+
+
+def test_a_dim0_target_is_filled_row_by_row_from_column_blocks():
+    t = tensor("model.w", (2, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2))], dtype="int8")
+    runs = fill_runs(t, ((0, 0), (2, 4)))
+    assert [(r.source_chunk, r.source_offset, r.target_offset, r.length) for r in runs] == [
+        (0, 0, 0, 2), (1, 0, 2, 2), (0, 2, 4, 2), (1, 2, 6, 2)]
+
+
+def test_missing_rows_in_the_source_are_reported_with_the_tensor_name():
+    t = tensor("model.w", (10, 4), [((0, 0), (5, 4))])
+    with pytest.raises(CorruptMetadata, match="model.w: the source chunks cover 80 of the 160 bytes"):
+        fill_runs(t, ((0, 0), (10, 4)))
+
+
+def test_sharding_rule_follows_the_source_then_the_optimizer_state():
+    optimized = frozenset({"embed.weight"})
+    whole = [((0, 0), (13, 8))]
+    assert is_sharded(tensor("model.embed.weight", (13, 8), whole), optimized)
+    assert is_sharded(tensor("optim.state.embed.weight.exp_avg", (13, 8), whole), optimized)
+    assert not is_sharded(tensor("optim.state.embed.weight.step", (), [((), ())]), optimized)
+    assert not is_sharded(tensor("model.position_ids", (5,), [((0,), (5,))]), optimized)
+    assert is_sharded(tensor("model.frozen", (4,), [((0,), (2,)), ((2,), (2,))]), optimized)
+
+
+def test_fsdp_world_3_plan_gives_each_rank_its_torch_chunk_rows_and_dedups_empty_shards():
+    plan = plan_reshard(read_checkpoint(FIXTURES / "fsdp2_world2_adamw"), Mesh(1, 5))
+    head = next(t for t in plan.tensors if t.fqn == "model.head.weight")
+    # 2 rows on 5 ranks: rows 0 and 1 on ranks 0 and 1, one empty chunk at row 2 for ranks 2..4
+    assert head.chunks == ((0, 0), (1, 0), (2, 0))
+    rows = {f.rank: [c.sizes[0] for c in f.chunks if c.fqn == "model.embed.weight"] for f in plan.files}
+    assert rows == {0: [3], 1: [3], 2: [3], 3: [3], 4: [1]}
+    assert sum(len(f.objects) for f in plan.files) == len(read_checkpoint(FIXTURES / "fsdp2_world2_adamw").objects)
+
+
+def test_hsdp_plan_splits_over_shards_and_writes_each_chunk_once_on_a_replica_that_owns_it():
+    mesh = Mesh(2, 3)
+    plan = plan_reshard(read_checkpoint(FIXTURES / "fsdp2_world3_uneven"), mesh)
+    owners: dict = {}
+    for rank_file in plan.files:
+        for chunk in rank_file.chunks:
+            key = (chunk.fqn, chunk.offsets)
+            assert key not in owners, f"{key} written twice"
+            owners[key] = rank_file.rank
+    embed = [(offsets, owners[("model.embed.weight", offsets)]) for offsets in
+             next(t for t in plan.tensors if t.fqn == "model.embed.weight").chunks]
+    assert [offsets for offsets, _ in embed] == [(0, 0), (5, 0), (10, 0)]
+    for shard, (_, rank) in enumerate(embed):
+        assert rank in mesh.holders(shard)
+
+
+def test_plan_describe_lists_every_target_rank():
+    text = plan_reshard(read_checkpoint(FIXTURES / "fsdp2_world2"), Mesh(1, 3)).describe()
+    assert text.splitlines()[0].startswith("reshard to 3 ranks (mesh 3): 16 tensors (14 sharded, 2 whole)")
+    assert [line.split()[1] for line in text.splitlines()[1:]] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("world_size, mesh, expected", [(3, None, Mesh(1, 3)), (None, "2,4", Mesh(2, 4)),
+                                                         (6, (3, 2), Mesh(3, 2)), (None, "2x2", Mesh(2, 2))])
+def test_parse_mesh(world_size, mesh, expected):
+    assert parse_mesh(world_size, mesh) == expected
+
+
+@pytest.mark.parametrize("world_size, mesh", [(None, None), (0, None), (3, "2,2"), (None, "a,b"), (None, "0,2")])
+def test_parse_mesh_refuses_what_does_not_fit(world_size, mesh):
+    with pytest.raises(UsageError):
+        parse_mesh(world_size, mesh)

@@ -1,0 +1,87 @@
+"""Launch (what `python -m train_minimal` runs): `python -m train_minimal --nproc N ...` spawns N local ranks itself (free port,
+gloo on CPU, nccl on CUDA); under `torchrun --nproc-per-node N -m train_minimal ...` each
+process is one rank and reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the env.
+
+The launcher parses and checks the command line before it imports torch, so a usage error
+costs a fraction of a second. If one rank fails, the others are stopped. Spawned ranks
+start from this module (multiprocessing cannot import a package's `__main__`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import sys
+
+from train_minimal.config import TrainConfig, parse_args
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Return the exit status of the whole job (0 when every rank succeeded)."""
+    config = parse_args(argv)
+    if all(name in os.environ for name in TORCHRUN_VARIABLES):
+        if config.nproc is not None:
+            print("train_minimal: error: --nproc is for local launches; under torchrun use "
+                  "--nproc-per-node and --nnodes", file=sys.stderr)
+            return 2
+        return _run_rank(config)
+    nproc = config.nproc or 1
+    port = free_port()
+    if nproc == 1:
+        os.environ.update(rank_environment(0, 1, port))
+        return _run_rank(config)
+    return spawn(config, nproc, port)
+
+
+def spawn(config: TrainConfig, nproc: int, port: int) -> int:
+    """Run `nproc` ranks as spawned processes; return the first nonzero exit status, or 0."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_spawned_rank, args=(config, rank, nproc, port), name=f"rank{rank}")
+                 for rank in range(nproc)]
+    for process in processes:
+        process.start()
+    status = 0
+    running = list(processes)
+    while running:
+        multiprocessing.connection.wait([process.sentinel for process in running])
+        for process in [process for process in running if not process.is_alive()]:
+            running.remove(process)
+            process.join()
+            if process.exitcode != 0 and status == 0:
+                if process.exitcode < 0:
+                    print(f"train_minimal: rank {processes.index(process)} was killed by signal "
+                          f"{-process.exitcode}", file=sys.stderr)
+                status = process.exitcode if process.exitcode and process.exitcode > 0 else 1
+                for other in running:  # the others would wait for it in a collective forever
+                    other.terminate()
+    return status
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """Return the torchrun-style environment of one local rank."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago on localhost."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawned_rank(config: TrainConfig, rank: int, world_size: int, port: int) -> None:
+    faulthandler.enable()  # a crash in native code still leaves a Python stack on stderr
+    os.environ.update(rank_environment(rank, world_size, port))
+    sys.exit(_run_rank(config))
+
+
+def _run_rank(config: TrainConfig) -> int:
+    from train_minimal.train import run_rank
+
+    return run_rank(config)
