@@ -22,11 +22,16 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, ContextManager, Iterable, Iterator
 
 from ckpttool.errors import OutputExists, UsageError
 
 TEMP_PREFIX = ".ckpttool-tmp-"
+DEFAULT_MAX_MEMORY = "512MB"  # bound on buffers in flight (consolidate, reshard)
+DEFAULT_THREADS = 4  # IO-bound: enough to keep a disk busy, few enough for 2 cores
+
+# progress(description, total_bytes) -> a context manager yielding an object with .update(n)
+ProgressFactory = Callable[[str, int], ContextManager[Any]]
 COPY_BLOCK = 64 << 20  # bytes per copy_file_range / read call
 
 _SIZE_UNITS = {
@@ -218,3 +223,14 @@ def run_tasks(
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def no_progress(description: str, total: int) -> Iterator[Any]:
+    """A ProgressFactory that shows nothing (the library default; the CLI passes tqdm)."""
+
+    class _Silent:
+        def update(self, count: int) -> None:
+            pass
+
+    yield _Silent()

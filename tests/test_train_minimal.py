@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import flatten, tensor_bytes
 from trainer_runs import latest_step, losses, read_log, run_trainer, run_trainer_expecting_failure
 
 # Relative tolerance for the first loss after resuming at another world size (see above).
@@ -94,12 +95,6 @@ def extra_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, int]]:
             "bf16_params": (latest_step(bf16_params), 2)}
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw bytes of a tensor of any dtype."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-
-
 def assert_same_tensors(actual: dict, expected: dict, skip: tuple[str, ...] = ()) -> None:
     """Assert two flat dicts hold the same keys and, per key, the same dtype, shape and bytes
     (tensors) or equal values (other entries)."""
@@ -112,19 +107,6 @@ def assert_same_tensors(actual: dict, expected: dict, skip: tuple[str, ...] = ()
             assert tensor_bytes(actual[key]) == tensor_bytes(expected[key]), f"{key}: bytes differ"
         else:
             assert actual[key] == expected[key], key
-
-
-def flatten(state, prefix: str = "") -> dict:
-    """Flatten nested dicts (and lists of dicts) the way DCP names entries: `optim.state.x.exp_avg`."""
-    items = state.items() if isinstance(state, dict) else enumerate(state)
-    flat = {}
-    for key, value in items:
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, dict) for v in value)):
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def read_checkpoint(checkpoint: Path, scratch: Path) -> dict:

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
@@ -22,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ckpttool import dtypes
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, iter_blocks, load_torch_bytes, locate, read_chunk
@@ -35,7 +34,7 @@ from ckpttool.errors import (
     WriteFailed,
 )
 from ckpttool.formats import hub, safetensors, torch_pt
-from ckpttool.io import Task, atomic_directory, atomic_output, check_destination, copy_range, parse_size, run_tasks, write_at
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, Task, no_progress, atomic_directory, atomic_output, check_destination, copy_range, parse_size, run_tasks, write_at
 from ckpttool.keys import KeyRules, Rename, match_dtype, normalise, output_keys
 from ckpttool.plan import (
     ConsolidatePlan,
@@ -53,8 +52,6 @@ from ckpttool.plan import (
     unique_chunks,
 )
 
-DEFAULT_MAX_MEMORY = "512MB"
-DEFAULT_THREADS = 4  # IO-bound: enough to keep a disk busy, few enough for 2 cores
 DTYPE_CHOICES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 VERIFY_BLOCK = 16 << 20
 
@@ -62,9 +59,6 @@ VERIFY_BLOCK = 16 << 20
 # names the head side, which the Hub convention drops from the file.
 EMBEDDING_KEY = re.compile(r"(^|\.)(embed\w*|wte|tok_emb\w*|word_embeddings|shared)\.weight$")
 HEAD_KEY = re.compile(r"(^|\.)(lm_head|head|output|decoder|out_proj)\.weight$")
-
-
-ProgressFactory = Callable[[str, int], ContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -140,15 +134,6 @@ def parse_dtype_map(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-@contextlib.contextmanager
-def _no_progress(description: str, total: int) -> Iterator[Any]:
-    class _Bar:
-        def update(self, count: int) -> None:
-            pass
-
-    yield _Bar()
-
-
 def consolidate(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -191,7 +176,7 @@ def consolidate(
     if not dry_run:
         check_destination(target, force)
     checkpoint = read_checkpoint(source)
-    progress = progress or _no_progress
+    progress = progress or no_progress
 
     with DataFiles(checkpoint.path) as files:
         plan = build_plan(

@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -24,7 +23,7 @@ import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Iterator
 
 from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
 from ckpttool.dcp.metadata import Checkpoint, Tensor, read_checkpoint
@@ -36,17 +35,12 @@ from ckpttool.dcp.writer import (
     record_layout,
 )
 from ckpttool.errors import CorruptBlob, UsageError, VerificationFailed, WriteFailed
-from ckpttool.io import Task, atomic_directory, check_destination, copy_range, parse_size, run_tasks, write_at
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, Task, no_progress, atomic_directory, check_destination, copy_range, parse_size, run_tasks, write_at
 from ckpttool.reshard_plan import Mesh, ReshardPlan, TargetChunk, parse_mesh, plan_reshard
 
-DEFAULT_MAX_MEMORY = "512MB"
-DEFAULT_THREADS = 4  # IO-bound: enough to keep a disk busy, few enough for 2 cores
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a run
 METADATA_FILENAME = ".metadata"
 _SAVE_ID_NAMESPACE = uuid.UUID("5b1c1e0e-8a4f-4f37-9a55-3b0f9d6f2c11")
-
-ProgressFactory = Callable[[str, int], ContextManager[Any]]
-
 
 @dataclass(frozen=True)
 class ReshardReport:
@@ -74,15 +68,6 @@ class ReshardReport:
 def default_destination(source: Path, mesh: Mesh) -> Path:
     """Return `SRC-world{N}` beside SRC."""
     return source.parent / f"{source.name}-world{mesh.world_size}"
-
-
-@contextlib.contextmanager
-def _no_progress(description: str, total: int) -> Iterator[Any]:
-    class _Bar:
-        def update(self, count: int) -> None:
-            pass
-
-    yield _Bar()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +286,7 @@ def reshard(
     layouts = _lay_out(plan)
     stored_objects = [obj for layout in layouts for obj in layout.objects]
     source_blobs = {obj.fqn: obj.source for rank_file in plan.files for obj in rank_file.objects}
-    progress = progress or _no_progress
+    progress = progress or no_progress
     with DataFiles(source) as files, atomic_directory(destination, force=force) as temp:
         sources = _Sources(checkpoint, files)
         fds: list[int] = []
