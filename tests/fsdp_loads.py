@@ -1,5 +1,6 @@
-"""Load DCP checkpoints the way a training job does: stock `dcp.load` on N gloo ranks into the
-fixtures' TinyModel wrapped with `fully_shard` (FSDP2, or HSDP on a 2-D mesh) + AdamW.
+"""Load DCP checkpoints the way a training job does: stock `dcp.load` on N gloo ranks into a
+model wrapped with `fully_shard` (FSDP2, or HSDP on a 2-D mesh) + AdamW: the fixtures'
+TinyModel, or (`model="gpt"`) the trainer's GPT built from the config the checkpoint stores.
 
 One `load_all(jobs, world_size, out)` call spawns the ranks once and runs every job, so a
 test session pays the process start-up once per world size. For each job rank 0 writes
@@ -35,6 +36,7 @@ class LoadJob:
     extra: bool = False  # load the fixtures' `extra` entries (`step`, `note`)
     mesh: tuple[int, int] | None = None  # HSDP (replicas, shards); None: 1-D FSDP over all ranks
     save_to: str | None = None
+    model: str = "tiny"  # "tiny": fixtures' TinyModel; "gpt": train_minimal's GPT, blocks sharded
 
 
 def _free_port() -> int:
@@ -48,18 +50,29 @@ def _make(job: LoadJob, world_size: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from generate import TinyModel
-
     torch.manual_seed(0)
-    model = TinyModel().to(getattr(torch, job.dtype))
+    model = _model(job).to(getattr(torch, job.dtype))
     if job.mesh:
         mesh = init_device_mesh("cpu", job.mesh, mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.layers:
+    for layer in (model.blocks if job.model == "gpt" else model.layers):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _model(job: LoadJob):
+    if job.model == "tiny":
+        from generate import TinyModel
+
+        return TinyModel()
+    from train_minimal.checkpoint import read_saved_config
+    from train_minimal.model import GPT
+
+    config = read_saved_config(Path(job.checkpoint))
+    return GPT(config["dim"], config["layers"], config["heads"], config["vocab"], config["seq_len"],
+               tie_embeddings=config["tie_embeddings"])
 
 
 def _counting_reader(path: str, reads: list):

@@ -4,7 +4,9 @@ N ranks exactly as its source does; rank r's file holds what rank r owns.
 The expensive part, spawning N gloo ranks, runs once per N for the whole session
 (`loads_at(N)`): it reshards every bundled fixture to N, loads each into a `fully_shard`ed
 TinyModel + AdamW with `dcp.load`, gathers full tensors, records which file each read came
-from, and saves the state again with torch's own `dcp.save` for a layout comparison.
+from, and saves the state again with torch's own `dcp.save` for a layout comparison. In the
+same spawn it loads the trainer's world 2, 3 and 4 checkpoints, resharded to N, into the
+trainer's own GPT + AdamW.
 """
 
 from __future__ import annotations
@@ -38,17 +40,38 @@ FIXTURE_STATE = {
 HSDP_MESH = (2, 2)
 
 
+TRAINER_WORLDS = (2, 3, 4)
+
+
 @pytest.fixture(scope="session")
-def loads_at(tmp_path_factory):
+def trainer_checkpoints(tmp_path_factory):
+    """{world size: step-2 checkpoint of a 4-step trainer run stopped at step 2}."""
+    from trainer_runs import latest_step, run_trainer
+
+    checkpoints = {}
+    for world_size in TRAINER_WORLDS:
+        directory = tmp_path_factory.mktemp(f"trainer-world{world_size}")
+        run_trainer(directory, "--stop-at", "2", nproc=world_size, steps=4)
+        checkpoints[world_size] = latest_step(directory / "ckpt")
+    return checkpoints
+
+
+@pytest.fixture(scope="session")
+def loads_at(tmp_path_factory, trainer_checkpoints):
     """`loads_at(N)` -> directory with every fixture resharded to N (`<name>`), torch's own
     save of the loaded state (`torch-<name>`) and the load results (`out/`); at N = 4 also
-    the HSDP 2x2 versions (`<name>-hsdp`)."""
+    the HSDP 2x2 versions (`<name>-hsdp`); the trainer's checkpoints resharded to N
+    (`trainer-world<W>`) loaded into its GPT."""
     done: dict[int, Path] = {}
 
     def run(world_size: int) -> Path:
         if world_size not in done:
             root = tmp_path_factory.mktemp(f"loads-world{world_size}")
             jobs = []
+            for source_world, checkpoint in trainer_checkpoints.items():
+                name = f"trainer-world{source_world}"
+                reshard(checkpoint, root / name, world_size)
+                jobs.append(LoadJob(name, str(root / name), optimizer=True, model="gpt"))
             for name, (dtype, optimizer) in FIXTURE_STATE.items():
                 reshard(FIXTURES / name, root / name, world_size)
                 jobs.append(LoadJob(name, str(root / name), dtype, optimizer, optimizer, save_to=str(root / f"torch-{name}")))
@@ -93,6 +116,17 @@ def test_stock_dcp_load_of_resharded_fixtures_on_n_ranks_is_bit_identical_to_the
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_stock_dcp_load_of_resharded_trainer_checkpoints_into_its_gpt_on_n_ranks_is_bit_identical(
+        loads_at, trainer_checkpoints, reference, world_size):
+    root = loads_at(world_size)
+    for source_world, checkpoint in trainer_checkpoints.items():
+        expected = {fqn: value for fqn, value in reference(checkpoint).items() if fqn.startswith(("model.", "optim."))}
+        assert any(fqn.startswith("optim.state.") for fqn in expected)
+        name = f"trainer-world{source_world}"
+        assert_loaded_equals_source(root / "out" / f"{name}.pt", expected, f"{name} -> {world_size}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_resharded_layout_is_exactly_what_torch_saves_from_fsdp2_at_world_n(loads_at, world_size):
     # same chunk boxes, and every chunk, replicated tensor and object in the same rank file
     # as torch's own dcp.save from a fully_shard'ed model on N ranks (dedup balancing included)
@@ -104,7 +138,7 @@ def test_resharded_layout_is_exactly_what_torch_saves_from_fsdp2_at_world_n(load
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_each_rank_reads_its_shards_only_from_its_own_file(loads_at, world_size):
     root = loads_at(world_size)
-    for name in FIXTURE_STATE:
+    for name in [*FIXTURE_STATE, *(f"trainer-world{w}" for w in TRAINER_WORLDS)]:
         ckpt = read_checkpoint(root / name)
         for rank in range(world_size):
             own = f"__{rank}_0.distcp"
@@ -341,19 +375,6 @@ def test_installed_ckpttool_reshards_in_a_real_subprocess(tmp_path):
 # The trainer resumes from a resharded checkpoint exactly as from DCP's load-time resharding
 
 
-@pytest.fixture(scope="session")
-def trainer_checkpoints(tmp_path_factory):
-    """{world size: step-2 checkpoint of a 4-step trainer run stopped at step 2}."""
-    from trainer_runs import latest_step, run_trainer
-
-    checkpoints = {}
-    for world_size in (2, 3, 4):
-        directory = tmp_path_factory.mktemp(f"trainer-world{world_size}")
-        run_trainer(directory, "--stop-at", "2", nproc=world_size, steps=4)
-        checkpoints[world_size] = latest_step(directory / "ckpt")
-    return checkpoints
-
-
 @pytest.mark.parametrize("source_world, world_size", [(2, 3), (3, 4), (4, 2)])
 def test_trainer_resumed_from_resharded_checkpoint_has_bit_identical_losses(trainer_checkpoints, tmp_path, source_world, world_size):
     from trainer_runs import losses, run_trainer
@@ -378,6 +399,8 @@ def test_trainer_checkpoints_resharded_to_every_n_hold_the_source_bytes(trainer_
         out = tmp_path / f"world{world_size}"
         reshard(original, out, world_size)
         assert len(read_checkpoint(out).data_files()) == world_size
+        # (stock dcp.load of these on N ranks into the trainer's GPT: the loads_at test above;
+        # here every entry, scheduler, train state and RNG included, through dcp_to_torch_save)
         dcp_to_torch_save(out, tmp_path / "full.pt")
         got = flatten(torch.load(tmp_path / "full.pt", weights_only=False))  # written by torch just now
         assert set(got) == set(expected)
