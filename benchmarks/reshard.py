@@ -148,10 +148,16 @@ def main() -> None:
     drop_cache(source)
     floor = copy_floor(source, args.dir / "copy")
     drop_cache(source)
-    # the CLI in a fresh process that reports its own peak RSS (RUSAGE_CHILDREN would include
-    # the spawned ranks that wrote the checkpoint)
+    # the CLI in a fresh process that reports its own peak RSS: VmHWM of its own address space
+    # (RUSAGE_CHILDREN would include the ranks that wrote the checkpoint, and on Linux even
+    # RUSAGE_SELF keeps the high-water mark of the forked copy of this torch-importing parent
+    # from before exec)
     measure = ("import resource, sys\nfrom ckpttool.cli import main\ntry:\n    main()\nfinally:\n"
-               "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+               "    try:\n"
+               "        hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
+               "    except OSError:\n"
+               "        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+               "    print(hwm, file=sys.stderr)")
     command = [sys.executable, "-c", measure, "reshard", str(source), str(args.dir / "resharded"),
                "--world", str(args.to), "--quiet"]
     started = time.perf_counter()

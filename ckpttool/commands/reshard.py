@@ -141,8 +141,9 @@ class _Sources:
             self._located[key] = found
         return found
 
-    def blocks(self, tensor: Tensor, index: int, offset: int, length: int, decoded: dict) -> Iterator[bytes]:
-        """Yield `length` bytes at `offset` of chunk `index`'s raw bytes, in blocks."""
+    def blocks(self, tensor: Tensor, index: int, offset: int, length: int, decoded: dict) -> Iterator[bytes | memoryview]:
+        """Yield `length` bytes at `offset` of chunk `index`'s raw bytes, in blocks (each one
+        valid only until the next is asked for: they share this thread's buffer)."""
         raw = self.raw(tensor, index)
         if raw is None:
             data = decoded.get(index)
@@ -152,8 +153,22 @@ class _Sources:
             return
         if offset + length > raw.length:
             raise CorruptBlob(f"{self.files.path(raw.file)}: {tensor.fqn} chunk {index} is shorter than its metadata says")
+        buffer = _block_buffer()
         for start in range(offset, offset + length, STREAM_BLOCK):
-            yield self.files.read(raw.file, raw.offset + start, min(STREAM_BLOCK, offset + length - start))
+            block = buffer[:min(STREAM_BLOCK, offset + length - start)]
+            self.files.read_into(raw.file, raw.offset + start, block)
+            yield block  # valid until the next block: the caller writes it before asking again
+
+
+_thread_buffers = threading.local()
+
+
+def _block_buffer() -> memoryview:
+    """Return this thread's reusable STREAM_BLOCK buffer."""
+    buffer = getattr(_thread_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _thread_buffers.buffer = memoryview(bytearray(STREAM_BLOCK))
+    return buffer
 
 
 def _memory_of(chunk: TargetChunk, checkpoint: Checkpoint) -> int:

@@ -103,14 +103,35 @@ class DataFiles:
         self.fd(relative)
         return self._sizes[relative]
 
-    def read(self, relative: str, offset: int, length: int) -> bytes:
-        """Return exactly `length` bytes at `offset`, or raise CorruptBlob naming the file."""
+    def _checked_fd(self, relative: str, offset: int, length: int) -> int:
         fd = self.fd(relative)
         if offset < 0 or length < 0 or offset + length > self._sizes[relative]:
             raise CorruptBlob(
                 f"{self.path(relative)}: byte range {offset}..{offset + length} is beyond the "
                 f"file's {self._sizes[relative]} bytes (truncated file?)"
             )
+        return fd
+
+    def read_into(self, relative: str, offset: int, buffer: memoryview) -> None:
+        """Fill all of `buffer` with the bytes at `offset`, or raise CorruptBlob naming the file.
+
+        For streaming: a caller that reuses one buffer per thread allocates nothing per block
+        (fresh multi-MiB `bytes` per block fragment the allocator's per-thread arenas).
+        """
+        fd = self._checked_fd(relative, offset, len(buffer))
+        got = 0
+        while got < len(buffer):  # preadv may return short reads on some filesystems
+            try:
+                count = os.preadv(fd, [buffer[got:]], offset + got)
+            except OSError as error:  # EISDIR, EIO, ...
+                raise CorruptBlob(f"{self.path(relative)}: cannot read ({error.strerror or error})") from None
+            if count == 0:
+                raise CorruptBlob(f"{self.path(relative)}: unexpected end of file at {offset + got}")
+            got += count
+
+    def read(self, relative: str, offset: int, length: int) -> bytes:
+        """Return exactly `length` bytes at `offset`, or raise CorruptBlob naming the file."""
+        fd = self._checked_fd(relative, offset, length)
         try:
             data = os.pread(fd, length, offset)
         except OSError as error:  # EISDIR, EIO, ...
