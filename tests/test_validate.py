@@ -245,6 +245,24 @@ def test_deep_reports_nan_and_inf_as_information(cli, tmp_path):
     assert document["numerics"] == [{"fqn": "model.w", "nan": 1, "inf": 2}]
 
 
+def test_deep_counts_nan_in_float8_and_bf16_blocks_larger_than_the_read_block(cli, tmp_path, monkeypatch):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.commands import validate as validate_module
+
+    monkeypatch.setattr(validate_module, "DEEP_BLOCK", 64)  # many blocks per chunk, a short last one
+    fp8 = torch.zeros(100, dtype=torch.float8_e4m3fn)  # e4m3fn has NaN but no infinity
+    fp8.view(torch.uint8)[[3, 97]] = 0x7F
+    bf16 = torch.ones(301, dtype=torch.bfloat16)
+    bf16[[0, 150]] = float("inf")
+    bf16[300] = float("nan")
+    dcp.save({"model": {"fp8": fp8, "bf16": bf16}}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    status, document = validate_json(cli, tmp_path / "ckpt", "--deep")
+    assert status == 0
+    assert document["numerics"] == [{"fqn": "model.bf16", "nan": 1, "inf": 2}, {"fqn": "model.fp8", "nan": 2, "inf": 0}]
+
+
 def test_installed_command_runs_as_a_subprocess(tmp_path):
     path = copy_fixture(tmp_path)
     missing_data_file(path)

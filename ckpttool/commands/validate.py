@@ -43,6 +43,7 @@ from ckpttool.layout import coverage, find_overlaps, in_bounds
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 MAX_PROBLEMS_PER_TENSOR = 20  # overlap pairs listed per tensor before summarising
+DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
 
 
 @dataclass(frozen=True)
@@ -227,11 +228,26 @@ def _check_geometry(tensor: Tensor, report: ValidationReport) -> None:
         report.add(ERROR, "gap", f"{tensor.fqn}: chunks cover {found.covered} of {found.total} elements ({detail} missing)", fqn=tensor.fqn)
 
 
+def _non_finite(torch, values) -> tuple[int, int]:
+    """Return the (NaN, Inf) counts of a 1-D floating tensor: one pass when all are finite."""
+    try:
+        finite = int(torch.count_nonzero(torch.isfinite(values)))
+    except NotImplementedError:  # float8 kinds that have no infinity (e4m3fn, *fnuz)
+        return int(torch.count_nonzero(torch.isnan(values))), 0
+    if finite == values.numel():
+        return 0, 0
+    nan = int(torch.count_nonzero(torch.isnan(values)))
+    return nan, values.numel() - finite - nan
+
+
 def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport) -> None:
     """Decode every blob: record structure, dtype/shape, CRC-32, NaN/Inf counts."""
     import torch
 
     broken_files = {p.file for p in report.errors if p.file}
+    # one block buffer, refilled in place: torch.frombuffer views it (writable, no copy)
+    buffer = bytearray(DEEP_BLOCK)
+    view = memoryview(buffer)
     with DataFiles(checkpoint.path) as files:
         for tensor in checkpoint.tensors.values():
             if tensor.dtype not in dtypes.ITEMSIZE:
@@ -243,15 +259,16 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
                 where = f"{chunk.blob.file}: {tensor.fqn} chunk at {list(chunk.offsets)}"
                 try:
                     raw = locate(files, tensor, chunk)
-                    blocks = iter_blocks(files, raw) if raw else [read_chunk(files, tensor, chunk)]
+                    blocks = iter_blocks(files, raw, DEEP_BLOCK, view) if raw else [read_chunk(files, tensor, chunk)]
                     crc = 0
                     for block in blocks:
                         crc = zlib.crc32(block, crc)
                         report.bytes_read += len(block)
                         if tensor.dtype in dtypes.FLOATING and block:
-                            values = torch.frombuffer(bytearray(block), dtype=getattr(torch, tensor.dtype))
-                            nan += int(torch.isnan(values).sum())
-                            inf += int(torch.isinf(values).sum())
+                            writable = buffer if isinstance(block, memoryview) else bytearray(block)
+                            values = torch.frombuffer(writable, dtype=getattr(torch, tensor.dtype), count=len(block) // tensor.itemsize)
+                            block_nan, block_inf = _non_finite(torch, values)
+                            nan, inf = nan + block_nan, inf + block_inf
                 except CheckpointError as error:
                     report.add(ERROR, "corrupt-blob", str(error), chunk.blob.file, tensor.fqn)
                     continue

@@ -514,8 +514,18 @@ def load_torch_bytes(data: bytes, where: str) -> Any:
         raise CorruptBlob(f"{where}: unreadable torch.save blob ({type(error).__name__}: {error})") from None
 
 
-def iter_blocks(files: DataFiles, raw: RawData, block: int = 16 << 20):
+def iter_blocks(files: DataFiles, raw: RawData, block: int = 16 << 20, buffer: memoryview | None = None):
     """Yield the bytes of a range in blocks of at most `block` bytes (keep it a multiple of
-    the itemsize so each block holds whole elements)."""
+    the itemsize so each block holds whole elements).
+
+    With `buffer` (at least `block` bytes) every block is a view of it, filled in place: no
+    allocation per block, and each view is valid only until the next one is asked for.
+    """
     for start in range(raw.offset, raw.offset + raw.length, block):
-        yield files.read(raw.file, start, min(block, raw.offset + raw.length - start))
+        length = min(block, raw.offset + raw.length - start)
+        if buffer is None:
+            yield files.read(raw.file, start, length)
+        else:
+            view = buffer[:length]
+            files.read_into(raw.file, start, view)
+            yield view
