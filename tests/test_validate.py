@@ -18,6 +18,8 @@ import pytest
 
 from conftest import FIXTURE_NAMES, FIXTURES
 
+from ckpttool.dcp.metadata import read_checkpoint
+
 WORLD2 = FIXTURES / "fsdp2_world2_adamw"
 EMBED = "model.embed.weight"
 
@@ -261,6 +263,40 @@ def test_deep_counts_nan_in_float8_and_bf16_blocks_larger_than_the_read_block(cl
     status, document = validate_json(cli, tmp_path / "ckpt", "--deep")
     assert status == 0
     assert document["numerics"] == [{"fqn": "model.bf16", "nan": 1, "inf": 2}, {"fqn": "model.fp8", "nan": 2, "inf": 0}]
+
+
+def save_safetensors_format(path: Path) -> dict:
+    """A checkpoint torch writes with serialization_format=SAFETENSORS: python objects first,
+    then one safetensors blob whose tensors the metadata all records at the blob's start."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(7, 5), "b": torch.randn(5).to(torch.bfloat16), "i": torch.arange(4)},
+             "extra": {"step": 3, "note": "safetensors"}}
+    dcp.save(state, storage_writer=FileSystemWriter(path, serialization_format=SerializationFormat.SAFETENSORS), no_dist=True)
+    return state
+
+
+def test_safetensors_serialization_format_is_valid_although_the_metadata_ranges_coincide(cli, tmp_path):
+    save_safetensors_format(tmp_path / "st")
+    starts = {c.blob.offset for t in read_checkpoint(tmp_path / "st").tensors.values() for c in t.chunks}
+    assert len(starts) == 1  # every tensor "at" the blob's start: the header says where
+    for flags in ((), ("--deep",)):
+        status, document = validate_json(cli, tmp_path / "st", *flags)
+        assert status == 0, document["problems"]
+        assert document["errors"] == 0
+
+
+def test_safetensors_format_with_a_truncated_data_section_is_invalid(cli, tmp_path):
+    save_safetensors_format(tmp_path / "st")
+    data = tmp_path / "st" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-20])
+    status, document = validate_json(cli, tmp_path / "st")
+    assert status == 1
+    assert "beyond-eof" in codes(document), document["problems"]
 
 
 def test_installed_command_runs_as_a_subprocess(tmp_path):

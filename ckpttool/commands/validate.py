@@ -23,17 +23,20 @@ from ckpttool import dtypes
 from ckpttool.dcp.blobs import (
     DataFiles,
     blob_bytes,
+    is_safetensors_blob,
     iter_blocks,
     load_torch_bytes,
     locate,
     read_chunk,
     safe_relative_path,
+    safetensors_header,
 )
 from ckpttool.dcp.metadata import (
     METADATA_FILENAME,
     RANK_METADATA_PATTERN,
     Blob,
     Checkpoint,
+    Chunk,
     Tensor,
     paused_gc,
     read_checkpoint,
@@ -170,6 +173,7 @@ def _check_files(checkpoint: Checkpoint, report: ValidationReport) -> dict[str, 
 def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport) -> None:
     """Every chunk has a blob inside its file, large enough for its elements; no two overlap."""
     by_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    starts: dict[tuple[str, int], list[tuple[Tensor, Chunk]]] = defaultdict(list)
     for tensor in checkpoint.tensors.values():
         itemsize = dtypes.ITEMSIZE.get(tensor.dtype)
         for chunk in tensor.chunks:
@@ -177,7 +181,8 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
             if chunk.blob is None:
                 report.add(ERROR, "chunk-without-storage", f"{checkpoint.metadata_file}: {where} has no storage entry (no file holds its bytes)", fqn=tensor.fqn)
                 continue
-            _check_blob_range(chunk.blob, where, tensor.fqn, sizes, report, by_file)
+            if _check_blob_range(chunk.blob, where, tensor.fqn, sizes, report, by_file) and not chunk.blob.transforms:
+                starts[(chunk.blob.file, chunk.blob.offset)].append((tensor, chunk))
             if itemsize and not chunk.blob.transforms and min(chunk.sizes, default=1) >= 0:
                 needed = chunk.numel * itemsize
                 if needed > chunk.blob.length:
@@ -187,6 +192,7 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
             report.add(ERROR, "object-without-storage", f"{checkpoint.metadata_file}: {obj.fqn} has no storage entry", fqn=obj.fqn)
         else:
             _check_blob_range(obj.blob, obj.fqn, obj.fqn, sizes, report, by_file)
+    _resolve_safetensors_blobs(checkpoint, starts, sizes, report, by_file)
     for name, ranges in by_file.items():
         ranges.sort()
         for (start, end, fqn), (next_start, _, next_fqn) in zip(ranges, ranges[1:]):
@@ -196,17 +202,60 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
         report.add(WARNING, "orphan-storage", f"{checkpoint.metadata_file}: storage entry for {fqn} in {blob.file} matches no tensor chunk", blob.file, fqn)
 
 
-def _check_blob_range(blob: Blob, where: str, fqn: str, sizes: dict[str, int], report: ValidationReport, by_file: dict) -> None:
+def _check_blob_range(blob: Blob, where: str, fqn: str, sizes: dict[str, int], report: ValidationReport, by_file: dict) -> bool:
+    """Record the blob's byte range for the overlap sweep; False (reported) when it is bad."""
     if blob.offset < 0 or blob.length < 0:
         report.add(ERROR, "bad-range", f"{blob.file}: {where} has a negative offset or length", blob.file, fqn)
-        return
+        return False
     size = sizes.get(blob.file)
     if size is None:
-        return  # missing or unsafe file, already reported
+        return False  # missing or unsafe file, already reported
     if blob.offset + blob.length > size:
         report.add(ERROR, "beyond-eof", f"{blob.file}: {where} spans bytes {blob.offset}..{blob.offset + blob.length} but the file has {size} bytes (truncated?)", blob.file, fqn)
-        return
+        return False
     by_file[blob.file].append((blob.offset, blob.offset + blob.length, where))
+    return True
+
+
+def _resolve_safetensors_blobs(checkpoint: Checkpoint, starts: dict, sizes: dict[str, int],
+                               report: ValidationReport, by_file: dict) -> None:
+    """Replace the metadata ranges of tensors stored in one safetensors blob by their real ones.
+
+    With `serialization_format=SAFETENSORS` torch records every tensor of a file at the
+    blob's start (length = its element bytes); the safetensors header says where each really
+    is. Only offsets shared by several tensors are looked at, so torch_save checkpoints cost
+    no extra reads.
+    """
+    shared = {key: members for key, members in starts.items() if len(members) > 1}
+    if not shared:
+        return
+    with DataFiles(checkpoint.path) as files:
+        for (name, offset), members in sorted(shared.items(), key=lambda item: item[0]):
+            first_blob = members[0][1].blob
+            try:
+                if not is_safetensors_blob(files, first_blob):
+                    continue  # torch_save records claiming one range: the sweep reports them
+                header, data_start = safetensors_header(files, first_blob, f"{files.path(name)}")
+            except CheckpointError as error:
+                report.add(ERROR, "corrupt-blob", str(error), name, members[0][0].fqn)
+                continue
+            claimed = {(offset, offset + chunk.blob.length, f"{tensor.fqn} chunk at {list(chunk.offsets)}")
+                       for tensor, chunk in members}
+            by_file[name] = [entry for entry in by_file[name] if entry not in claimed]
+            for tensor, chunk in members:
+                where = f"{tensor.fqn} chunk at {list(chunk.offsets)}"
+                info = header.get(tensor.fqn)
+                begin, end = info.get("data_offsets", (None, None)) if isinstance(info, dict) else (None, None)
+                if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+                    report.add(ERROR, "corrupt-blob", f"{name}: {where} is not in the safetensors header at byte {offset}", name, tensor.fqn)
+                    continue
+                start, stop = data_start + begin, data_start + end
+                if stop - start != chunk.blob.length:
+                    report.add(ERROR, "size-mismatch", f"{name}: {where} holds {stop - start} bytes in the safetensors header, the metadata says {chunk.blob.length}", name, tensor.fqn)
+                elif stop > sizes[name]:
+                    report.add(ERROR, "beyond-eof", f"{name}: {where} spans bytes {start}..{stop} but the file has {sizes[name]} bytes (truncated?)", name, tensor.fqn)
+                else:
+                    by_file[name].append((start, stop, where))
 
 
 def _check_geometry(tensor: Tensor, report: ValidationReport) -> None:

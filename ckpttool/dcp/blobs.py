@@ -373,7 +373,8 @@ def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord
 # safetensors-format data files
 
 
-def _safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict, int]:
+def safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict, int]:
+    """Return a safetensors blob's header and where its data section starts in the file."""
     head = files.read(blob.file, blob.offset, 8)
     (header_length,) = struct.unpack("<Q", head)
     if header_length > MAX_SAFETENSORS_HEADER:
@@ -382,6 +383,8 @@ def _safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict,
         header = json.loads(files.read(blob.file, blob.offset + 8, header_length))
     except (ValueError, UnicodeDecodeError) as error:
         raise CorruptBlob(f"{where}: unreadable safetensors header ({error})") from None
+    if not isinstance(header, dict):
+        raise CorruptBlob(f"{where}: the safetensors header is not a JSON object")
     return header, blob.offset + 8 + header_length
 
 
@@ -422,7 +425,7 @@ def locate(files: DataFiles, tensor: Tensor, chunk: Chunk) -> RawData | None:
         return None
     expected = chunk.numel * tensor.itemsize
     if is_safetensors_blob(files, blob):
-        header, data_start = _safetensors_header(files, blob, where)
+        header, data_start = safetensors_header(files, blob, where)
         info = header.get(tensor.fqn)
         if not isinstance(info, dict):
             raise CorruptBlob(f"{where}: not in the file's safetensors header")
