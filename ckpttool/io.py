@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import shutil
+import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -160,6 +161,23 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, lengt
                 raise EOFError(f"source ended {length - done} bytes early at offset {src_offset + done}")
             copied = os.pwrite(dst_fd, data, dst_offset + done)
         done += copied
+
+
+_thread_buffers = threading.local()
+
+
+def thread_buffer(size: int, role: str = "read") -> bytearray:
+    """Return this thread's reusable buffer for `role` ("read", "cast"), at least `size` bytes.
+
+    Streaming code fills it in place (`DataFiles.read_into`, `Tensor.copy_`) instead of
+    allocating fresh multi-MiB objects per block: freed blocks linger in the allocator's
+    per-thread arenas and would make memory grow with threads and blocks, not the budget.
+    """
+    buffer = getattr(_thread_buffers, role, None)
+    if buffer is None or len(buffer) < size:
+        buffer = bytearray(size)
+        setattr(_thread_buffers, role, buffer)
+    return buffer
 
 
 def write_at(fd: int, data: bytes | memoryview, offset: int) -> None:

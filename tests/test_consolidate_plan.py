@@ -158,3 +158,19 @@ def test_zip_layout_aligns_storages_to_64_bytes_and_uses_zip64_past_4gib():
     big = next(e for e in layout.entries if e.size == 5 << 30)
     assert big.local_extra.startswith(struct.pack("<HH", 1, 16))
     assert layout.data_offsets[2] >= layout.data_offsets[1] + (5 << 30)
+
+
+@pytest.mark.parametrize("source, target", [("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float32"),
+                                            ("float64", "bfloat16"), ("float16", "bfloat16")])
+def test_a_cast_block_converted_in_place_equals_tensor_to(source, target):
+    import torch
+
+    from ckpttool.commands.consolidate import cast_in_place
+
+    torch.manual_seed(0)
+    values = (torch.randn(4099) * 1e4).to(getattr(torch, source))
+    values[:9] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-45, 65504.1, 65520.0, 0.0, -0.0])
+    data = values.view(torch.uint8).numpy().tobytes()
+    buffer = bytearray(data) + bytearray(b"\xff" * 13)  # a reused buffer is longer than the block
+    got = cast_in_place(buffer, len(data), source, target)
+    assert bytes(got) == values.to(getattr(torch, target)).view(torch.uint8).numpy().tobytes()

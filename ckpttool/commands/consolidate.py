@@ -34,7 +34,7 @@ from ckpttool.errors import (
     WriteFailed,
 )
 from ckpttool.formats import hub, safetensors, torch_pt
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, Task, no_progress, atomic_directory, atomic_output, check_destination, copy_range, parse_size, run_tasks, write_at
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, Task, no_progress, atomic_directory, atomic_output, check_destination, copy_range, parse_size, run_tasks, thread_buffer, write_at
 from ckpttool.keys import KeyRules, Rename, match_dtype, normalise, output_keys
 from ckpttool.plan import (
     ConsolidatePlan,
@@ -518,7 +518,9 @@ def _runner(checkpoint: Checkpoint, files: DataFiles, op: Operation, fds: dict[s
                 raise CorruptBlob(f"{files.path(op.src)}: ends before byte {op.src_offset + op.length} (truncated file?)") from None
             return op.length
         if isinstance(op, Convert):
-            data = cast(files.read(op.src, op.src_offset, op.length), op.source_dtype, op.dtype)
+            buffer = thread_buffer(op.length)
+            files.read_into(op.src, op.src_offset, memoryview(buffer)[:op.length])
+            data = cast_in_place(buffer, op.length, op.source_dtype, op.dtype)
             write_at(fds[op.dst], data, op.dst_offset)
             return len(data)
         data = _gather_bytes(checkpoint, files, op)
@@ -539,6 +541,24 @@ def _gather_bytes(checkpoint: Checkpoint, files: DataFiles, op: Gather) -> bytes
     else:
         data = read_chunk(files, tensor, tensor.chunks[op.chunk])
     return cast(data, op.source_dtype, op.dtype)
+
+
+def cast_in_place(buffer: bytearray, length: int, source_dtype: str, dtype: str) -> memoryview:
+    """Return the first `length` bytes of `buffer` converted as `tensor.to(dtype)` converts
+    them, as a view of this thread's reusable cast buffer.
+
+    torch reads `buffer` where it is and `copy_` writes into the reused buffer: `.to(dtype)`
+    is `empty` + `copy_` in torch (`_to_copy`), so the bytes are the same, without a fresh
+    allocation per block.
+    """
+    import torch
+
+    count = length // dtypes.ITEMSIZE[source_dtype]
+    output_length = count * dtypes.ITEMSIZE[dtype]
+    output = thread_buffer(output_length, "cast")
+    values = torch.frombuffer(buffer, dtype=getattr(torch, source_dtype), count=count)
+    torch.frombuffer(output, dtype=getattr(torch, dtype), count=count).copy_(values)
+    return memoryview(output)[:output_length]
 
 
 def cast(data: bytes, source_dtype: str, dtype: str) -> bytes:

@@ -35,7 +35,7 @@ from ckpttool.dcp.writer import (
     record_layout,
 )
 from ckpttool.errors import CorruptBlob, UsageError, VerificationFailed, WriteFailed
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, Task, no_progress, atomic_directory, check_destination, copy_range, parse_size, run_tasks, write_at
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, Task, no_progress, atomic_directory, check_destination, copy_range, parse_size, run_tasks, thread_buffer, write_at
 from ckpttool.reshard_plan import Mesh, ReshardPlan, TargetChunk, parse_mesh, plan_reshard
 
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a run
@@ -153,22 +153,12 @@ class _Sources:
             return
         if offset + length > raw.length:
             raise CorruptBlob(f"{self.files.path(raw.file)}: {tensor.fqn} chunk {index} is shorter than its metadata says")
-        buffer = _block_buffer()
+        buffer = memoryview(thread_buffer(STREAM_BLOCK))
         for start in range(offset, offset + length, STREAM_BLOCK):
             block = buffer[:min(STREAM_BLOCK, offset + length - start)]
             self.files.read_into(raw.file, raw.offset + start, block)
             yield block  # valid until the next block: the caller writes it before asking again
 
-
-_thread_buffers = threading.local()
-
-
-def _block_buffer() -> memoryview:
-    """Return this thread's reusable STREAM_BLOCK buffer."""
-    buffer = getattr(_thread_buffers, "buffer", None)
-    if buffer is None:
-        buffer = _thread_buffers.buffer = memoryview(bytearray(STREAM_BLOCK))
-    return buffer
 
 
 def _memory_of(chunk: TargetChunk, checkpoint: Checkpoint) -> int:
