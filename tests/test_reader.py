@@ -166,3 +166,15 @@ def test_not_a_checkpoint_errors_name_the_path(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"")
     with pytest.raises(CorruptMetadata, match="empty"):
         read_checkpoint(tmp_path)
+
+
+def test_a_run_directory_of_checkpoints_is_refused_with_the_ones_inside_and_the_latest(tmp_path):
+    for step in ("step-2", "step-10", "step-9"):
+        shutil.copytree(FIXTURES / "fsdp2_world2", tmp_path / step)
+    (tmp_path / "latest").write_text("step-9\n")
+    with pytest.raises(NotACheckpoint) as refused:
+        read_checkpoint(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path}: a directory of checkpoints (step-2, step-9, step-10; latest: step-9), not a "
+        f"checkpoint itself: pass one of them, e.g. {tmp_path / 'step-9'}"
+    )

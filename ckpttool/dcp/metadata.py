@@ -323,10 +323,44 @@ def find_metadata_file(path: Path) -> Path:
     )
     if per_rank:
         return per_rank[0][1]
+    inside = _checkpoints_inside(path)
+    if inside:
+        latest = _latest_pointer(path)
+        shown = ", ".join(inside[-MAX_LISTED_CHECKPOINTS:])
+        more = f"{len(inside) - MAX_LISTED_CHECKPOINTS} more, " if len(inside) > MAX_LISTED_CHECKPOINTS else ""
+        pick = latest if latest in inside else inside[-1]
+        raise NotACheckpoint(
+            f"{path}: a directory of checkpoints ({more}{shown}"
+            f"{f'; latest: {latest}' if latest in inside else ''}), not a checkpoint itself: "
+            f"pass one of them, e.g. {path / pick}"
+        )
     raise NotACheckpoint(
         f"{path}: no {METADATA_FILENAME} file, so this is not a DCP checkpoint "
         "(or the save did not finish: torch writes .metadata last)"
     )
+
+
+MAX_LISTED_CHECKPOINTS = 5  # checkpoints named in the "directory of checkpoints" error
+
+
+def _checkpoints_inside(path: Path) -> list[str]:
+    """Return the names of subdirectories that hold a `.metadata`, in natural order."""
+    try:
+        names = [p.name for p in path.iterdir() if (p / METADATA_FILENAME).is_file()]
+    except OSError:
+        return []
+    return sorted(names, key=lambda name: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)])
+
+
+def _latest_pointer(path: Path) -> str | None:
+    """Return what a `latest` file (train_minimal, many trainers) names, if it is small text."""
+    pointer = path / "latest"
+    try:
+        if pointer.is_file() and pointer.stat().st_size < 4096:
+            return Path(pointer.read_text().strip()).name
+    except (OSError, UnicodeDecodeError):
+        pass
+    return None
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
