@@ -776,16 +776,12 @@ def metadata_bytes(
         (b'\\x80\\x04', 493)
     """
     with paused_gc():  # many small acyclic stand-ins (see paused_gc)
-        return _metadata_pickle(tensors, objects, planner_data, checkpoint_id, save_id)
+        metadata = _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id)
+        return _Pickler(METADATA_PICKLE_PROTOCOL).dump(metadata)
 
 
-def _metadata_pickle(
-    tensors: Iterable[StoredTensor],
-    objects: Iterable[StoredObject],
-    planner_data: Mapping[str, tuple],
-    checkpoint_id: PurePath | str | None,
-    save_id: str,
-) -> bytes:
+def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> _NewObject:
+    """Return the stand-in for torch's `Metadata` (see `metadata_bytes` for the arguments)."""
     state_dict_metadata: dict[str, _NewObject] = {}
     # storage_data is keyed by MetadataIndex, equal when fqn and offset are (index is not
     # compared); a repeated key keeps its first MetadataIndex and takes the last value
@@ -818,7 +814,7 @@ def _metadata_pickle(
     storage_meta = _NewObject(
         _STORAGE_META, {"checkpoint_id": checkpoint, "save_id": save_id, "load_id": None, "modules": []}
     )
-    metadata = _NewObject(
+    return _NewObject(
         _METADATA,
         {
             "state_dict_metadata": state_dict_metadata,
@@ -828,7 +824,6 @@ def _metadata_pickle(
             "version": DCP_VERSION,
         },
     )
-    return _Pickler(METADATA_PICKLE_PROTOCOL).dump(metadata)
 
 
 def data_file_name(rank: int) -> str:
