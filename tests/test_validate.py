@@ -299,6 +299,50 @@ def test_safetensors_format_with_a_truncated_data_section_is_invalid(cli, tmp_pa
     assert "beyond-eof" in codes(document), document["problems"]
 
 
+def test_deep_validation_of_torch_save_checkpoints_never_imports_torch(tmp_path):
+    script = ("import sys\nfrom ckpttool.commands.validate import validate\n"
+              "for path in sys.argv[1:]:\n"
+              "    report = validate(path, deep=True)\n"
+              "    assert report.valid and report.bytes_read > 0, [p.message for p in report.problems]\n"
+              "print('torch' in sys.modules)")
+    paths = [str(FIXTURES / name) for name in FIXTURE_NAMES]
+    out = subprocess.run([sys.executable, "-c", script, *paths], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_a_malicious_object_blob_is_refused_under_deep_and_never_executed(cli, tmp_path):
+    import io
+    import zipfile
+
+    path = copy_fixture(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    record = io.BytesIO()
+    with zipfile.ZipFile(record, "w") as archive:  # shaped like a torch.save record
+        archive.writestr("archive/data.pkl", pickle.dumps(Exploit(), protocol=2))
+        archive.writestr("archive/version", "3\n")
+    data_file = path / "__0_0.distcp"
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as handle:
+        handle.write(record.getvalue())
+
+    def point_an_object_at_the_exploit(metadata):
+        key = next(k for k in metadata.storage_data if k.fqn == "extra.note")
+        info = metadata.storage_data[key]
+        info.relative_path, info.offset, info.length = "__0_0.distcp", offset, len(record.getvalue())
+
+    rewrite_metadata(path, point_an_object_at_the_exploit)
+    status, document = validate_json(cli, path, "--deep")
+    assert status == 1 and "corrupt-blob" in codes(document)
+    assert any(p["fqn"] == "extra.note" for p in document["problems"])
+    assert not marker.exists()
+
+
 def test_installed_command_runs_as_a_subprocess(tmp_path):
     path = copy_fixture(tmp_path)
     missing_data_file(path)

@@ -19,13 +19,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool import dtypes
+from ckpttool import dtypes, numerics
 from ckpttool.dcp.blobs import (
     DataFiles,
     blob_bytes,
+    decode_object,
     is_safetensors_blob,
     iter_blocks,
-    load_torch_bytes,
     locate,
     read_chunk,
     safe_relative_path,
@@ -277,26 +277,14 @@ def _check_geometry(tensor: Tensor, report: ValidationReport) -> None:
         report.add(ERROR, "gap", f"{tensor.fqn}: chunks cover {found.covered} of {found.total} elements ({detail} missing)", fqn=tensor.fqn)
 
 
-def _non_finite(torch, values) -> tuple[int, int]:
-    """Return the (NaN, Inf) counts of a 1-D floating tensor: one pass when all are finite."""
-    try:
-        finite = int(torch.count_nonzero(torch.isfinite(values)))
-    except NotImplementedError:  # float8 kinds that have no infinity (e4m3fn, *fnuz)
-        return int(torch.count_nonzero(torch.isnan(values))), 0
-    if finite == values.numel():
-        return 0, 0
-    nan = int(torch.count_nonzero(torch.isnan(values)))
-    return nan, values.numel() - finite - nan
-
-
 def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport) -> None:
-    """Decode every blob: record structure, dtype/shape, CRC-32, NaN/Inf counts."""
-    import torch
+    """Decode every blob: record structure, dtype/shape, CRC-32, NaN/Inf counts.
 
+    Needs no torch for torch_save and safetensors blobs of plain objects and tensors; torch
+    is imported only to decode what must be decoded (zstd, strided records, torch objects).
+    """
     broken_files = {p.file for p in report.errors if p.file}
-    # one block buffer, refilled in place: torch.frombuffer views it (writable, no copy)
-    buffer = bytearray(DEEP_BLOCK)
-    view = memoryview(buffer)
+    view = memoryview(bytearray(DEEP_BLOCK))  # one block buffer, refilled in place
     with DataFiles(checkpoint.path) as files:
         for tensor in checkpoint.tensors.values():
             if tensor.dtype not in dtypes.ITEMSIZE:
@@ -313,10 +301,8 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
                     for block in blocks:
                         crc = zlib.crc32(block, crc)
                         report.bytes_read += len(block)
-                        if tensor.dtype in dtypes.FLOATING and block:
-                            writable = buffer if isinstance(block, memoryview) else bytearray(block)
-                            values = torch.frombuffer(writable, dtype=getattr(torch, tensor.dtype), count=len(block) // tensor.itemsize)
-                            block_nan, block_inf = _non_finite(torch, values)
+                        if tensor.dtype in numerics.SUPPORTED and block:
+                            block_nan, block_inf = numerics.count_non_finite(block, tensor.dtype)
                             nan, inf = nan + block_nan, inf + block_inf
                 except CheckpointError as error:
                     report.add(ERROR, "corrupt-blob", str(error), chunk.blob.file, tensor.fqn)
@@ -332,7 +318,7 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
                 continue
             where = f"{obj.blob.file}: {obj.fqn}"
             try:
-                load_torch_bytes(blob_bytes(files, obj.blob, where), where)
+                decode_object(blob_bytes(files, obj.blob, where), where)
                 report.bytes_read += obj.blob.length
             except CheckpointError as error:
                 report.add(ERROR, "corrupt-blob", str(error), obj.blob.file, obj.fqn)

@@ -19,15 +19,17 @@ import io
 import json
 import math
 import os
+import pickle
 import struct
 import threading
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckpttool import dtypes
 from ckpttool.dcp.metadata import Blob, Chunk, RestrictedUnpickler, Tensor
-from ckpttool.errors import CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
+from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
 
 ZSTD_TRANSFORM = "stream.zstd"  # torch/distributed/checkpoint/_extension.py ZStandard.registry_name
 ZIP_LOCAL_MAGIC = b"PK\x03\x04"
@@ -503,10 +505,31 @@ def tensor_bytes(value: Any) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
+_PLAIN_OBJECT_ALLOWED: dict[tuple[str, str], Any] = {("collections", "OrderedDict"): dict}
+
+
+def decode_object(data: bytes, where: str) -> Any:
+    """Return the python value of a torch.save'd non-tensor entry (param_groups, step, ...).
+
+    Plain values (numbers, strings, None, lists, tuples, dicts) are unpickled through an
+    allowlist without importing torch; anything else (torch.Size, tensors, other classes) is
+    handed to `torch.load(weights_only=True)`, which also words the error for a broken blob.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = [info for info in archive.infolist() if info.filename.rsplit("/", 1)[-1] == "data.pkl"]
+            # torch.save stores records uncompressed; anything else goes to torch (no zip bombs)
+            if len(entries) == 1 and entries[0].compress_type == zipfile.ZIP_STORED and entries[0].file_size <= len(data):
+                pickled = archive.read(entries[0])
+                return RestrictedUnpickler(io.BytesIO(pickled), _PLAIN_OBJECT_ALLOWED, where).load()
+    except (CheckpointError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, EOFError,
+            KeyError, TypeError, AttributeError, IndexError, OverflowError):
+        pass
+    return load_torch_bytes(data, where)
+
+
 def load_torch_bytes(data: bytes, where: str) -> Any:
     """Decode a torch.save blob with `weights_only=True` (never runs code from the file)."""
-    import pickle
-
     import torch
 
     try:
