@@ -182,6 +182,12 @@ def test_safetensors_and_zstd_serialised_checkpoints_consolidate_to_the_saved_by
     assert_same_state(load_file(tmp_path / "model.safetensors"), model_part(expected))
     consolidate(tmp_path / "ckpt", tmp_path / "all.pt", everything=True, verify=True)
     assert_same_state(flatten(torch.load(tmp_path / "all.pt", weights_only=True)), expected)
+    # resharded (to torch_save records), the same bytes come out
+    from ckpttool.commands.reshard import reshard
+
+    reshard(tmp_path / "ckpt", tmp_path / "world3", 3, verify=True)
+    consolidate(tmp_path / "world3", tmp_path / "world3.pt", everything=True)
+    assert_same_state(flatten(torch.load(tmp_path / "world3.pt", weights_only=True)), expected)
 
 
 @pytest.mark.parametrize("name", ["fsdp2_world3_bf16", "fsdp2_world4", "fsdp1_world2", "hsdp_2x2", "block_tied_buffers"])

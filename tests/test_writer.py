@@ -112,7 +112,7 @@ def torch_metadata_bytes(tensors, objects, planner_data, checkpoint_id, save_id)
         state_dict_metadata[tensor.fqn] = TensorStorageMetadata(properties, torch.Size(tensor.shape), chunks)
     for obj in objects:
         state_dict_metadata[obj.fqn] = BytesStorageMetadata()
-        storage_data[MetadataIndex(obj.fqn)] = _StorageInfo(obj.file, obj.offset, obj.length)
+        storage_data[MetadataIndex(obj.fqn)] = _StorageInfo(obj.file, obj.offset, obj.length, list(obj.transforms) or None)
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=dict(planner_data),
@@ -301,6 +301,8 @@ METADATA_CASES = {
     "offsets past 2**32": many_entries(5, 5, 5, big=True),
     "nothing": ([], [], {}),
     "one object": ([], [StoredObject("step", "__0_0.distcp", 0, 1)], {"step": ("step",)}),
+    "zstd-compressed objects": ([], [StoredObject("a", "__0_0.distcp", 0, 9, ("stream.zstd/1",)),
+                                     StoredObject("b", "__0_0.distcp", 9, 9, ("stream.zstd/1",))], {"a": ("a",), "b": ("b",)}),
     "a tensor without chunks": ([StoredTensor("t", "float32", (0,), ())], [], {}),
     "0-d tensors": ([StoredTensor(f"t{i}", "bfloat16", (), (StoredChunk((), (), "__0_0.distcp", 64 * i, 64),)) for i in range(3)], [], {}),
 }

@@ -94,7 +94,7 @@ def _lay_out(plan: ReshardPlan) -> list[_FileLayout]:
         at = 0
         objects = []
         for obj in rank_file.objects:
-            objects.append(StoredObject(obj.fqn, rank_file.name, at, obj.source.length))
+            objects.append(StoredObject(obj.fqn, rank_file.name, at, obj.source.length, obj.source.transforms))
             at += obj.source.length
         placed = []
         for chunk in rank_file.chunks:

@@ -698,6 +698,7 @@ class StoredObject:
     file: str
     offset: int
     length: int
+    transforms: tuple[str, ...] = ()  # stream transforms its blob was written with (zstd)
 
 
 # torch/distributed/checkpoint/filesystem.py CURRENT_DCP_VERSION of torch 2.13.0, the version
@@ -744,9 +745,13 @@ def _metadata_index(fqn: str, offsets: Sequence[int] | None, index: int | None) 
     return _NewObject(_METADATA_INDEX, state)
 
 
-def _storage_info(file: str, offset: int, length: int) -> _NewObject:
-    # _StorageInfo.__getstate__ leaves out transform_descriptors when it is None
-    return _NewObject(_STORAGE_INFO, {"relative_path": file, "offset": offset, "length": length})
+def _storage_info(file: str, offset: int, length: int, transforms: Sequence[str] = ()) -> _NewObject:
+    # _StorageInfo.__getstate__ leaves out transform_descriptors when it is None (torch
+    # writes None for no transforms, else the list of descriptors)
+    state: dict[str, Any] = {"relative_path": file, "offset": offset, "length": length}
+    if transforms:
+        state["transform_descriptors"] = list(transforms)
+    return _NewObject(_STORAGE_INFO, state)
 
 
 def _path_object(path: PurePath) -> _Reduce:
@@ -803,7 +808,7 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
         )
     for obj in objects:
         state_dict_metadata[obj.fqn] = _NewObject(_BYTES_STORAGE_METADATA, None)  # empty __dict__
-        store(_metadata_index(obj.fqn, None, None), obj.fqn, None, _storage_info(obj.file, obj.offset, obj.length))
+        store(_metadata_index(obj.fqn, None, None), obj.fqn, None, _storage_info(obj.file, obj.offset, obj.length, obj.transforms))
 
     if checkpoint_id is None or isinstance(checkpoint_id, str):
         checkpoint = checkpoint_id
