@@ -12,6 +12,7 @@ from typing import Any, Iterable, TextIO
 
 from ckpttool.commands.inspect import GROUPS, InspectReport, TensorInfo
 from ckpttool.commands.validate import ValidationReport
+from ckpttool.dcp.metadata import paused_gc
 
 INSPECT_SCHEMA = "ckpttool.inspect/1"
 VALIDATE_SCHEMA = "ckpttool.validate/1"
@@ -64,6 +65,11 @@ def table(rows: Iterable[tuple], headers: tuple[str, ...], right: set[int] = fro
 
 def inspect_document(report: InspectReport) -> dict[str, Any]:
     """Return the `ckpttool.inspect/1` JSON document of a report."""
+    with paused_gc():  # one small dict per chunk: 100k+ of them, none in a cycle
+        return _inspect_document(report)
+
+
+def _inspect_document(report: InspectReport) -> dict[str, Any]:
     s = report.summary
     return {
         "schema": INSPECT_SCHEMA,
