@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool import dtypes, numerics
+from ckpttool import dtypes
 from ckpttool.dcp.blobs import (
     DataFiles,
     blob_bytes,
@@ -172,8 +172,8 @@ def _check_files(checkpoint: Checkpoint, report: ValidationReport) -> dict[str, 
 
 def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport) -> None:
     """Every chunk has a blob inside its file, large enough for its elements; no two overlap."""
-    by_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
-    starts: dict[tuple[str, int], list[tuple[Tensor, Chunk]]] = defaultdict(list)
+    # per file: (start, end, what, (tensor, chunk) of an untransformed tensor blob or None)
+    by_file: dict[str, list[tuple[int, int, str, tuple[Tensor, Chunk] | None]]] = defaultdict(list)
     for tensor in checkpoint.tensors.values():
         itemsize = dtypes.ITEMSIZE.get(tensor.dtype)
         for chunk in tensor.chunks:
@@ -181,8 +181,8 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
             if chunk.blob is None:
                 report.add(ERROR, "chunk-without-storage", f"{checkpoint.metadata_file}: {where} has no storage entry (no file holds its bytes)", fqn=tensor.fqn)
                 continue
-            if _check_blob_range(chunk.blob, where, tensor.fqn, sizes, report, by_file) and not chunk.blob.transforms:
-                starts[(chunk.blob.file, chunk.blob.offset)].append((tensor, chunk))
+            owner = None if chunk.blob.transforms else (tensor, chunk)
+            _check_blob_range(chunk.blob, where, tensor.fqn, sizes, report, by_file, owner)
             if itemsize and not chunk.blob.transforms and min(chunk.sizes, default=1) >= 0:
                 needed = chunk.numel * itemsize
                 if needed > chunk.blob.length:
@@ -191,59 +191,67 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
         if obj.blob is None:
             report.add(ERROR, "object-without-storage", f"{checkpoint.metadata_file}: {obj.fqn} has no storage entry", fqn=obj.fqn)
         else:
-            _check_blob_range(obj.blob, obj.fqn, obj.fqn, sizes, report, by_file)
-    _resolve_safetensors_blobs(checkpoint, starts, sizes, report, by_file)
+            _check_blob_range(obj.blob, obj.fqn, obj.fqn, sizes, report, by_file, None)
     for name, ranges in by_file.items():
-        ranges.sort()
-        for (start, end, fqn), (next_start, _, next_fqn) in zip(ranges, ranges[1:]):
+        ranges.sort(key=_range_order)
+        if any(a[0] == b[0] and a[3] and b[3] for a, b in zip(ranges, ranges[1:])):
+            ranges = _resolve_safetensors_blobs(checkpoint, name, ranges, sizes[name], report)
+        for (start, end, fqn, _), (next_start, _, next_fqn, _) in zip(ranges, ranges[1:]):
             if next_start < end:
                 report.add(ERROR, "blob-overlap", f"{name}: bytes {next_start}..{end} are claimed by both {fqn} and {next_fqn}", name, next_fqn)
     for fqn, blob in checkpoint.orphan_blobs:
         report.add(WARNING, "orphan-storage", f"{checkpoint.metadata_file}: storage entry for {fqn} in {blob.file} matches no tensor chunk", blob.file, fqn)
 
 
-def _check_blob_range(blob: Blob, where: str, fqn: str, sizes: dict[str, int], report: ValidationReport, by_file: dict) -> bool:
-    """Record the blob's byte range for the overlap sweep; False (reported) when it is bad."""
+def _range_order(entry: tuple) -> tuple[int, int, str]:
+    return entry[0], entry[1], entry[2]
+
+
+def _check_blob_range(blob: Blob, where: str, fqn: str, sizes: dict[str, int], report: ValidationReport,
+                      by_file: dict, owner: tuple[Tensor, Chunk] | None) -> None:
+    """Record the blob's byte range for the overlap sweep, or report why it is bad."""
     if blob.offset < 0 or blob.length < 0:
         report.add(ERROR, "bad-range", f"{blob.file}: {where} has a negative offset or length", blob.file, fqn)
-        return False
+        return
     size = sizes.get(blob.file)
     if size is None:
-        return False  # missing or unsafe file, already reported
+        return  # missing or unsafe file, already reported
     if blob.offset + blob.length > size:
         report.add(ERROR, "beyond-eof", f"{blob.file}: {where} spans bytes {blob.offset}..{blob.offset + blob.length} but the file has {size} bytes (truncated?)", blob.file, fqn)
-        return False
-    by_file[blob.file].append((blob.offset, blob.offset + blob.length, where))
-    return True
+        return
+    by_file[blob.file].append((blob.offset, blob.offset + blob.length, where, owner))
 
 
-def _resolve_safetensors_blobs(checkpoint: Checkpoint, starts: dict, sizes: dict[str, int],
-                               report: ValidationReport, by_file: dict) -> None:
-    """Replace the metadata ranges of tensors stored in one safetensors blob by their real ones.
+def _resolve_safetensors_blobs(checkpoint: Checkpoint, name: str, ranges: list, size: int,
+                               report: ValidationReport) -> list:
+    """Return `ranges` (sorted) with the tensors of each safetensors blob at their real ranges.
 
     With `serialization_format=SAFETENSORS` torch records every tensor of a file at the
     blob's start (length = its element bytes); the safetensors header says where each really
-    is. Only offsets shared by several tensors are looked at, so torch_save checkpoints cost
-    no extra reads.
+    is. Only starts shared by several tensors are looked at, so torch_save checkpoints cost
+    no extra reads. Shared starts that are not safetensors blobs stay as they are (the sweep
+    reports them as overlaps).
     """
-    shared = {key: members for key, members in starts.items() if len(members) > 1}
-    if not shared:
-        return
+    groups: dict[int, list[tuple]] = defaultdict(list)
+    for entry in ranges:
+        if entry[3] is not None:
+            groups[entry[0]].append(entry)
+    resolved: list[tuple] = []
+    replaced: set[int] = set()
     with DataFiles(checkpoint.path) as files:
-        for (name, offset), members in sorted(shared.items(), key=lambda item: item[0]):
-            first_blob = members[0][1].blob
-            try:
-                if not is_safetensors_blob(files, first_blob):
-                    continue  # torch_save records claiming one range: the sweep reports them
-                header, data_start = safetensors_header(files, first_blob, f"{files.path(name)}")
-            except CheckpointError as error:
-                report.add(ERROR, "corrupt-blob", str(error), name, members[0][0].fqn)
+        for offset, members in sorted(groups.items()):
+            if len(members) < 2:
                 continue
-            claimed = {(offset, offset + chunk.blob.length, f"{tensor.fqn} chunk at {list(chunk.offsets)}")
-                       for tensor, chunk in members}
-            by_file[name] = [entry for entry in by_file[name] if entry not in claimed]
-            for tensor, chunk in members:
-                where = f"{tensor.fqn} chunk at {list(chunk.offsets)}"
+            first_tensor, first_chunk = members[0][3]
+            try:
+                if not is_safetensors_blob(files, first_chunk.blob):
+                    continue
+                header, data_start = safetensors_header(files, first_chunk.blob, f"{files.path(name)}")
+            except CheckpointError as error:
+                report.add(ERROR, "corrupt-blob", str(error), name, first_tensor.fqn)
+                continue
+            replaced.add(offset)
+            for _, _, where, (tensor, chunk) in members:
                 info = header.get(tensor.fqn)
                 begin, end = info.get("data_offsets", (None, None)) if isinstance(info, dict) else (None, None)
                 if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
@@ -252,10 +260,12 @@ def _resolve_safetensors_blobs(checkpoint: Checkpoint, starts: dict, sizes: dict
                 start, stop = data_start + begin, data_start + end
                 if stop - start != chunk.blob.length:
                     report.add(ERROR, "size-mismatch", f"{name}: {where} holds {stop - start} bytes in the safetensors header, the metadata says {chunk.blob.length}", name, tensor.fqn)
-                elif stop > sizes[name]:
-                    report.add(ERROR, "beyond-eof", f"{name}: {where} spans bytes {start}..{stop} but the file has {sizes[name]} bytes (truncated?)", name, tensor.fqn)
+                elif stop > size:
+                    report.add(ERROR, "beyond-eof", f"{name}: {where} spans bytes {start}..{stop} but the file has {size} bytes (truncated?)", name, tensor.fqn)
                 else:
-                    by_file[name].append((start, stop, where))
+                    resolved.append((start, stop, where, None))
+    kept = [entry for entry in ranges if entry[3] is None or entry[0] not in replaced]
+    return sorted(kept + resolved, key=_range_order)
 
 
 def _check_geometry(tensor: Tensor, report: ValidationReport) -> None:
@@ -283,6 +293,8 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
     Needs no torch for torch_save and safetensors blobs of plain objects and tensors; torch
     is imported only to decode what must be decoded (zstd, strided records, torch objects).
     """
+    from ckpttool import numerics  # numpy: only --deep pays for its import
+
     broken_files = {p.file for p in report.errors if p.file}
     view = memoryview(bytearray(DEEP_BLOCK))  # one block buffer, refilled in place
     with DataFiles(checkpoint.path) as files:
