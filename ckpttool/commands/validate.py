@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import os
 import stat
 import time
@@ -203,8 +204,7 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
         report.add(WARNING, "orphan-storage", f"{checkpoint.metadata_file}: storage entry for {fqn} in {blob.file} matches no tensor chunk", blob.file, fqn)
 
 
-def _range_order(entry: tuple) -> tuple[int, int, str]:
-    return entry[0], entry[1], entry[2]
+_range_order = operator.itemgetter(0, 1, 2)  # never compare the (tensor, chunk) owners
 
 
 def _check_blob_range(blob: Blob, where: str, fqn: str, sizes: dict[str, int], report: ValidationReport,
