@@ -311,6 +311,24 @@ def test_deep_validation_of_torch_save_checkpoints_never_imports_torch(tmp_path)
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize("fqn, old, new", [("extra.note", b"fixture", b"fixturf"),  # a python object's data.pkl
+                                           (EMBED, b"little", b"big\x00\x00\x00")])  # a tensor record's byteorder
+def test_deep_checks_the_crc_of_every_record_entry_not_only_the_tensor_data(cli, tmp_path, fqn, old, new):
+    path = copy_fixture(tmp_path)
+    checkpoint = read_checkpoint(path)
+    entry = checkpoint.objects.get(fqn) or checkpoint.tensors[fqn]
+    blob = entry.blob if hasattr(entry, "blob") else entry.chunks[0].blob
+    data_file = path / blob.file
+    data = bytearray(data_file.read_bytes())
+    at = data.index(old, blob.offset, blob.offset + blob.length)
+    data[at:at + len(old)] = new
+    data_file.write_bytes(bytes(data))
+    assert validate_json(cli, path)[0] == 0  # metadata and sizes cannot see it
+    status, document = validate_json(cli, path, "--deep")
+    assert status == 1
+    assert any(p["code"] == "checksum" and p["fqn"] == fqn for p in document["problems"]), document["problems"]
+
+
 def test_a_malicious_object_blob_is_refused_under_deep_and_never_executed(cli, tmp_path):
     import io
     import zipfile

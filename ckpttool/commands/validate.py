@@ -29,6 +29,7 @@ from ckpttool.dcp.blobs import (
     iter_blocks,
     locate,
     read_chunk,
+    record_problems,
     safe_relative_path,
     safetensors_header,
 )
@@ -287,6 +288,23 @@ def _check_geometry(tensor: Tensor, report: ValidationReport) -> None:
         report.add(ERROR, "gap", f"{tensor.fqn}: chunks cover {found.covered} of {found.total} elements ({detail} missing)", fqn=tensor.fqn)
 
 
+def _check_record_entries(files: DataFiles, blob: Blob, where: str, fqn: str, report: ValidationReport,
+                          skip_largest: bool) -> None:
+    """Report every entry of a torch.save record (data.pkl, byteorder, ...) whose CRC-32 is
+    off, and damage to the record's zip structure that torch's reader would refuse.
+
+    Not for zstd-transformed blobs or safetensors blobs (no zip record to check)."""
+    try:
+        if blob.transforms or is_safetensors_blob(files, blob):
+            return
+        problems = record_problems(files, blob, where, skip_largest)
+    except CheckpointError as error:
+        report.add(ERROR, "corrupt-blob", str(error), blob.file, fqn)
+        return
+    for kind, message in problems:
+        report.add(ERROR, "checksum" if kind == "checksum" else "corrupt-blob", message, blob.file, fqn)
+
+
 def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport) -> None:
     """Decode every blob: record structure, dtype/shape, CRC-32, NaN/Inf counts.
 
@@ -306,6 +324,7 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
                 if chunk.blob is None or chunk.blob.file not in sizes or chunk.blob.file in broken_files:
                     continue
                 where = f"{chunk.blob.file}: {tensor.fqn} chunk at {list(chunk.offsets)}"
+                _check_record_entries(files, chunk.blob, where, tensor.fqn, report, skip_largest=True)
                 try:
                     raw = locate(files, tensor, chunk)
                     blocks = iter_blocks(files, raw, DEEP_BLOCK, view) if raw else [read_chunk(files, tensor, chunk)]
@@ -322,6 +341,7 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
                 # torch can be told not to record CRCs; a stored 0 means "not recorded"
                 if raw and raw.crc32 and crc != raw.crc32:
                     report.add(ERROR, "checksum", f"{where}: CRC-32 of the data is {crc:08x}, the record says {raw.crc32:08x} (bytes changed on disk)", chunk.blob.file, tensor.fqn)
+
             if nan or inf:
                 report.numerics.append(Numerics(tensor.fqn, nan, inf))
                 report.add(INFO, "non-finite", f"{tensor.fqn}: {nan} NaN and {inf} Inf values", fqn=tensor.fqn)
@@ -329,6 +349,7 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
             if obj.blob is None or obj.blob.file not in sizes or obj.blob.file in broken_files:
                 continue
             where = f"{obj.blob.file}: {obj.fqn}"
+            _check_record_entries(files, obj.blob, where, obj.fqn, report, skip_largest=False)
             try:
                 decode_object(blob_bytes(files, obj.blob, where), where)
                 report.bytes_read += obj.blob.length

@@ -23,6 +23,7 @@ import pickle
 import struct
 import threading
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -39,6 +40,7 @@ _EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on header size
+_ZIP_UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040  # encrypted, compressed patch, strong encryption (miniz)
 MAX_PICKLE_BYTES = 64 << 20  # a torch.save data.pkl for one tensor is a few hundred bytes
 
 
@@ -246,6 +248,9 @@ class _ZipEntry:
     size: int
     crc32: int
     method: int
+    uncompressed_size: int = 0
+    flags: int = 0
+    disk: int = 0  # the disk its local header is on: 0 in any archive torch can read
 
 
 def _zip_entries(files: DataFiles, blob: Blob, where: str) -> dict[str, _ZipEntry]:
@@ -255,15 +260,26 @@ def _zip_entries(files: DataFiles, blob: Blob, where: str) -> dict[str, _ZipEntr
     position = tail.rfind(b"PK\x05\x06", 0, len(tail) - _EOCD.size + 4)
     if position < 0:
         raise CorruptBlob(f"{where}: torch.save record has no zip directory (truncated blob?)")
-    (_, _, _, _, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, position)
-    if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
-        locator = position - _EOCD64_LOCATOR.size
-        if locator < 0 or tail[locator:locator + 4] != b"PK\x06\x07":
-            raise CorruptBlob(f"{where}: zip64 record locator missing")
+    (_, disk, directory_disk, on_disk, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, position)
+    if disk not in (0, 0xFFFF) or directory_disk not in (0, 0xFFFF) or on_disk != count:
+        raise CorruptBlob(f"{where}: torch.save record's zip end record is damaged")
+    locator = position - _EOCD64_LOCATOR.size
+    has_zip64 = locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07"
+    if has_zip64:
+        # torch writes zip64 end records (miniz) and its reader trusts them over the classic one
         (_, _, eocd64_offset, _) = _EOCD64_LOCATOR.unpack_from(tail, locator)
-        raw = files.read(blob.file, blob.offset + eocd64_offset, _EOCD64.size)
-        fields = _EOCD64.unpack(raw)
+        if eocd64_offset + _EOCD64.size > blob.length:
+            raise CorruptBlob(f"{where}: zip64 end record lies outside the blob")
+        fields = _EOCD64.unpack(files.read(blob.file, blob.offset + eocd64_offset, _EOCD64.size))
+        if fields[0] != 0x06064B50 or fields[6] != fields[7]:
+            raise CorruptBlob(f"{where}: torch.save record's zip64 end record is damaged")
+        classic = (count, cd_size, cd_offset)
         count, cd_size, cd_offset = fields[7], fields[8], fields[9]
+        saturated = (0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+        if any(old != new and old != cap for old, new, cap in zip(classic, (count, cd_size, cd_offset), saturated)):
+            raise CorruptBlob(f"{where}: torch.save record's zip end records disagree")
+    elif count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+        raise CorruptBlob(f"{where}: zip64 record locator missing")
     if cd_offset + cd_size > blob.length:
         raise CorruptBlob(f"{where}: zip directory lies outside the blob")
     directory = files.read(blob.file, blob.offset + cd_offset, cd_size)
@@ -278,7 +294,7 @@ def _zip_entries(files: DataFiles, blob: Blob, where: str) -> dict[str, _ZipEntr
         name = directory[at + 46:at + 46 + name_length].decode("utf-8", "replace")
         extra = directory[at + 46 + name_length:at + 46 + name_length + extra_length]
         usize, csize, local_offset = _zip64_extra(extra, usize, csize, local_offset)
-        entries[name] = _ZipEntry(name, local_offset, csize, crc, method)
+        entries[name] = _ZipEntry(name, local_offset, csize, crc, method, usize, fields[3], fields[13])
         at += 46 + name_length + extra_length + comment_length
     return entries
 
@@ -324,6 +340,74 @@ def _find_entry(entries: dict[str, _ZipEntry], suffix: str) -> _ZipEntry | None:
     for name, entry in entries.items():
         if name == suffix or name.endswith("/" + suffix):
             return entry
+    return None
+
+
+def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool) -> list[tuple[str, str]]:
+    """Return what is wrong with the torch.save record in `blob` as (kind, message) pairs:
+    kind "checksum" for an entry whose bytes do not match its CRC-32, "structure" for what
+    torch's PyTorchStreamReader would refuse (entries outside one `<name>/` folder, a missing
+    `data.pkl` or `version`, a local header that is damaged or names another entry).
+
+    With `skip_largest` the largest entry (a tensor's data, checked while it streams) is left
+    out and only the bytes around it are read: two reads per record, whatever its size.
+    """
+    try:
+        entries = list(_zip_entries(files, blob, where).values())
+    except CorruptBlob as error:
+        return [("structure", str(error))]
+    problems = []
+    folders = {entry.name.split("/", 1)[0] for entry in entries}
+    if len(folders) != 1 or any("/" not in entry.name for entry in entries):
+        problems.append(("structure", f"{where}: record entries are not all in one folder ({', '.join(sorted(e.name for e in entries)[:6])})"))
+    for required in ("data.pkl", "version"):
+        if _find_entry({e.name: e for e in entries}, required) is None and not (
+                required == "version" and _find_entry({e.name: e for e in entries}, ".data/version")):
+            problems.append(("structure", f"{where}: record has no {required} entry"))
+    for entry in entries:  # what miniz (torch's zip reader) refuses when it opens an archive
+        if entry.method != 0 or entry.size != entry.uncompressed_size:
+            problems.append(("structure", f"{where}: zip entry {entry.name} is not stored uncompressed (method {entry.method}, {entry.size} of {entry.uncompressed_size} bytes)"))
+        if entry.flags & _ZIP_UNSUPPORTED_FLAGS or entry.disk not in (0, 0xFFFF):
+            problems.append(("structure", f"{where}: zip entry {entry.name} has damaged flags or disk fields"))
+        if entry.local_offset + _LOCAL.size + entry.size > blob.length:
+            problems.append(("structure", f"{where}: zip entry {entry.name} runs past the end of its record"))
+    largest = max(entries, key=lambda entry: entry.size, default=None)
+    if largest is None:
+        return problems
+    regions = [(0, blob.length)]
+    if skip_largest:
+        try:
+            data_start = _entry_data_offset(files, blob, largest, where) - blob.offset
+        except CheckpointError as error:
+            return problems + [("structure", str(error))]
+        regions = [(0, data_start), (data_start + largest.size, blob.length)]
+    buffers = [(start, files.read(blob.file, blob.offset + start, end - start)) for start, end in regions if end > start]
+    for entry in entries:
+        if skip_largest and entry is largest:
+            continue
+        content = _entry_in(buffers, entry)
+        if content is None:
+            problems.append(("structure", f"{where}: zip entry {entry.name} has a damaged local header"))
+        elif zlib.crc32(content) != entry.crc32:
+            problems.append(("checksum", f"{where}: record entry {entry.name} does not match its CRC-32 (bytes changed on disk)"))
+    return problems
+
+
+def _entry_in(buffers: list[tuple[int, bytes]], entry: _ZipEntry) -> bytes | None:
+    """Return an entry's stored bytes from the buffer holding its local header and data, or
+    None when that header is damaged or names another entry."""
+    name = entry.name.encode("utf-8")
+    for start, buffer in buffers:
+        at = entry.local_offset - start
+        if 0 <= at and at + _LOCAL.size <= len(buffer):
+            fields = _LOCAL.unpack_from(buffer, at)
+            name_start = at + _LOCAL.size
+            if fields[0] != 0x04034B50 or buffer[name_start:name_start + fields[9]] != name:
+                return None
+            begin = name_start + fields[9] + fields[10]
+            if begin + entry.size <= len(buffer):
+                return buffer[begin:begin + entry.size]
+            return None
     return None
 
 
