@@ -1,8 +1,6 @@
 """`python -m train_minimal ...`: see train_minimal/launch.py."""
 
-import sys
-
-from train_minimal.launch import main
+from train_minimal.launch import exit_now, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -9,6 +9,7 @@ start from this module (multiprocessing cannot import a package's `__main__`).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -78,7 +79,25 @@ def free_port() -> int:
 def _spawned_rank(config: TrainConfig, rank: int, world_size: int, port: int) -> None:
     faulthandler.enable()  # a crash in native code still leaves a Python stack on stderr
     os.environ.update(rank_environment(rank, world_size, port))
-    sys.exit(_run_rank(config))
+    exit_now(_run_rank(config))
+
+
+def exit_now(status: int) -> None:
+    """End this process with `status` once its output is flushed, skipping interpreter teardown.
+
+    Every rank has finished its work by then (checkpoints published, async saves awaited,
+    logs closed, process group destroyed). What is left is the interpreter's teardown, where
+    torch's gloo worker threads are sometimes still joinable and abort the process with
+    "terminate called without an active exception" (pytorch/pytorch#190489): a finished run
+    would then exit with SIGABRT. Seen here once in CI on a world-1 resume.
+    """
+    atexit._run_exitfuncs()  # what atexit would run anyway (multiprocessing's cleanup among it)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _run_rank(config: TrainConfig) -> int:

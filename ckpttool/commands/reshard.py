@@ -223,7 +223,8 @@ def _verify(destination: Path, plan: ReshardPlan, sources: _Sources) -> None:
                 for run in chunk.runs:
                     at = raw.offset + run.target_offset
                     for block in sources.blocks(source, run.source_chunk, run.source_offset, run.length, decoded):
-                        if out.read(raw.file, at, len(block)) != block:
+                        # bytes == bytes is a memcmp; a memoryview compares element by element, 40x slower
+                        if out.read(raw.file, at, len(block)) != bytes(block):
                             raise VerificationFailed(
                                 f"{out.path(raw.file)}: {chunk.fqn} chunk at {list(chunk.offsets)} differs "
                                 f"from the source at byte {at - raw.offset}"
