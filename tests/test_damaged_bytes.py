@@ -60,7 +60,7 @@ def test_damaged_checkpoints_fail_cleanly_in_every_command(cli, tmp_path, seed):
         ("validate", source, "--deep"),
         ("consolidate", source, out / "model.safetensors", "--quiet"),
         ("consolidate", source, out / "all.pt", "--all", "--quiet"),
-        ("reshard", source, out / "world5", "--world", "5", "--quiet"),
+        ("reshard", source, out / "world5", "--world", "5", "--verify", "--quiet"),
     ]
     for command in commands:
         result = cli(*command)  # an unexpected exception fails the test with its traceback

@@ -305,6 +305,26 @@ def test_cli_dry_run_prints_each_target_rank_and_writes_nothing(cli, tmp_path):
     assert "__3_0.distcp" in lines[4] and "bytes" in lines[4]
 
 
+def test_verify_catches_a_byte_that_differs_from_the_source_and_keeps_nothing(monkeypatch, tmp_path):
+    from ckpttool.commands import reshard as reshard_module
+    from ckpttool.errors import VerificationFailed
+
+    real_write_at = reshard_module.write_at
+    flipped = []
+
+    def write_at_then_flip_the_first_tensor_byte(fd, data, offset):
+        real_write_at(fd, data, offset)
+        # tensor bytes stream from a reused buffer (memoryview); record heads and tails are bytes
+        if isinstance(data, memoryview) and len(data) and not flipped:
+            os.pwrite(fd, bytes([data[0] ^ 0xFF]), offset)
+            flipped.append(offset)
+
+    monkeypatch.setattr(reshard_module, "write_at", write_at_then_flip_the_first_tensor_byte)
+    with pytest.raises(VerificationFailed, match="differs from the source"):
+        reshard(FIXTURES / "fsdp2_world3_uneven", tmp_path / "out", 2, threads=1, verify=True)
+    assert flipped and list(tmp_path.iterdir()) == []
+
+
 def test_cli_refuses_an_existing_destination_without_force(cli, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("x")

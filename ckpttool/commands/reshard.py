@@ -207,40 +207,55 @@ def _copy_object(files: DataFiles, fd: int, obj: StoredObject, source_file: str,
 # Verification: read the output back through the reader, compare with the source
 
 
-def _verify(destination: Path, plan: ReshardPlan, sources: _Sources) -> None:
+def _verify(destination: Path, plan: ReshardPlan, sources: _Sources, threads: int, budget: int) -> None:
+    """Read the written checkpoint back through the reader and compare every chunk and object
+    with the source, on the thread pool; raise VerificationFailed at the first difference."""
     written = read_checkpoint(destination)
+    stored_chunks = {(fqn, chunk.offsets): chunk for fqn, tensor in written.tensors.items() for chunk in tensor.chunks}
     with DataFiles(destination) as out:
-        for rank_file in plan.files:
-            for chunk in rank_file.chunks:
-                tensor = written.tensors.get(chunk.fqn)
-                stored = next((c for c in tensor.chunks if c.offsets == chunk.offsets), None) if tensor else None
-                if stored is None or stored.sizes != chunk.sizes or stored.blob.file != rank_file.name:
-                    raise VerificationFailed(f"{destination}: {chunk.fqn} chunk at {list(chunk.offsets)} is missing from the written metadata")
-                raw = locate(out, tensor, stored)
-                source = sources.checkpoint.tensors[chunk.fqn]
-                crc = 0
-                decoded: dict[int, bytes] = {}
-                for run in chunk.runs:
-                    at = raw.offset + run.target_offset
-                    for block in sources.blocks(source, run.source_chunk, run.source_offset, run.length, decoded):
-                        # bytes == bytes is a memcmp; a memoryview compares element by element, 40x slower
-                        if out.read(raw.file, at, len(block)) != bytes(block):
-                            raise VerificationFailed(
-                                f"{out.path(raw.file)}: {chunk.fqn} chunk at {list(chunk.offsets)} differs "
-                                f"from the source at byte {at - raw.offset}"
-                            )
-                        crc = zlib.crc32(block, crc)
-                        at += len(block)
-                if raw.crc32 is not None and raw.crc32 != crc:
-                    raise VerificationFailed(f"{out.path(raw.file)}: {chunk.fqn} chunk at {list(chunk.offsets)}: CRC-32 mismatch")
-            for obj in rank_file.objects:
-                stored = written.objects.get(obj.fqn)
-                if stored is None or stored.blob is None:
-                    raise VerificationFailed(f"{destination}: {obj.fqn} is missing from the written metadata")
-                if out.read(stored.blob.file, stored.blob.offset, stored.blob.length) != sources.files.read(
-                    obj.source.file, obj.source.offset, obj.source.length
-                ):
-                    raise VerificationFailed(f"{destination}: {obj.fqn} differs from the source")
+
+        def check_chunk(rank_file, chunk: TargetChunk) -> int:
+            stored = stored_chunks.get((chunk.fqn, chunk.offsets))
+            if stored is None or stored.sizes != chunk.sizes or stored.blob is None or stored.blob.file != rank_file.name:
+                raise VerificationFailed(f"{destination}: {chunk.fqn} chunk at {list(chunk.offsets)} is missing from the written metadata")
+            raw = locate(out, written.tensors[chunk.fqn], stored)
+            source = sources.checkpoint.tensors[chunk.fqn]
+            crc = 0
+            decoded: dict[int, bytes] = {}
+            for run in chunk.runs:
+                at = raw.offset + run.target_offset
+                for block in sources.blocks(source, run.source_chunk, run.source_offset, run.length, decoded):
+                    # bytes against bytes is one memcmp; against a memoryview, element by element
+                    if out.read(raw.file, at, len(block)) != bytes(block):
+                        raise VerificationFailed(
+                            f"{out.path(raw.file)}: {chunk.fqn} chunk at {list(chunk.offsets)} differs "
+                            f"from the source at byte {at - raw.offset}"
+                        )
+                    crc = zlib.crc32(block, crc)
+                    at += len(block)
+            if raw.crc32 is not None and raw.crc32 != crc:
+                raise VerificationFailed(f"{out.path(raw.file)}: {chunk.fqn} chunk at {list(chunk.offsets)}: CRC-32 mismatch")
+            return chunk.nbytes
+
+        def check_object(obj) -> int:
+            stored = written.objects.get(obj.fqn)
+            if stored is None or stored.blob is None:
+                raise VerificationFailed(f"{destination}: {obj.fqn} is missing from the written metadata")
+            if out.read(stored.blob.file, stored.blob.offset, stored.blob.length) != sources.files.read(
+                obj.source.file, obj.source.offset, obj.source.length
+            ):
+                raise VerificationFailed(f"{destination}: {obj.fqn} differs from the source")
+            return 0
+
+        def tasks() -> Iterator[Task]:
+            for rank_file in plan.files:
+                for chunk in rank_file.chunks:
+                    yield Task(lambda rank_file=rank_file, chunk=chunk: check_chunk(rank_file, chunk),
+                               2 * _memory_of(chunk, sources.checkpoint))
+                for obj in rank_file.objects:
+                    yield Task(lambda obj=obj: check_object(obj), 2 * obj.source.length)
+
+        run_tasks(tasks(), threads, budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +342,7 @@ def reshard(
         except OSError as error:
             raise WriteFailed(f"{destination}: writing .metadata failed ({error.strerror or error})") from None
         if verify:
-            _verify(temp, plan, sources)
+            _verify(temp, plan, sources, threads, budget)
     file_bytes = sum(layout.size for layout in layouts)
     return ReshardReport(
         source, destination, plan, time.perf_counter() - started, plan.nbytes, file_bytes, verified=verify
