@@ -566,11 +566,7 @@ def cast(data: bytes, source_dtype: str, dtype: str) -> bytes:
     `tensor.to(dtype)` converts them."""
     if source_dtype == dtype or not data:
         return data
-    import torch
-
-    values = torch.frombuffer(bytearray(data), dtype=getattr(torch, source_dtype))
-    converted = values.to(getattr(torch, dtype))
-    return converted.view(torch.uint8).numpy().tobytes()
+    return bytes(cast_in_place(bytearray(data), len(data), source_dtype, dtype))
 
 
 def _storage_crcs(plan: ConsolidatePlan, fd: int, name: str) -> dict[str, int]:

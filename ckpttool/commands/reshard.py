@@ -160,7 +160,6 @@ class _Sources:
             yield block  # valid until the next block: the caller writes it before asking again
 
 
-
 def _memory_of(chunk: TargetChunk, checkpoint: Checkpoint) -> int:
     """Bytes a chunk's task holds: one block, or whole source chunks that must be decoded."""
     tensor = checkpoint.tensors[chunk.fqn]

@@ -341,7 +341,6 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
                 # torch can be told not to record CRCs; a stored 0 means "not recorded"
                 if raw and raw.crc32 and crc != raw.crc32:
                     report.add(ERROR, "checksum", f"{where}: CRC-32 of the data is {crc:08x}, the record says {raw.crc32:08x} (bytes changed on disk)", chunk.blob.file, tensor.fqn)
-
             if nan or inf:
                 report.numerics.append(Numerics(tensor.fqn, nan, inf))
                 report.add(INFO, "non-finite", f"{tensor.fqn}: {nan} NaN and {inf} Inf values", fqn=tensor.fqn)

@@ -360,9 +360,10 @@ def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool
     folders = {entry.name.split("/", 1)[0] for entry in entries}
     if len(folders) != 1 or any("/" not in entry.name for entry in entries):
         problems.append(("structure", f"{where}: record entries are not all in one folder ({', '.join(sorted(e.name for e in entries)[:6])})"))
-    for required in ("data.pkl", "version"):
-        if _find_entry({e.name: e for e in entries}, required) is None and not (
-                required == "version" and _find_entry({e.name: e for e in entries}, ".data/version")):
+    by_name = {entry.name: entry for entry in entries}
+    # torch's reader wants data.pkl and a version record (`version`, or `.data/version`)
+    for required, alternatives in (("data.pkl", ("data.pkl",)), ("version", ("version", ".data/version"))):
+        if all(_find_entry(by_name, name) is None for name in alternatives):
             problems.append(("structure", f"{where}: record has no {required} entry"))
     for entry in entries:  # what miniz (torch's zip reader) refuses when it opens an archive
         if entry.method != 0 or entry.size != entry.uncompressed_size:
