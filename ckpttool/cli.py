@@ -24,7 +24,7 @@ def reports_errors(command):
         try:
             return command(*args, **kwargs)
         except CheckpointError as error:
-            click.echo(f"error: {error}", err=True)
+            click.echo(f"error: [{error.code}] {error}", err=True)
             sys.exit(error.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was left half-written", err=True)

@@ -11,41 +11,68 @@ EXIT_USAGE = 2  # click's own code for usage errors
 
 
 class CheckpointError(Exception):
-    """Base of every error about a checkpoint or an operation on one."""
+    """Base of every error about a checkpoint or an operation on one.
+
+    `code` is the stable problem code (the same `validate` reports, see README); `exit_code`
+    what the CLI exits with.
+    """
 
     exit_code = EXIT_INVALID
+    code = "failed"
 
 
 class NotACheckpoint(CheckpointError):
     """The directory holds no DCP `.metadata` file."""
 
+    code = "no-metadata"
+
 
 class UnsafeMetadata(CheckpointError):
     """A pickle asked for a class outside the allowlist; nothing from it was executed."""
+
+    code = "metadata-unsafe"
 
 
 class CorruptMetadata(CheckpointError):
     """`.metadata` could not be decoded (truncated, garbage, or not DCP metadata)."""
 
+    code = "metadata-unreadable"
+
 
 class MissingFile(CheckpointError):
     """A data file that the metadata references does not exist."""
+
+    code = "missing-file"
 
 
 class CorruptBlob(CheckpointError):
     """A blob's bytes do not decode, or disagree with the metadata (size, dtype, shape)."""
 
+    code = "corrupt-blob"
+
 
 class UnsupportedFormat(CheckpointError):
     """A blob uses a transform or layout this build cannot read (e.g. zstd without `zstandard`)."""
 
+    code = "unsupported"
+
 
 class InvalidCheckpoint(CheckpointError):
-    """`validate` found problems; the message lists them."""
+    """The integrity gate found errors; `code` and the message are those of the first, and
+    `problems` holds them all (what `ckpttool validate` would list)."""
+
+    code = "invalid"
+
+    def __init__(self, message: str, code: str = "invalid", problems: tuple = ()):
+        super().__init__(message)
+        self.code = code
+        self.problems = problems
 
 
 class OutputExists(CheckpointError):
     """The destination exists and `--force` was not given."""
+
+    code = "output-exists"
 
     exit_code = EXIT_USAGE
 
@@ -53,9 +80,13 @@ class OutputExists(CheckpointError):
 class KeyCollision(CheckpointError):
     """Renaming or normalising keys made two tensors share one name."""
 
+    code = "key-collision"
+
 
 class UsageError(CheckpointError):
     """Arguments that do not fit the checkpoint (unknown dtype name, bad size string, ...)."""
+
+    code = "usage"
 
     exit_code = EXIT_USAGE
 
@@ -64,6 +95,10 @@ class WriteFailed(CheckpointError):
     """Writing an output failed (disk full, file size limit, I/O error); nothing was left
     at the destination."""
 
+    code = "write-failed"
+
 
 class VerificationFailed(CheckpointError):
     """`--verify` read back the output and found bytes that differ from the source."""
+
+    code = "verify-failed"

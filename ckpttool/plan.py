@@ -24,8 +24,7 @@ from typing import Mapping
 from ckpttool import dtypes
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.metadata import Chunk, Tensor
-from ckpttool.errors import CorruptMetadata
-from ckpttool.layout import coverage, row_major_runs
+from ckpttool.layout import row_major_runs
 
 CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
 
@@ -172,17 +171,6 @@ def unique_chunks(tensor: Tensor) -> list[tuple[int, Chunk]]:
         seen.add(box)
         chunks.append((index, chunk))
     return chunks
-
-
-def check_coverage(tensor: Tensor, source: str) -> None:
-    """Raise CorruptMetadata unless the chunks cover every element of the tensor."""
-    boxes = [(c.offsets, c.sizes) for _, c in unique_chunks(tensor)]
-    found = coverage(boxes, tensor.shape)
-    if found.covered != found.total:
-        raise CorruptMetadata(
-            f"{source}: {tensor.fqn}: chunks cover {found.covered} of {found.total} elements "
-            "(missing or overlapping shards; run `ckpttool validate`)"
-        )
 
 
 def plan_tensor(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ckpttool import dtypes
+from ckpttool import dtypes, integrity
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, iter_blocks, load_torch_bytes, locate, read_chunk
 from ckpttool.dcp.metadata import Checkpoint, Tensor, read_checkpoint
 from ckpttool.errors import (
@@ -46,7 +46,6 @@ from ckpttool.plan import (
     OutputObject,
     OutputTensor,
     Tie,
-    check_coverage,
     plan_tensor,
     target_dtype,
     unique_chunks,
@@ -176,6 +175,7 @@ def consolidate(
     if not dry_run:
         check_destination(target, force)
     checkpoint = read_checkpoint(source)
+    integrity.gate(checkpoint)
     progress = progress or no_progress
 
     with DataFiles(checkpoint.path) as files:
@@ -232,12 +232,6 @@ def build_plan(
             f"{source}: {len(object_keys)} selected entries are python objects, not tensors ({names}); "
             "safetensors holds tensors only: write a .pt file, or leave them out with --filter"
         )
-    for key, fqn in tensor_keys.items():
-        tensor = checkpoint.tensors[fqn]
-        if tensor.itemsize == 0:
-            raise CorruptMetadata(f"{source}: {fqn}: unknown dtype {tensor.dtype!r}")
-        check_coverage(tensor, source)
-
     located = locate_chunks(files, [checkpoint.tensors[f] for f in tensor_keys.values()], threads)
     ties = find_ties(files, {k: checkpoint.tensors[f] for k, f in tensor_keys.items()}, located)
     dropped = tuple(sorted(t.dropped for t in ties)) if drop_tied else ()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ckpttool import integrity
 from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
 from ckpttool.dcp.metadata import Checkpoint, Tensor, read_checkpoint
 from ckpttool.dcp.writer import (
@@ -295,6 +296,7 @@ def reshard(
     if threads < 1:
         raise UsageError("--threads must be at least 1")
     checkpoint = read_checkpoint(source)
+    integrity.gate(checkpoint)
     destination = Path(dst) if dst is not None else default_destination(source, target_mesh)
     if destination.resolve() == source.resolve():
         raise UsageError(f"{destination}: the destination is the source checkpoint; choose another directory")
