@@ -1,5 +1,9 @@
 """TrainConfig: every setting of a run, its presets, and the command line that fills it.
 
+Each setting is declared once, as a TrainConfig field: its default, its help line and any
+flag detail (choices, metavar, action) sit in the field, and `build_parser` makes one flag
+per field (`seq_len` is `--seq-len`, its type comes from the annotation).
+
 This module does not import torch, so the launcher can parse and reject a command line
 in a fraction of a second before it spawns any rank.
 
@@ -14,7 +18,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass
+from typing import Any
 
 # Model sizes: (dim, layers, heads, vocab, seq_len). Vocab 256 holds every byte of a
 # `--data` file; the synthetic corpus only uses ASCII (< 128), so `tiny` keeps 128.
@@ -42,57 +48,104 @@ class ConfigError(ValueError):
     """A setting or a combination of settings that cannot work; the message says which."""
 
 
+def setting(default: Any, help: str, *, section: str | None = None, flag_default: Any = dataclasses.MISSING,
+            **flag_options: Any) -> Any:
+    """Return a TrainConfig field that also declares its command-line flag.
+
+    `help` is the flag's help line (--help appends the flag's default). `section` opens a
+    --help section of that title, holding this setting and the ones after it. The flag's
+    default is `default` unless `flag_default` says otherwise: None lets resolve() tell an
+    omitted flag from a given one, then derive the value (from --size, --steps, --replicate)
+    or leave `default` in place. `flag_options` go to add_argument as they are (choices,
+    metavar, action, nargs, const); a bool setting is a store_true flag unless it names an action.
+
+    Example:
+        lr: float = setting(3e-3, "peak learning rate")  # --lr LR, a float, default 0.003
+        stop_at: int | None = setting(None, "end after STEP steps", metavar="STEP")  # --stop-at STEP, an int
+    """
+    if flag_default is not dataclasses.MISSING:
+        flag_options["default"] = flag_default
+    return dataclasses.field(default=default, metadata={"help": help, "section": section, "flag": flag_options})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Every setting of a run, after presets and defaults are resolved."""
+    """Every setting of a run, after presets and defaults are resolved; each field is also a
+    flag of `python -m train_minimal` (see `setting`)."""
 
-    # model
-    size: str = DEFAULT_SIZE
-    dim: int = 32
-    layers: int = 2
-    heads: int = 2
-    vocab: int = 128
-    seq_len: int = 32
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-    # data
-    data: str | None = None
-    global_batch: int = DEFAULT_GLOBAL_BATCH
-    seed: int = 0
-    # schedule and optimizer
-    steps: int = 100
-    stop_at: int | None = None
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    # launch
-    nproc: int | None = None
-    device: str = "auto"
-    threads: int | None = None
-    # parallelism
-    fsdp: int = 2
-    reshard_after_forward: bool = True
-    replicate: int = 1
-    sharding_strategy: str = "FULL_SHARD"
-    wrap: str = "transformer"
-    wrap_min_params: int = DEFAULT_WRAP_MIN_PARAMS
-    backward_prefetch: str = "pre"
-    mixed_precision: str = "fp32"
-    param_dtype: str = "float32"
-    cpu_offload: bool = False
-    # checkpointing
-    ckpt_dir: str | None = None
-    save_every: int | None = None
-    keep: int | None = None
-    resume: str | None = None
-    async_save: bool = False
-    init_from: str | None = None
-    export: str | None = None
-    # logging
-    log_file: str | None = None
-    quiet: bool = False
+    size: str = setting(DEFAULT_SIZE, "preset for --dim --layers --heads --vocab --seq-len (explicit flags win)",
+                        section="model", choices=sorted(PRESETS))
+    dim: int = setting(32, "embedding width (default: from --size)", flag_default=None)
+    layers: int = setting(2, "number of transformer blocks (default: from --size)", flag_default=None)
+    heads: int = setting(2, "attention heads; must divide --dim (default: from --size)", flag_default=None)
+    vocab: int = setting(128, "vocabulary size; tokens are bytes, so --data needs 256 (default: from --size)",
+                         flag_default=None)
+    seq_len: int = setting(32, "tokens per sample (default: from --size)", flag_default=None)
+    tie_embeddings: bool = setting(False, "compute logits with the token embedding matrix "
+                                          "instead of a separate lm_head", action=argparse.BooleanOptionalAction)
+    dropout: float = setting(0.0, "dropout probability (uses the per-rank RNG that checkpoints store)")
+
+    data: str | None = setting(None, "train on this file's bytes instead of the built-in synthetic arithmetic corpus",
+                               section="data", metavar="FILE")
+    global_batch: int = setting(DEFAULT_GLOBAL_BATCH,
+                                "samples per step over all ranks; each rank takes global_batch / world_size")
+    seed: int = setting(0, "seed of the model init, the data stream and the RNGs")
+
+    steps: int = setting(100, "total steps of the run; defines the LR schedule; a resumed run continues up to it",
+                         section="schedule and optimizer (AdamW)")
+    stop_at: int | None = setting(None, "end this invocation after STEP steps (and save), as a preempted job would; "
+                                        "the schedule still follows --steps", metavar="STEP")
+    lr: float = setting(3e-3, "peak learning rate")
+    min_lr_ratio: float = setting(0.1, "cosine decays to lr * this at --steps")
+    warmup_steps: int = setting(10, "linear warmup steps (default: 10%% of --steps, at least 1)", flag_default=None)
+    weight_decay: float = setting(0.1, "AdamW weight decay")
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 disables")
+
+    nproc: int | None = setting(None, "spawn this many local ranks "
+                                      "(default 1; not allowed under torchrun, which sets the world)", section="launch")
+    device: str = setting("auto", "auto: cuda (nccl) when available, else cpu (gloo)", choices=("auto", "cpu", "cuda"))
+    threads: int | None = setting(None, "torch CPU threads per rank (default: CPU cores / local ranks, at least 1)")
+
+    fsdp: int = setting(2, "2: fully_shard (FSDP2, DTensor); 1: FullyShardedDataParallel (FSDP1)",
+                        section="parallelism", choices=(1, 2))
+    reshard_after_forward: bool = setting(True, "FSDP2: free gathered parameters after forward (ZeRO-3, default) "
+                                                "or keep them until backward (ZeRO-2)",
+                                          flag_default=None, action=argparse.BooleanOptionalAction)
+    replicate: int = setting(1, "HSDP: R replicas x world/R shards on a 2-D mesh (FSDP1: with HYBRID_SHARD)")
+    sharding_strategy: str = setting("FULL_SHARD", "FSDP1 sharding strategy "
+                                                   "(default FULL_SHARD; HYBRID_SHARD when --replicate > 1)",
+                                     flag_default=None, choices=SHARDING_STRATEGIES)
+    wrap: str = setting("transformer", "FSDP1 auto-wrap: one unit per block, or by --wrap-min-params "
+                                       "(default transformer)", flag_default=None, choices=("transformer", "size"))
+    wrap_min_params: int = setting(DEFAULT_WRAP_MIN_PARAMS, f"FSDP1 --wrap size threshold "
+                                                            f"(default {DEFAULT_WRAP_MIN_PARAMS})", flag_default=None)
+    backward_prefetch: str = setting("pre", "FSDP1 BackwardPrefetch: BACKWARD_PRE, BACKWARD_POST or off (default pre)",
+                                     flag_default=None, choices=("pre", "post", "none"))
+    mixed_precision: str = setting("fp32", "bf16: compute with bf16 parameters, reduce gradients in fp32, "
+                                           "keep fp32 sharded weights and optimizer state", choices=("fp32", "bf16"))
+    param_dtype: str = setting("float32", "dtype of the stored (sharded) parameters and optimizer state; "
+                                          "bfloat16 trains fully in bf16 and writes bf16 checkpoints",
+                               choices=("float32", "bfloat16"))
+    cpu_offload: bool = setting(False, "keep sharded parameters, gradients and optimizer state in CPU memory "
+                                       "(needs an accelerator; an error on a CPU-only run)")
+
+    ckpt_dir: str | None = setting(None, "save DCP checkpoints to DIR/step-00000010/ ...",
+                                   section="checkpointing", metavar="DIR")
+    save_every: int | None = setting(None, "save every K steps and at the last step of the invocation "
+                                           "(default with --ckpt-dir: only at the last step)", metavar="K")
+    keep: int | None = setting(None, "keep only the newest K checkpoints (default: all)", metavar="K")
+    resume: str | None = setting(None, "resume from DIR/latest (no value) or from PATH "
+                                       "(a step directory, or a checkpoint directory whose latest is used)",
+                                 nargs="?", const="latest", metavar="PATH")
+    async_save: bool = setting(False, "save with dcp.async_save: stage to CPU, write in a background thread")
+    init_from: str | None = setting(None, "load full model weights (fresh optimizer and schedule) before training",
+                                    metavar="FILE.safetensors|HF_FOLDER")
+    export: str | None = setting(None, "write the full model state dict from rank 0 at the end",
+                                 metavar="OUT.safetensors")
+
+    log_file: str | None = setting(None, "append one JSON line per step: loss, lr, tokens/s, per-rank bytes "
+                                         "and peak RSS", section="logging", metavar="run.jsonl")
+    quiet: bool = setting(False, "no progress bar")
 
     @property
     def last_step(self) -> int:
@@ -125,98 +178,23 @@ def incompatible_fields(saved: dict, config: TrainConfig) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the argparse parser of `python -m train_minimal`."""
+    """Return the argparse parser of `python -m train_minimal`: one flag per TrainConfig field."""
     parser = argparse.ArgumentParser(
         prog="python -m train_minimal",
         description="Train a small GPT with FSDP and save sharded torch.distributed.checkpoint (DCP) checkpoints.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    model = parser.add_argument_group("model")
-    model.add_argument("--size", choices=sorted(PRESETS), default=DEFAULT_SIZE,
-                       help="preset for --dim --layers --heads --vocab --seq-len (explicit flags win)")
-    model.add_argument("--dim", type=int, help="embedding width (default: from --size)")
-    model.add_argument("--layers", type=int, help="number of transformer blocks (default: from --size)")
-    model.add_argument("--heads", type=int, help="attention heads; must divide --dim (default: from --size)")
-    model.add_argument("--vocab", type=int, help="vocabulary size; tokens are bytes, so --data needs 256 (default: from --size)")
-    model.add_argument("--seq-len", type=int, help="tokens per sample (default: from --size)")
-    model.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=False,
-                       help="compute logits with the token embedding matrix instead of a separate lm_head")
-    model.add_argument("--dropout", type=float, default=0.0,
-                       help="dropout probability (uses the per-rank RNG that checkpoints store)")
-
-    data = parser.add_argument_group("data")
-    data.add_argument("--data", metavar="FILE",
-                      help="train on this file's bytes instead of the built-in synthetic arithmetic corpus")
-    data.add_argument("--global-batch", type=int, default=DEFAULT_GLOBAL_BATCH,
-                      help="samples per step over all ranks; each rank takes global_batch / world_size")
-    data.add_argument("--seed", type=int, default=0, help="seed of the model init, the data stream and the RNGs")
-
-    schedule = parser.add_argument_group("schedule and optimizer (AdamW)")
-    schedule.add_argument("--steps", type=int, default=100,
-                          help="total steps of the run; defines the LR schedule; a resumed run continues up to it")
-    schedule.add_argument("--stop-at", type=int, metavar="STEP",
-                          help="end this invocation after STEP steps (and save), as a preempted job would; "
-                               "the schedule still follows --steps")
-    schedule.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    schedule.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this at --steps")
-    schedule.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: 10%% of --steps, at least 1)")
-    schedule.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    schedule.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 disables")
-
-    launch = parser.add_argument_group("launch")
-    launch.add_argument("--nproc", type=int,
-                        help="spawn this many local ranks (default 1; not allowed under torchrun, which sets the world)")
-    launch.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda (nccl) when available, else cpu (gloo)")
-    launch.add_argument("--threads", type=int,
-                        help="torch CPU threads per rank (default: CPU cores / local ranks, at least 1)")
-
-    parallel = parser.add_argument_group("parallelism")
-    parallel.add_argument("--fsdp", type=int, choices=(1, 2), default=2,
-                          help="2: fully_shard (FSDP2, DTensor); 1: FullyShardedDataParallel (FSDP1)")
-    parallel.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
-                          help="FSDP2: free gathered parameters after forward (ZeRO-3, default) or keep them "
-                               "until backward (ZeRO-2)")
-    parallel.add_argument("--replicate", type=int, default=1,
-                          help="HSDP: R replicas x world/R shards on a 2-D mesh (FSDP1: with HYBRID_SHARD)")
-    parallel.add_argument("--sharding-strategy", choices=SHARDING_STRATEGIES,
-                          help="FSDP1 sharding strategy (default FULL_SHARD; HYBRID_SHARD when --replicate > 1)")
-    parallel.add_argument("--wrap", choices=("transformer", "size"),
-                          help="FSDP1 auto-wrap: one unit per block, or by --wrap-min-params (default transformer)")
-    parallel.add_argument("--wrap-min-params", type=int,
-                          help=f"FSDP1 --wrap size threshold (default {DEFAULT_WRAP_MIN_PARAMS})")
-    parallel.add_argument("--backward-prefetch", choices=("pre", "post", "none"),
-                          help="FSDP1 BackwardPrefetch: BACKWARD_PRE, BACKWARD_POST or off (default pre)")
-    parallel.add_argument("--mixed-precision", choices=("fp32", "bf16"), default="fp32",
-                          help="bf16: compute with bf16 parameters, reduce gradients in fp32, keep fp32 "
-                               "sharded weights and optimizer state")
-    parallel.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
-                          help="dtype of the stored (sharded) parameters and optimizer state; bfloat16 "
-                               "trains fully in bf16 and writes bf16 checkpoints")
-    parallel.add_argument("--cpu-offload", action="store_true",
-                          help="keep sharded parameters, gradients and optimizer state in CPU memory "
-                               "(needs an accelerator; an error on a CPU-only run)")
-
-    checkpoint = parser.add_argument_group("checkpointing")
-    checkpoint.add_argument("--ckpt-dir", metavar="DIR", help="save DCP checkpoints to DIR/step-00000010/ ...")
-    checkpoint.add_argument("--save-every", type=int, metavar="K",
-                            help="save every K steps and at the last step of the invocation "
-                                 "(default with --ckpt-dir: only at the last step)")
-    checkpoint.add_argument("--keep", type=int, metavar="K", help="keep only the newest K checkpoints (default: all)")
-    checkpoint.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
-                            help="resume from DIR/latest (no value) or from PATH (a step directory, or a "
-                                 "checkpoint directory whose latest is used)")
-    checkpoint.add_argument("--async-save", action="store_true",
-                            help="save with dcp.async_save: stage to CPU, write in a background thread")
-    checkpoint.add_argument("--init-from", metavar="FILE.safetensors|HF_FOLDER",
-                            help="load full model weights (fresh optimizer and schedule) before training")
-    checkpoint.add_argument("--export", metavar="OUT.safetensors",
-                            help="write the full model state dict from rank 0 at the end")
-
-    logging = parser.add_argument_group("logging")
-    logging.add_argument("--log-file", metavar="run.jsonl",
-                         help="append one JSON line per step: loss, lr, tokens/s, per-rank bytes and peak RSS")
-    logging.add_argument("--quiet", action="store_true", help="no progress bar")
+    annotations = typing.get_type_hints(TrainConfig)
+    section = parser
+    for field in dataclasses.fields(TrainConfig):
+        if field.metadata["section"]:
+            section = parser.add_argument_group(field.metadata["section"])
+        options = {"default": field.default, **field.metadata["flag"]}
+        if annotations[field.name] is bool:
+            options.setdefault("action", "store_true")
+        else:
+            options["type"] = _value_type(annotations[field.name])
+        section.add_argument(_flag(field.name), help=field.metadata["help"], **options)
     return parser
 
 
@@ -234,7 +212,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def resolve(values: dict) -> TrainConfig:
     """Return a TrainConfig from parsed flag values: apply the preset, per-FSDP defaults and
-    every cross-flag check that does not need torch."""
+    every cross-flag check that does not need torch. A value still None at the end takes its
+    field's default (an omitted --wrap, say, or --reshard-after-forward under FSDP1)."""
     preset = PRESETS[values["size"]]
     for name, preset_value in preset.items():
         if values.get(name) is None:
@@ -264,43 +243,43 @@ def resolve(values: dict) -> TrainConfig:
         raise ConfigError("--resume and --init-from exclude each other: a checkpoint already holds the weights")
     if values["export"] and not values["export"].endswith(".safetensors"):
         raise ConfigError(f"--export writes safetensors: the name must end in .safetensors, got {values['export']}")
-    fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{name: value for name, value in values.items() if name in fields})
+    return TrainConfig(**{name: value for name, value in values.items() if value is not None})
 
 
 def _resolve_parallelism(values: dict) -> None:
-    """Fill the per-FSDP-version defaults and reject flags the chosen version does not have."""
+    """Reject flags the chosen FSDP version does not have and pick FSDP1's strategy for --replicate;
+    omitted ones stay None and take their field defaults."""
     fsdp1_only = ("sharding_strategy", "wrap", "wrap_min_params", "backward_prefetch")
     if values["fsdp"] == 2:
         given = [name for name in fsdp1_only if values[name] is not None]
         if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise ConfigError(f"{flags}: FSDP1 options, add --fsdp 1 (FSDP2 uses --reshard-after-forward and --replicate)")
-        if values["reshard_after_forward"] is None:
-            values["reshard_after_forward"] = True
-        for name in fsdp1_only:
-            values.pop(name)
+            raise ConfigError(f"{', '.join(map(_flag, given))}: FSDP1 options, add --fsdp 1 "
+                              "(FSDP2 uses --reshard-after-forward and --replicate)")
         return
     if values["reshard_after_forward"] is not None:
         raise ConfigError("--reshard-after-forward is FSDP2's: with --fsdp 1 use --sharding-strategy "
                           "FULL_SHARD (reshard) or SHARD_GRAD_OP (keep until backward)")
-    values.pop("reshard_after_forward")
-    if values["sharding_strategy"] is None:
-        values["sharding_strategy"] = "HYBRID_SHARD" if values["replicate"] > 1 else "FULL_SHARD"
+    if values["sharding_strategy"] is None and values["replicate"] > 1:
+        values["sharding_strategy"] = "HYBRID_SHARD"
     hybrid = values["sharding_strategy"] in HYBRID_STRATEGIES
     if hybrid and values["replicate"] == 1:
         raise ConfigError(f"--sharding-strategy {values['sharding_strategy']} needs --replicate R > 1 (R replicas)")
     if values["replicate"] > 1 and not hybrid:
         raise ConfigError(f"--replicate with --fsdp 1 needs --sharding-strategy HYBRID_SHARD, "
                           f"not {values['sharding_strategy']}")
-    if values["wrap"] is None:
-        values["wrap"] = "transformer"
-    if values["wrap_min_params"] is None:
-        values["wrap_min_params"] = DEFAULT_WRAP_MIN_PARAMS
-    elif values["wrap"] != "size":
+    if values["wrap_min_params"] is not None and values["wrap"] != "size":
         raise ConfigError("--wrap-min-params only applies to --wrap size")
-    if values["backward_prefetch"] is None:
-        values["backward_prefetch"] = "pre"
+
+
+def _value_type(annotation: Any) -> type:
+    """Return the type a flag's value converts to: int for `int` and for `int | None`."""
+    members = [member for member in typing.get_args(annotation) if member is not type(None)]
+    return members[0] if members else annotation
+
+
+def _flag(name: str) -> str:
+    """Return the command-line spelling of a TrainConfig field: `--seq-len` for `seq_len`."""
+    return "--" + name.replace("_", "-")
 
 
 def _check_positive(values: dict, names: tuple[str, ...], optional: bool = False) -> None:
@@ -309,4 +288,4 @@ def _check_positive(values: dict, names: tuple[str, ...], optional: bool = False
         if value is None and optional:
             continue
         if value is None or value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+            raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}")
