@@ -1,6 +1,8 @@
 """The `ckpttool` command line: each command parses, calls the library, renders.
 
 Exit codes: 0 ok, 1 invalid or corrupt checkpoint (or a failed operation on one), 2 usage.
+Human text and `--json` documents come from `render` (the only module that formats output);
+options shared by the writing commands are declared once, in `write_options`.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "sho
 
 
 def reports_errors(command):
-    """Turn a CheckpointError into one line on stderr and its exit code (no traceback)."""
+    """Turn a CheckpointError into one line on stderr and its exit code (no traceback), and
+    SIGINT, SIGTERM or SIGHUP into one line and 128 + the signal number (130, 143, 129)."""
+    from ckpttool import io
 
     @wraps(command)
     def run(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            with io.interruptible(), io.reporting_stale_temps(lambda stale: click.echo(stale, err=True)):
+                return command(*args, **kwargs)
         except CheckpointError as error:
             click.echo(f"error: [{error.code}] {error}", err=True)
             sys.exit(error.exit_code)
-        except KeyboardInterrupt:
-            click.echo("interrupted; nothing was left half-written", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as interrupt:  # io.Interrupted for each of the three signals
+            interrupt = interrupt if isinstance(interrupt, io.Interrupted) else io.Interrupted()
+            click.echo(f"{interrupt}; nothing was left half-written", err=True)
+            sys.exit(interrupt.exit_code)
 
     return run
 
@@ -54,9 +60,40 @@ def byte_progress(quiet: bool):
     return start
 
 
+def json_option(schema: str):
+    """The `--json` flag, naming the document it prints."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print the {schema} JSON document (see README).")
+
+
+def write_options(command):
+    """Options every writing command shares: --force --dry-run --verify --threads --max-memory --quiet."""
+    for option in reversed((
+        click.option("--max-memory", default="512MB", metavar="SIZE", help="Bound on read/convert buffers in flight."),
+        click.option("--threads", default=4, type=click.IntRange(1, 64), help="Parallel reads/writes."),
+        click.option("--force", is_flag=True, help="Replace the output if it exists."),
+        click.option("--dry-run", is_flag=True, help="Show what would be written; write nothing."),
+        click.option("--verify", is_flag=True, help="Read the output back and compare it with the source before keeping it."),
+        click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+    )):
+        command = option(command)
+    return command
+
+
+def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None:
+    """Print `document` as JSON (when given) or `text`; `notes` go to stderr either way."""
+    from ckpttool import render
+
+    for line in notes:
+        click.echo(line, err=True)
+    if document is not None:
+        render.emit_json(document)
+    elif text:
+        click.echo(text)
+
+
 @main.command()
 @click.argument("src", type=checkpoint_dir)
-@click.option("--json", "as_json", is_flag=True, help="Print the ckpttool.inspect/1 JSON document.")
+@json_option("ckpttool.inspect/1")
 @click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn matches (repeatable), e.g. 'model.layers.0.*'.")
 @click.option("--chunks", is_flag=True, help="List every chunk: offsets, sizes, file, byte offset and length.")
 @click.option("--by-file", is_flag=True, help="Bytes per data file (rank), split into model/optimizer/other.")
@@ -68,15 +105,15 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
 
     report = inspect_checkpoint(src, filters)
     if as_json:
-        render.emit_json(render.inspect_document(report))
+        show(render.inspect_document(report), None)
     else:
-        click.echo(render.inspect_text(report, chunks=chunks, by_file=by_file))
+        show(None, render.inspect_text(report, chunks=chunks, by_file=by_file))
 
 
 @main.command()
 @click.argument("src", type=checkpoint_dir)
 @click.option("--deep", is_flag=True, help="Also read every byte: decode each blob, check CRC-32, dtype and shape, count NaN/Inf.")
-@click.option("--json", "as_json", is_flag=True, help="Print the ckpttool.validate/1 JSON document.")
+@json_option("ckpttool.validate/1")
 @reports_errors
 def validate(src: str, deep: bool, as_json: bool) -> None:
     """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid."""
@@ -84,10 +121,7 @@ def validate(src: str, deep: bool, as_json: bool) -> None:
     from ckpttool.commands.validate import validate as validate_checkpoint
 
     report = validate_checkpoint(src, deep=deep)
-    if as_json:
-        render.emit_json(render.validate_document(report))
-    else:
-        click.echo(render.validate_text(report))
+    show(render.validate_document(report) if as_json else None, render.validate_text(report))
     if not report.valid:
         sys.exit(EXIT_INVALID)
 
@@ -103,33 +137,26 @@ def validate(src: str, deep: bool, as_json: bool) -> None:
 @click.option("--dtype-map", multiple=True, metavar="GLOB=DTYPE", help="Per-key dtype, first match wins over --dtype (repeatable), e.g. '*norm*=fp32'.")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights (e.g. lm_head.weight == embed.weight), as the Hub expects.")
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a sharded (directory) output, decimal like huggingface_hub.  [default: 5GB]")
-@click.option("--max-memory", default="512MB", metavar="SIZE", help="Bound on read/convert buffers in flight.")
-@click.option("--threads", default=4, type=click.IntRange(1, 64), help="Parallel reads/writes.")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--dry-run", is_flag=True, help="Show the keys, dtypes and files that would be written; write nothing.")
-@click.option("--verify", is_flag=True, help="Read the output back and compare it with the source before keeping it.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@write_options
+@json_option("ckpttool.consolidate/1")
 @reports_errors
 def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], keep_keys: bool,
                 renames: tuple[str, ...], dtype: str | None, dtype_map: tuple[str, ...], drop_tied: bool,
                 max_shard_size: str | None, max_memory: str, threads: int, force: bool, dry_run: bool,
-                verify: bool, quiet: bool) -> None:
+                verify: bool, quiet: bool, as_json: bool) -> None:
     """Write a sharded checkpoint as one full state dict: OUT.safetensors, OUT.pt/.bin, or a
     directory of Hub-style safetensors shards with model.safetensors.index.json."""
-    from ckpttool.commands import consolidate as command
+    from ckpttool import render
+    from ckpttool.commands.consolidate import consolidate as consolidate_checkpoint
 
-    report = command.consolidate(
+    report = consolidate_checkpoint(
         src, out, everything=everything, filters=filters, keep_keys=keep_keys, renames=renames,
         dtype=dtype, dtype_map=dtype_map, drop_tied=drop_tied, max_shard_size=max_shard_size,
         max_memory=max_memory, threads=threads, force=force, dry_run=dry_run, verify=verify,
         progress=byte_progress(quiet),
     )
-    if dry_run:
-        click.echo(command.plan_text(report))
-        return
-    for line in command.tie_lines(report):
-        click.echo(line, err=True)
-    click.echo(command.summary_line(report))
+    show(render.consolidate_document(report) if as_json else None, render.consolidate_text(report),
+         render.consolidate_notes(report))
 
 
 @main.command()
@@ -137,21 +164,21 @@ def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], 
 @click.argument("dst", required=False, type=click.Path(file_okay=False, dir_okay=True))
 @click.option("--world", "world_size", type=click.IntRange(1, 1 << 20), metavar="N", help="Target world size (FSDP2 ranks).  [required unless --mesh]")
 @click.option("--mesh", metavar="R,S", help="HSDP target: R replicas x S shards (N = R*S); shards along dim 0 over S.")
-@click.option("--max-memory", default="512MB", metavar="SIZE", help="Bound on read/write buffers in flight.")
-@click.option("--threads", default=4, type=click.IntRange(1, 64), help="Parallel reads/writes.")
-@click.option("--force", is_flag=True, help="Replace DST if it exists.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (per target rank: chunks, tensors, bytes); write nothing.")
-@click.option("--verify", is_flag=True, help="Read the output back and compare it with the source before keeping it.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--keep-whole", multiple=True, metavar="GLOB", help="Leave tensors whose fqn matches in one piece (repeatable), e.g. 'model.*.rope.freqs'.")
+@write_options
+@json_option("ckpttool.reshard/1")
 @reports_errors
-def reshard(src: str, dst: str | None, world_size: int | None, mesh: str | None, max_memory: str,
-            threads: int, force: bool, dry_run: bool, verify: bool, quiet: bool) -> None:
+def reshard(src: str, dst: str | None, world_size: int | None, mesh: str | None, keep_whole: tuple[str, ...],
+            max_memory: str, threads: int, force: bool, dry_run: bool, verify: bool, quiet: bool,
+            as_json: bool) -> None:
     """Rewrite a DCP checkpoint for another world size: rank r's file holds what FSDP2 on N
     ranks owns. DST defaults to SRC-world{N} beside SRC."""
-    from ckpttool.commands import reshard as command
+    from ckpttool import render
+    from ckpttool.commands.reshard import reshard as reshard_checkpoint
 
-    report = command.reshard(
+    report = reshard_checkpoint(
         src, dst, world_size, mesh, max_memory=max_memory, threads=threads, force=force,
-        dry_run=dry_run, verify=verify, progress=byte_progress(quiet),
+        dry_run=dry_run, verify=verify, keep_whole=keep_whole, progress=byte_progress(quiet),
     )
-    click.echo(command.summary_text(report))
+    show(render.reshard_document(report) if as_json else None, render.reshard_text(report),
+         render.problem_lines(report.problems))

@@ -10,12 +10,17 @@ import json
 import sys
 from typing import Any, Iterable, TextIO
 
+from ckpttool.commands.consolidate import ConsolidateReport
 from ckpttool.commands.inspect import GROUPS, InspectReport, TensorInfo
+from ckpttool.commands.reshard import ReshardReport
 from ckpttool.commands.validate import ValidationReport
 from ckpttool.dcp.metadata import paused_gc
+from ckpttool.integrity import Problem
 
 INSPECT_SCHEMA = "ckpttool.inspect/1"
 VALIDATE_SCHEMA = "ckpttool.validate/1"
+CONSOLIDATE_SCHEMA = "ckpttool.consolidate/1"
+RESHARD_SCHEMA = "ckpttool.reshard/1"
 
 
 def human_bytes(count: int) -> str:
@@ -184,6 +189,19 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
 # validate
 
 
+def problems_document(problems: Iterable[Problem]) -> list[dict[str, Any]]:
+    """Return problems as the JSON list every document shares."""
+    return [
+        {"severity": p.severity, "code": p.code, "file": p.file, "fqn": p.fqn, "message": p.message}
+        for p in problems
+    ]
+
+
+def problem_lines(problems: Iterable[Problem]) -> list[str]:
+    """Return one `severity: [code] message` line per problem (warnings of a write go to stderr)."""
+    return [f"{p.severity}: [{p.code}] {p.message}" for p in problems]
+
+
 def validate_document(report: ValidationReport) -> dict[str, Any]:
     """Return the `ckpttool.validate/1` JSON document of a report."""
     return {
@@ -201,20 +219,163 @@ def validate_document(report: ValidationReport) -> dict[str, Any]:
             "bytes_read": report.bytes_read,
         },
         "seconds": round(report.seconds, 3),
-        "problems": [
-            {"severity": p.severity, "code": p.code, "file": p.file, "fqn": p.fqn, "message": p.message}
-            for p in report.problems
-        ],
+        "problems": problems_document(report.problems),
         "numerics": [{"fqn": n.fqn, "nan": n.nan, "inf": n.inf} for n in report.numerics],
     }
 
 
 def validate_text(report: ValidationReport) -> str:
     """Return the human view of a validation report."""
-    lines = [f"{p.severity}: [{p.code}] {p.message}" for p in report.problems]
+    lines = problem_lines(report.problems)
     checked = f"{report.tensors} tensors, {report.chunks} chunks, {report.objects} other entries in {report.files} files"
     depth = f", {human_bytes(report.bytes_read)} read and checksummed" if report.deep else " (metadata and file sizes; --deep reads every byte)"
     verdict = "VALID" if report.valid else f"INVALID: {len(report.errors)} error(s)"
     warnings = f", {len(report.warnings)} warning(s)" if report.warnings else ""
     lines.append(f"{verdict}{warnings}: {report.path}: {checked}{depth}, {report.seconds:.2f} s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# consolidate
+
+
+def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
+    """Return the `ckpttool.consolidate/1` JSON document: what was (or would be) written."""
+    plan = report.plan
+    return {
+        "schema": CONSOLIDATE_SCHEMA,
+        "source": str(report.source),
+        "output": str(report.output),
+        "format": plan.format,
+        "dry_run": report.dry_run,
+        "verified": report.verified,
+        "files": [
+            {"file": f.name, "path": str(_output_path(report, f.name)), "bytes": f.size, "tensors": len(f.keys)}
+            for f in plan.files
+        ] + ([{"file": plan.index_name, "path": str(report.output / plan.index_name), "bytes": len(plan.index),
+               "tensors": 0}] if plan.index_name else []),
+        "tensors": [
+            {"key": t.key, "fqn": t.fqn, "dtype": t.dtype, "source_dtype": t.source_dtype, "shape": list(t.shape),
+             "file": t.file, "bytes": t.nbytes}
+            for t in plan.tensors
+        ],
+        "objects": [{"key": o.key, "fqn": o.fqn} for o in plan.objects],
+        "ties": [{"kept": t.kept, "dropped": t.dropped, "written": t.dropped not in report.dropped} for t in report.ties],
+        "tensor_bytes": plan.tensor_bytes,
+        "output_bytes": plan.output_bytes,
+        "seconds": round(report.seconds, 3),
+        "problems": problems_document(report.problems),
+    }
+
+
+def _output_path(report: ConsolidateReport, name: str):
+    # a single-file output is OUT itself; shards (and their index) go inside the OUT directory
+    return report.output if name == report.output.name and not report.plan.index_name else report.output / name
+
+
+def consolidate_text(report: ConsolidateReport) -> str:
+    """Return the human view: the plan for a dry run, else one summary line."""
+    if report.dry_run:
+        return _consolidate_plan_text(report)
+    what = f"{report.tensors} tensors" + (f" and {report.objects} objects" if report.objects else "")
+    checked = ", verified" if report.verified else ""
+    return (
+        f"wrote {what}, {human_bytes(report.tensor_bytes)} to {report.output} in {report.seconds:.2f} s "
+        f"({human_bytes(int(report.throughput))}/s{checked})"
+    )
+
+
+def consolidate_notes(report: ConsolidateReport) -> list[str]:
+    """Return the lines for stderr: gate warnings and one line per tied pair found."""
+    lines = problem_lines(report.problems)
+    for tie in report.ties:
+        action = "dropped" if tie.dropped in report.dropped else "both written (--drop-tied keeps one)"
+        lines.append(f"tied: {tie.dropped} is the same tensor as {tie.kept}: {tie.dropped} {action}")
+    return lines
+
+
+def _consolidate_plan_text(report: ConsolidateReport) -> str:
+    plan = report.plan
+    rows = []
+    for tensor in plan.tensors:
+        dtype = tensor.dtype if tensor.dtype == tensor.source_dtype else f"{tensor.source_dtype}->{tensor.dtype}"
+        shape = "x".join(map(str, tensor.shape)) or "scalar"
+        rows.append((tensor.key, tensor.fqn, dtype, shape, tensor.file))
+    for item in plan.objects:
+        rows.append((item.key, item.fqn, "object", "", plan.files[0].name))
+    lines = [
+        f"{report.source} -> {report.output} ({plan.format}, {len(plan.files)} file(s)"
+        f"{', index ' + plan.index_name if plan.index_name else ''}): {len(plan.tensors)} tensors, "
+        f"{len(plan.objects)} objects, {human_bytes(plan.tensor_bytes)}",
+        *table(rows, ("KEY", "FROM", "DTYPE", "SHAPE", "FILE")),
+        "dry run: nothing was written",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# reshard
+
+RULE_TEXT = {
+    "source": "sharded as in the source; single-chunk tensors sharded only if they have optimizer state",
+    "optimizer-state": "single-rank source: tensors with optimizer state (and that state) sharded, the rest whole",
+    "every-tensor": "single-rank source without optimizer state: every tensor of 1+ dims sharded along dim 0",
+}
+
+
+def reshard_document(report: ReshardReport) -> dict[str, Any]:
+    """Return the `ckpttool.reshard/1` JSON document: what was (or would be) written."""
+    plan = report.plan
+    return {
+        "schema": RESHARD_SCHEMA,
+        "source": str(report.source),
+        "destination": str(report.destination),
+        "world_size": plan.world_size,
+        "mesh": {"replicas": plan.mesh.replicas, "shards": plan.mesh.shards},
+        "rule": plan.rule,
+        "keep_whole": list(plan.keep_whole),
+        "dry_run": report.dry_run,
+        "verified": report.verified,
+        "files": [
+            {"rank": f.rank, "file": f.name, "chunks": len(f.chunks), "tensors": f.tensors, "objects": len(f.objects),
+             "tensor_bytes": f.nbytes}
+            for f in plan.files
+        ],
+        "tensors": [
+            {"fqn": t.fqn, "dtype": t.dtype, "shape": list(t.shape), "sharded": t.sharded, "chunks": len(t.chunks)}
+            for t in plan.tensors
+        ],
+        "tensor_bytes": report.tensor_bytes,
+        "file_bytes": report.file_bytes,
+        "seconds": round(report.seconds, 3),
+        "problems": problems_document(report.problems),
+    }
+
+
+def reshard_text(report: ReshardReport) -> str:
+    """Return the human view: the plan per target rank for a dry run, else one summary line."""
+    plan = report.plan
+    sharded = sum(t.sharded for t in plan.tensors)
+    if not report.dry_run:
+        checked = ", verified" if report.verified else ""
+        return (
+            f"wrote {report.destination}: {report.world_size} ranks (mesh {plan.mesh}), "
+            f"{len(plan.tensors)} tensors ({sharded} sharded), {report.tensor_bytes} bytes of tensor data in "
+            f"{report.seconds:.2f} s{checked}"
+        )
+    lines = [
+        f"reshard to {plan.world_size} ranks (mesh {plan.mesh}): {len(plan.tensors)} tensors "
+        f"({sharded} sharded, {len(plan.tensors) - sharded} whole), {plan.nbytes} bytes of tensor data",
+        f"  rule: {plan.rule} ({RULE_TEXT[plan.rule]})"
+        + (f"; kept whole: {', '.join(plan.keep_whole)}" if plan.keep_whole else ""),
+    ]
+    for f in plan.files:
+        lines.append(
+            f"  rank {f.rank:>3}  {f.name}: {len(f.chunks)} chunks of {f.tensors} tensors, "
+            f"{f.nbytes} bytes, {len(f.objects)} objects"
+        )
+    whole = [t.fqn for t in plan.tensors if not t.sharded and t.shape]
+    if whole:
+        lines.append(f"  whole: {', '.join(whole[:8])}{' ...' if len(whole) > 8 else ''}")
+    lines.append(f"(dry run: nothing written to {report.destination})")
     return "\n".join(lines)

@@ -26,9 +26,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, assert_same_bytes, flatten
 
-from ckpttool.commands import consolidate as consolidate_module
+from ckpttool import execute
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.errors import VerificationFailed
+from ckpttool.plan.operations import Copy
 from ckpttool.io import TEMP_PREFIX
 
 CKPTTOOL = Path(sys.executable).with_name("ckpttool")
@@ -210,7 +211,7 @@ def test_block_sharding_and_hsdp_replicas_are_planned_as_expected(written):
     report = consolidate(written["block_tied_buffers"], "unused.safetensors", dry_run=True)
     operations = {t.key: t.operations for t in report.plan.tensors}
     assert len(operations["block.weight"]) == 4  # 2x2 blocks, each gathered and scattered
-    assert all(isinstance(op, consolidate_module.Copy) for op in operations["fc.weight"])
+    assert all(isinstance(op, Copy) for op in operations["fc.weight"])
     assert len(operations["fc.weight"]) == 2  # 2 shards; the replica's copies are not read again
 
 
@@ -379,7 +380,7 @@ def test_verify_failure_keeps_nothing(monkeypatch, tmp_path):
     def corrupting_copy(src_fd, src_offset, dst_fd, dst_offset, length):
         os.pwrite(dst_fd, b"\xff" * length, dst_offset)
 
-    monkeypatch.setattr(consolidate_module, "copy_range", corrupting_copy)
+    monkeypatch.setattr(execute, "copy_range", corrupting_copy)
     with pytest.raises(VerificationFailed, match="differs from the source"):
         consolidate(FIXTURES / "fsdp2_world2", tmp_path / "m.safetensors", verify=True)
     assert list(tmp_path.iterdir()) == []
@@ -395,6 +396,18 @@ def large_checkpoint(tmp_path_factory) -> Path:
     return directory
 
 
+def writing_into(pid: int, directory: Path) -> bool:
+    """Whether process `pid` has a file open in `directory` (the output being written: with
+    O_TMPFILE it has no name there, so only /proc shows it)."""
+    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+        try:
+            if os.readlink(fd).startswith(f"{directory}/"):
+                return True
+        except OSError:
+            continue  # closed meanwhile
+    return False
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 def test_killing_a_consolidation_midway_leaves_no_file_at_out(how, large_checkpoint, tmp_path):
     out_dir = tmp_path / "out"
@@ -404,9 +417,9 @@ def test_killing_a_consolidation_midway_leaves_no_file_at_out(how, large_checkpo
         stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + 30
-    while not leftovers(out_dir) and time.monotonic() < deadline and process.poll() is None:
+    while not writing_into(process.pid, out_dir) and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.005)
-    assert leftovers(out_dir), "the temporary file never appeared"
+    assert writing_into(process.pid, out_dir), "the output was never opened"
     process.send_signal(how)
     process.wait(timeout=30)
     assert not (out_dir / "m.safetensors").exists()

@@ -12,9 +12,12 @@ import pytest
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.metadata import Blob, Chunk, Tensor
 from ckpttool.errors import KeyCollision, UsageError
-from ckpttool.formats import hub, safetensors, torch_pt
+from ckpttool.formats import hub, safetensors
 from ckpttool.keys import KeyRules, Rename, normalise, output_keys
-from ckpttool.plan import CONVERT_BLOCK, Convert, Copy, Gather, plan_tensor, target_dtype, unique_chunks
+from ckpttool.plan import unique_chunks
+from ckpttool.plan.consolidate import plan_tensor, target_dtype
+from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather
+from ckpttool.torchsave import ptfile
 
 
 def tensor(fqn, shape, boxes, dtype="float32"):
@@ -93,8 +96,9 @@ def test_block_sharded_chunks_are_gathered_and_scattered_row_by_row():
     t = tensor("w", (2, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2))])
     operations = plan_tensor(t, raw_for(t), "float32", "out", 0)
     assert [type(op) for op in operations] == [Gather, Gather]
-    assert operations[0].runs == ((0, 8), (16, 8))
-    assert operations[1].runs == ((8, 8), (24, 8))
+    # (offset in the chunk's bytes, output offset, length): each chunk row lands in its output row
+    assert operations[0].pieces == ((0, 0, 8), (8, 16, 8))
+    assert operations[1].pieces == ((0, 8, 8), (8, 24, 8))
     assert operations[0].memory == 16  # one chunk
 
 
@@ -148,15 +152,16 @@ def test_shards_follow_huggingface_hub_split():
 
 def test_crc32_combine_equals_the_crc_of_the_concatenation():
     left, right = os.urandom(1000), os.urandom(77777)
-    assert torch_pt.crc32_combine(zlib.crc32(left), zlib.crc32(right), len(right)) == zlib.crc32(left + right)
+    assert ptfile.crc32_combine(zlib.crc32(left), zlib.crc32(right), len(right)) == zlib.crc32(left + right)
 
 
 def test_zip_layout_aligns_storages_to_64_bytes_and_uses_zip64_past_4gib():
-    pickled = torch_pt.PickledState(b"\x80\x02}q\x00.", ())
-    layout = torch_pt.layout_zip(pickled, [10, 5 << 30, 3])
+    pickled = ptfile.PickledState(b"\x80\x02}q\x00.", ())
+    layout = ptfile.lay_out(pickled, [10, 5 << 30, 3])
     assert all(offset % 64 == 0 for offset in layout.data_offsets)
-    big = next(e for e in layout.entries if e.size == 5 << 30)
-    assert big.local_extra.startswith(struct.pack("<HH", 1, 16))
+    big = layout.archive_layout.storages[1]
+    extra = big.header[30 + len(big.name):]  # after the fixed header and the name
+    assert extra.startswith(struct.pack("<HHQQ", 1, 16, 5 << 30, 5 << 30))  # zip64 sizes
     assert layout.data_offsets[2] >= layout.data_offsets[1] + (5 << 30)
 
 
@@ -165,7 +170,7 @@ def test_zip_layout_aligns_storages_to_64_bytes_and_uses_zip64_past_4gib():
 def test_a_cast_block_converted_in_place_equals_tensor_to(source, target):
     import torch
 
-    from ckpttool.commands.consolidate import cast_in_place
+    from ckpttool.execute import cast_in_place
 
     torch.manual_seed(0)
     values = (torch.randn(4099) * 1e4).to(getattr(torch, source))

@@ -9,11 +9,10 @@ leaving a gap of exactly the same volume, so the chunk volumes still add up to t
 from __future__ import annotations
 
 import json
-import pickle
 
 import pytest
 
-from conftest import FIXTURES
+
 from test_validate import CORRUPTIONS, EMBED, copy_fixture, rewrite_metadata, storage_key
 
 OUTPUTS = ("model.safetensors", "hub-folder", "model.pt")

@@ -26,8 +26,8 @@ from fsdp_loads import LoadJob, load_all, read_reads
 
 from ckpttool.commands.reshard import reshard
 from ckpttool.dcp.metadata import read_checkpoint
-from ckpttool.dcp.writer import record_bytes
 from ckpttool.io import TEMP_PREFIX
+from ckpttool.torchsave.record import record_bytes
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 # fixture -> (dtype, holds optimizer state and `extra`)
@@ -75,6 +75,11 @@ def loads_at(tmp_path_factory, trainer_checkpoints):
             for name, (dtype, optimizer) in FIXTURE_STATE.items():
                 reshard(FIXTURES / name, root / name, world_size)
                 jobs.append(LoadJob(name, str(root / name), dtype, optimizer, optimizer, save_to=str(root / f"torch-{name}")))
+                if name == "fsdp2_world2":  # model only: a world-1 copy is resharded by the every-tensor rule
+                    single = root / f"{name}-world1"
+                    reshard(FIXTURES / name, single, 1)
+                    reshard(single, root / f"{name}-from-world1", world_size)
+                    jobs.append(LoadJob(f"{name}-from-world1", str(root / f"{name}-from-world1"), dtype))
                 if world_size == HSDP_MESH[0] * HSDP_MESH[1]:
                     reshard(FIXTURES / name, root / f"{name}-hsdp", mesh=HSDP_MESH)
                     jobs.append(LoadJob(f"{name}-hsdp", str(root / f"{name}-hsdp"), dtype, optimizer, optimizer,
@@ -113,6 +118,17 @@ def test_stock_dcp_load_of_resharded_fixtures_on_n_ranks_is_bit_identical_to_the
     root = loads_at(world_size)
     for name in FIXTURE_STATE:
         assert_loaded_equals_source(root / "out" / f"{name}.pt", reference(FIXTURES / name), f"{name} -> {world_size}")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_stock_dcp_load_of_a_single_rank_model_only_source_resharded_to_n_ranks_is_bit_identical(
+        loads_at, reference, world_size):
+    root = loads_at(world_size)
+    name = "fsdp2_world2-from-world1"
+    assert_loaded_equals_source(root / "out" / f"{name}.pt", reference(FIXTURES / "fsdp2_world2"), name)
+    layout = read_checkpoint(root / name).tensors
+    if world_size > 1:
+        assert all(len(t.chunks) > 1 for t in layout.values() if t.shape), "every tensor of 1+ dims is sharded"
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -177,14 +193,13 @@ def test_hsdp_mesh_shards_over_s_and_writes_each_chunk_once_like_torch(loads_at,
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "bool", "uint16", "float8_e4m3fn", "complex64"])
 @pytest.mark.parametrize("shape", [(5, 8), (0, 8), (), (3,), (2, 0)])
-def test_chunk_record_is_byte_identical_to_torch_save(dtype, shape):
+def test_chunk_record_loads_with_torch_load_as_the_same_tensor(dtype, shape):
     numel = 1
     for size in shape:
         numel *= size
     value = torch.arange(numel).reshape(shape).to(getattr(torch, dtype))
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    assert record_bytes(dtype, shape, tensor_bytes(value)) == buffer.getvalue()
+    record = record_bytes(dtype, shape, tensor_bytes(value))
+    assert_same_bytes(torch.load(io.BytesIO(record), weights_only=True), value)
 
 
 def test_resharded_metadata_keeps_version_planner_data_and_objects_verbatim(tmp_path):
@@ -258,6 +273,19 @@ def test_world_1_source_is_sharded_by_the_optimizer_state_rule(tmp_path):
     assert len(layout["optim.state.embed.weight.step"].chunks) == 1  # 0-d
 
 
+def test_world_1_source_without_optimizer_state_shards_every_tensor_unless_kept_whole(tmp_path):
+    reshard(FIXTURES / "fsdp2_world2", tmp_path / "w1", 1)
+    report = reshard(tmp_path / "w1", tmp_path / "w2", 2)
+    assert report.plan.rule == "every-tensor"
+    layout = read_checkpoint(tmp_path / "w2").tensors
+    assert len(layout["model.position_ids"].chunks) == 2  # a buffer, but nothing tells it from a parameter
+    kept = reshard(tmp_path / "w1", tmp_path / "w2-kept", 2, keep_whole=["model.position_ids", "*.mask"])
+    layout = read_checkpoint(tmp_path / "w2-kept").tensors
+    assert len(layout["model.position_ids"].chunks) == 1 and len(layout["model.mask"].chunks) == 1
+    assert len(layout["model.embed.weight"].chunks) == 2
+    assert kept.plan.keep_whole == ("model.position_ids", "*.mask")
+
+
 # ---------------------------------------------------------------------------------------------
 # consolidate agrees
 
@@ -301,15 +329,16 @@ def test_cli_dry_run_prints_each_target_rank_and_writes_nothing(cli, tmp_path):
     assert not (tmp_path / "out").exists()
     lines = result.output.splitlines()
     assert lines[0].startswith("reshard to 4 ranks (mesh 4): 58 tensors (42 sharded, 16 whole)")
-    assert [line.split()[1] for line in lines[1:5]] == ["0", "1", "2", "3"]
-    assert "__3_0.distcp" in lines[4] and "bytes" in lines[4]
+    assert lines[1].startswith("  rule: source")
+    assert [line.split()[1] for line in lines[2:6]] == ["0", "1", "2", "3"]
+    assert "__3_0.distcp" in lines[5] and "bytes" in lines[5]
 
 
 def test_verify_catches_a_byte_that_differs_from_the_source_and_keeps_nothing(monkeypatch, tmp_path):
-    from ckpttool.commands import reshard as reshard_module
+    from ckpttool import execute
     from ckpttool.errors import VerificationFailed
 
-    real_write_at = reshard_module.write_at
+    real_write_at = execute.write_at
     flipped = []
 
     def write_at_then_flip_the_first_tensor_byte(fd, data, offset):
@@ -319,7 +348,7 @@ def test_verify_catches_a_byte_that_differs_from_the_source_and_keeps_nothing(mo
             os.pwrite(fd, bytes([data[0] ^ 0xFF]), offset)
             flipped.append(offset)
 
-    monkeypatch.setattr(reshard_module, "write_at", write_at_then_flip_the_first_tensor_byte)
+    monkeypatch.setattr(execute, "write_at", write_at_then_flip_the_first_tensor_byte)
     with pytest.raises(VerificationFailed, match="differs from the source"):
         reshard(FIXTURES / "fsdp2_world3_uneven", tmp_path / "out", 2, threads=1, verify=True)
     assert flipped and list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ from conftest import FIXTURES
 
 from ckpttool.dcp.metadata import Blob, Chunk, Tensor, read_checkpoint
 from ckpttool.errors import CorruptMetadata, UsageError
-from ckpttool.reshard_plan import Mesh, fill_runs, is_sharded, parse_mesh, plan_reshard
+from ckpttool.plan.reshard import EVERY_TENSOR_RULE, Mesh, fill_runs, is_sharded, parse_mesh, plan_reshard, sharding_rule
 
 
 def tensor(fqn: str, shape: tuple, boxes: list, dtype: str = "float32") -> Tensor:
@@ -72,10 +72,31 @@ def test_hsdp_plan_splits_over_shards_and_writes_each_chunk_once_on_a_replica_th
         assert rank in mesh.holders(shard)
 
 
-def test_plan_describe_lists_every_target_rank():
-    text = plan_reshard(read_checkpoint(FIXTURES / "fsdp2_world2"), Mesh(1, 3)).describe()
-    assert text.splitlines()[0].startswith("reshard to 3 ranks (mesh 3): 16 tensors (14 sharded, 2 whole)")
-    assert [line.split()[1] for line in text.splitlines()[1:]] == ["0", "1", "2"]
+def test_single_rank_sources_are_sharded_by_optimizer_state_or_else_every_tensor():
+    whole = [((0, 0), (13, 8))]
+    every = {"rule": EVERY_TENSOR_RULE}
+    assert is_sharded(tensor("model.position_ids", (5,), [((0,), (5,))]), frozenset(), **every)
+    assert not is_sharded(tensor("model.step", (), [((), ())]), frozenset(), **every)
+    assert not is_sharded(tensor("model.embed.weight", (13, 8), whole), frozenset(), **every, keep_whole=["*.embed.*"])
+    assert not is_sharded(tensor("model.frozen", (4,), [((0,), (2,)), ((2,), (2,))]), frozenset(), keep_whole=["*frozen"])
+
+
+def test_the_rule_is_chosen_from_the_source():
+    sharded = read_checkpoint(FIXTURES / "fsdp2_world2")
+    assert plan_reshard(sharded, Mesh(1, 3)).rule == "source"
+    assert sharding_rule(sharded, frozenset()) == "source"
+
+
+def test_dry_run_text_lists_the_rule_and_every_target_rank(tmp_path):
+    from ckpttool import render
+    from ckpttool.commands.reshard import reshard
+
+    text = render.reshard_text(reshard(FIXTURES / "fsdp2_world2", tmp_path / "out", 3, dry_run=True))
+    lines = text.splitlines()
+    assert lines[0].startswith("reshard to 3 ranks (mesh 3): 16 tensors (14 sharded, 2 whole)")
+    assert lines[1].startswith("  rule: source")
+    assert [line.split()[1] for line in lines[2:5]] == ["0", "1", "2"]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("world_size, mesh, expected", [(3, None, Mesh(1, 3)), (None, "2,4", Mesh(2, 4)),

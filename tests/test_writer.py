@@ -1,95 +1,206 @@
-"""The writer's pickles are torch's, byte for byte, and writing them never imports torch.
+"""What ckpttool writes in torch's formats, stock torch loads, and writing never imports torch.
 
-`dcp/writer.py` writes `data.pkl`, the serialization id and `.metadata` from stand-ins, without
-torch. The reference implementations here build the same bytes the direct way, with torch's
-own classes (they are what writer.py did before it stopped importing torch), and every test
-compares bytes exactly.
+`torchsave/` writes torch.save records (one per chunk), nested `.pt` files and the pickles in
+them; `dcp/writer.py` writes `.metadata`. torch is the oracle: a record loads with
+`torch.load(weights_only=True)` to the same dtype, shape and bytes; `.metadata` unpickles to
+the `Metadata` torch's own classes would hold; resharded checkpoints load with
+`dcp_to_torch_save` to the source's values, and `validate --deep` accepts them.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import pickle
-import random
-import shutil
-import string
 import subprocess
 import sys
 import zipfile
-from collections import OrderedDict
+import zlib
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, ROOT, assert_same_bytes, flatten, tensor_bytes
 
 import ckpttool.commands.reshard as reshard_command
 from ckpttool import dtypes
 from ckpttool.commands.reshard import reshard
+from ckpttool.commands.validate import validate
 from ckpttool.dcp import writer
-from ckpttool.dcp.blobs import contiguous_strides
-from ckpttool.dcp.metadata import read_checkpoint
-from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, metadata_bytes, tensor_pickle
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.dcp.metadata import Blob, read_checkpoint
+from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, metadata_bytes
+from ckpttool.torchsave import ptfile
+from ckpttool.torchsave.pickle import Global, NewObject, Reduce, dumps
+from ckpttool.torchsave.record import read_tensor_record, record_bytes, record_layout, record_problems
+from ckpttool.torchsave.zip import read_directory
 
 TORCH_DTYPES = [name for name in dtypes.ITEMSIZE if isinstance(getattr(torch, name, None), torch.dtype)]
 SHAPES = [(5, 8), (0, 8), (), (3,), (2, 0), (1, 2, 3, 4)]
 RESHARD_FIXTURES = ("fsdp2_world3_uneven", "fsdp2_world2_adamw")
 
 
+def sample(dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor whose bytes differ element to element (0..255 repeating)."""
+    numel = math.prod(shape)
+    data = torch.arange(numel * dtypes.ITEMSIZE[dtype]).remainder(256).to(torch.uint8)
+    return data.view(getattr(torch, dtype)).reshape(shape) if numel else torch.empty(shape, dtype=getattr(torch, dtype))
+
+
+def load(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 # ---------------------------------------------------------------------------------------------
-# Reference implementations: the same pickles made with torch's own objects
+# One tensor's record (a DCP blob)
 
 
-class _Storage:
-    """Stands for the tensor's storage while pickling; becomes torch's persistent id."""
-
-    def __init__(self, storage_class: object, numel: int):
-        self.storage_class = storage_class
-        self.numel = numel
-
-
-class _Rebuild:
-    def __init__(self, function: object, args: tuple):
-        self.function, self.args = function, args
-
-    def __reduce__(self):
-        return self.function, self.args
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+def test_record_loads_with_torch_load_as_the_same_tensor(dtype, shape):
+    value = sample(dtype, shape)
+    assert_same_bytes(load(record_bytes(dtype, shape, tensor_bytes(value))), value, f"{dtype} {shape}")
 
 
-class _TorchPickler(pickle.Pickler):
-    def persistent_id(self, obj: object):
-        if isinstance(obj, _Storage):
-            # torch/serialization.py `_save.persistent_id`
-            return ("storage", obj.storage_class, "0", "cpu", obj.numel)
-        return None
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+def test_record_reads_back_through_ckpttool_and_passes_its_record_checks(dtype, shape, tmp_path):
+    data = tensor_bytes(sample(dtype, shape))
+    before = b"x" * 100  # a record sits at some offset of its data file
+    (tmp_path / "blobs").write_bytes(before + record_bytes(dtype, shape, data))
+    blob = Blob("blobs", len(before), record_layout(dtype, shape).length)
+    with DataFiles(tmp_path) as files:
+        record = read_tensor_record(files, blob, "test")
+        assert (record.dtype, record.shape, record.is_plain, record.crc32) == (dtype, shape, True, zlib.crc32(data))
+        assert files.read("blobs", record.data_offset, record.data_length) == data
+        assert record_problems(files, blob, "test", skip_largest=False) == []
+        assert record_problems(files, blob, "test", skip_largest=True) == []
 
 
-def torch_tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """Return `data.pkl` for a contiguous tensor, pickled from torch's own rebuild functions,
-    storage classes and dtypes."""
-    torch_dtype = getattr(torch, dtype)
-    stride = contiguous_strides(shape)
-    numel = 1
-    for size in shape:
-        numel *= size
-    hooks = OrderedDict()
-    if torch_dtype in torch.storage._new_dtypes():
-        storage = _Storage(torch.UntypedStorage, numel * dtypes.ITEMSIZE[dtype])
-        args = (storage, 0, tuple(shape), stride, False, hooks, torch_dtype)
-        rebuild = _Rebuild(torch._utils._rebuild_tensor_v3, args)
-    else:
-        storage_class = getattr(torch, torch.storage._dtype_to_storage_type_map()[torch_dtype])
-        args = (_Storage(storage_class, numel), 0, tuple(shape), stride, False, hooks)
-        rebuild = _Rebuild(torch._utils._rebuild_tensor_v2, args)
-    buffer = io.BytesIO()
-    _TorchPickler(buffer, protocol=writer.PICKLE_PROTOCOL).dump(rebuild)
-    return buffer.getvalue()
+def test_record_is_head_then_the_data_at_an_aligned_offset_then_a_tail_that_only_the_crc_changes():
+    layout = record_layout("bfloat16", (3, 5))
+    data = tensor_bytes(sample("bfloat16", (3, 5)))
+    record = record_bytes("bfloat16", (3, 5), data)
+    assert record == layout.head + data + layout.tail(zlib.crc32(data))
+    assert len(record) == layout.length and layout.data_offset % 64 == 0
+    assert record_bytes("bfloat16", (3, 5), data) == record  # deterministic
+    assert len(layout.tail(0)) == len(layout.tail(zlib.crc32(data)))
+    assert zipfile.ZipFile(io.BytesIO(record)).testzip() is None  # every CRC-32 is right
 
 
-def torch_metadata_bytes(tensors, objects, planner_data, checkpoint_id, save_id) -> bytes:
-    """Return `.metadata` as `pickle.dumps` of torch's own `Metadata` dataclasses."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+# ---------------------------------------------------------------------------------------------
+# The pickle writer
+
+
+PLAIN = {
+    "ints": [0, 1, 255, 256, 65535, 65536, -1, -129, -2**31, 2**31 - 1, 2**31, 2**63, -2**63 - 1, 2**2000, -2**2000],
+    "floats": [0.0, -0.0, 1e-310, 3.5, float("inf"), -float("inf")],
+    "atoms": (None, True, False, b"", b"\x00\xff raw"),
+    "strings": ["", "x", "é", "\ud800", "y" * 70000, *(f"name{i}" for i in range(300))],  # 300: past 256 memo slots
+    "tuples": [(), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), ((),), ((1,), (2, (3,)))],
+    "nested": {1: {"a": [{"b": ()}]}, (1, "k"): "tuple key", "name0": "name0"},
+    "long": list(range(2500)),
+}
+
+
+def test_plain_data_round_trips_through_stock_pickle():
+    huge = [2**2100, -2**2100]  # LONG4, which torch's weights_only unpickler refuses (as for torch.save)
+    assert pickle.loads(dumps({**PLAIN, "huge": huge})) == {**PLAIN, "huge": huge}
+
+
+def test_plain_data_round_trips_through_torchs_weights_only_unpickler(tmp_path):
+    pickled = ptfile.pickle_state([], [(("plain",), PLAIN)])
+    assert load(pt_bytes(pickled, {}))["plain"] == PLAIN
+
+
+def test_stand_ins_load_as_the_objects_they_name():
+    ordered = Reduce(Global("collections", "OrderedDict"), ())
+    path = Reduce(Global("pathlib", "PurePosixPath"), ("a", "b"))
+    loaded = pickle.loads(dumps([ordered, path, Global("torch", "bfloat16"), NewObject(Global("argparse", "Namespace"), {"x": 1})]))
+    assert loaded[:3] == [{}, PurePosixPath("a/b"), torch.bfloat16] and type(loaded[0]).__name__ == "OrderedDict"
+    assert vars(loaded[3]) == {"x": 1}
+
+
+def test_pickles_are_deterministic():
+    assert dumps(PLAIN) == dumps(PLAIN)
+
+
+# ---------------------------------------------------------------------------------------------
+# A nested .pt
+
+
+def pt_bytes(pickled: ptfile.PickledState, tensors: dict[int, bytes]) -> bytes:
+    """Return the whole .pt for a pickled state whose planned storages hold `tensors`."""
+    layout = ptfile.lay_out(pickled, [len(tensors[key]) for key in sorted(tensors)])
+    out = bytearray(layout.size)
+    crcs = {}
+    for key, offset in enumerate(layout.data_offsets):
+        out[offset:offset + len(tensors[key])] = tensors[key]
+        crcs[f"{ptfile.ARCHIVE}/data/{key}"] = zlib.crc32(tensors[key])
+    for offset, data in ptfile.zip_records(layout, crcs):
+        out[offset:offset + len(data)] = data
+    return bytes(out)
+
+
+def test_pt_of_nested_tensors_and_python_objects_loads_with_weights_only():
+    values = {("model", "w"): sample("float32", (3, 4)), ("model", "layers", 0, "b"): sample("float8_e5m2", (5,)),
+              ("model", "layers", 1, "b"): sample("bfloat16", ())}
+    objects = [(("optim", "param_groups", 0, "lr"), 0.01), (("optim", "param_groups", 0, "params"), [0, 1]),
+               (("extra", "shape"), torch.Size([2, 3])), (("extra", "pair"), (torch.ones(2, dtype=torch.int16), {"k"}))]
+    pickled = ptfile.pickle_state([(path, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for path, v in values.items()], objects)
+    loaded = load(pt_bytes(pickled, {key: tensor_bytes(v) for key, v in enumerate(values.values())}))
+    for (*parents, name), value in values.items():
+        node = loaded
+        for key in parents:
+            node = node[key]
+        assert_same_bytes(node[name], value, name)
+    assert isinstance(loaded["model"]["layers"], list)
+    assert loaded["optim"] == {"param_groups": [{"lr": 0.01, "params": [0, 1]}]}
+    assert loaded["extra"]["shape"] == torch.Size([2, 3]) and loaded["extra"]["pair"][1] == {"k"}
+    assert_same_bytes(loaded["extra"]["pair"][0], torch.ones(2, dtype=torch.int16))
+
+
+def test_pt_of_plain_python_objects_is_written_without_torchs_pickler(monkeypatch):
+    monkeypatch.setattr(ptfile, "_python_pickled", None)  # would fail if called
+    pickled = ptfile.pickle_state([], [(("step",), 7), (("groups",), [{"lr": 0.1, "betas": (0.9, 0.99)}])])
+    assert load(pt_bytes(pickled, {})) == {"step": 7, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}
+
+
+def test_pt_with_a_storage_past_4_gib_has_zip64_entries_python_and_ckpttool_read(tmp_path):
+    pickled = ptfile.pickle_state([(("a",), "uint8", (10,)), (("big",), "uint8", (5 << 30,)), (("c",), "uint8", (3,))], [])
+    layout = ptfile.lay_out(pickled, [10, 5 << 30, 3])
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as handle:  # sparse: the 5 GiB storage is never written
+        handle.truncate(layout.size)
+        names = [f"{ptfile.ARCHIVE}/data/{key}" for key in range(3)]
+        crcs = {names[0]: zlib.crc32(bytes(10)), names[1]: 0, names[2]: zlib.crc32(bytes(3))}
+        for offset, data in ptfile.zip_records(layout, crcs):
+            handle.seek(offset)
+            handle.write(data)
+    with zipfile.ZipFile(path) as archive:
+        assert [archive.getinfo(name).file_size for name in names] == [10, 5 << 30, 3]
+        assert archive.open(names[2]).read() == b"\x00\x00\x00"  # local header offset past 4 GiB
+    with DataFiles(tmp_path) as files:
+        entries = read_directory(lambda offset, length: files.read("big.pt", offset, length), layout.size, "test")
+        assert [entries[name].size for name in names] == [10, 5 << 30, 3]
+        assert entries[names[2]].local_offset > 1 << 32
+
+
+# ---------------------------------------------------------------------------------------------
+# .metadata
+
+
+def test_dcp_version_constant_is_the_installed_torchs():
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    assert writer.DCP_VERSION == CURRENT_DCP_VERSION
+
+
+def torch_metadata(tensors, objects, planner_data, checkpoint_id, save_id):
+    """Return the `Metadata` torch's own classes hold for these entries."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -106,171 +217,28 @@ def torch_metadata_bytes(tensors, objects, planner_data, checkpoint_id, save_id)
         chunks = []
         for index, chunk in enumerate(tensor.chunks):
             chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)))
-            key = MetadataIndex(tensor.fqn, chunk.offsets, index)
-            storage_data[key] = _StorageInfo(chunk.file, chunk.offset, chunk.length)
+            storage_data[MetadataIndex(tensor.fqn, chunk.offsets, index)] = _StorageInfo(chunk.file, chunk.offset, chunk.length)
         properties = TensorProperties(dtype=getattr(torch, tensor.dtype))
         state_dict_metadata[tensor.fqn] = TensorStorageMetadata(properties, torch.Size(tensor.shape), chunks)
     for obj in objects:
         state_dict_metadata[obj.fqn] = BytesStorageMetadata()
         storage_data[MetadataIndex(obj.fqn)] = _StorageInfo(obj.file, obj.offset, obj.length, list(obj.transforms) or None)
-    metadata = Metadata(
+    return Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=dict(planner_data),
         storage_data=storage_data,
         storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
-        version=CURRENT_DCP_VERSION,
+        version=writer.DCP_VERSION,
     )
-    return pickle.dumps(metadata)
 
 
-def torch_save_serialization_id(value: torch.Tensor) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return zipfile.ZipFile(buffer).read(f"{writer.RECORD_ARCHIVE}/.data/serialization_id")
-
-
-def first_difference(ours: bytes, theirs: bytes) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    return f"{len(ours)} vs {len(theirs)} bytes, first difference at byte {at}"
-
-
-# ---------------------------------------------------------------------------------------------
-# The pickler on plain data: what CPython's C pickler writes
-
-
-def plain_data() -> dict:
-    shared_name, shared_tuple, shared_list = "shared", ("a", 1), [1, 2]
-    return {
-        "ints": [0, 1, 255, 256, 65535, 65536, -1, -128, -129, -2**31, 2**31 - 1, 2**31, -2**31 - 1,
-                 2**63, -2**63, -2**63 - 1, 2**64, 2**2100, -2**2100, -(2**2047)],
-        "atoms": (None, True, False),
-        "strings": ["", "x", "é", "\ud800", "y" * 255, "y" * 256, "z" * 70000],
-        "tuples": [(), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), ((),), ((1,), (2, (3,)))],
-        "shared": [shared_name, shared_name, shared_tuple, shared_tuple, shared_list, shared_list],
-        "batches": {"list": list(range(2500)), "dict 1000": {str(i): i for i in range(1000)},
-                    "dict 1001": {str(i): i for i in range(1001)}, "one": {"k": [1]}, "empty": [{}, []]},
-    }
-
-
-@pytest.mark.parametrize("protocol", [2, 4, 5])
-def test_plain_data_is_pickled_as_cpythons_pickler_does(protocol):
-    data = plain_data()
-    assert writer._Pickler(protocol).dump(data) == pickle.dumps(data, protocol=protocol)
-
-
-# ---------------------------------------------------------------------------------------------
-# data.pkl
-
-
-def test_storage_class_table_agrees_with_torch_for_every_dtype_ckpttool_knows():
-    new_dtypes = torch.storage._new_dtypes()
-    legacy = torch.storage._dtype_to_storage_type_map()
-    for name in TORCH_DTYPES:
-        torch_dtype = getattr(torch, name)
-        assert (name in writer.NEW_DTYPES) == (torch_dtype in new_dtypes), name
-        assert writer.LEGACY_STORAGE_CLASS.get(name) == legacy.get(torch_dtype), name
-    assert writer.NEW_DTYPES == {str(d).removeprefix("torch.") for d in new_dtypes}
-    for name in dtypes.ITEMSIZE:
-        assert (name in writer.NEW_DTYPES) != (name in writer.LEGACY_STORAGE_CLASS), f"{name}: in neither or both tables"
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", TORCH_DTYPES)
-def test_tensor_pickle_is_byte_identical_to_torchs(dtype, shape):
-    assert tensor_pickle(dtype, shape) == torch_tensor_pickle(dtype, shape)
-
-
-@pytest.mark.parametrize("shape", [(70000,), (3,) * 10, (2**31,), (2**40, 3)])
-def test_tensor_pickle_of_long_and_many_dimensional_shapes_is_torchs(shape):
-    for dtype in ("float32", "uint16"):
-        assert tensor_pickle(dtype, shape) == torch_tensor_pickle(dtype, shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# The serialization id
-
-
-def test_record_name_hash_is_what_torch_save_writes():
-    expected = torch_save_serialization_id(torch.zeros(0))[:20]
-    assert writer._record_name_hash() == expected
-    assert writer._record_name_hash_from_torch() == expected  # the fallback off Linux
-
-
-def test_records_name_hash_half_of_the_serialization_id_is_the_same_for_every_shape_and_dtype():
-    expected = writer._record_name_hash()
-    for value in (torch.ones(3, 5, dtype=torch.bfloat16), torch.ones((), dtype=torch.uint16)):
-        assert torch_save_serialization_id(value)[:20] == expected
-
-
-def test_record_names_iterate_in_reverse_insertion_order_each_in_its_own_bucket():
-    assert writer._unordered_set_order(writer._RECORD_NAMES) == list(reversed(writer._RECORD_NAMES))
-    with pytest.raises(ValueError):
-        writer._unordered_set_order([str(i) for i in range(14)])
-
-
-UNORDERED_SET_PROGRAM = """
-#include <iostream>
-#include <string>
-#include <unordered_set>
-int main(int argc, char** argv) {
-  std::unordered_set<std::string> names;
-  for (int i = 1; i < argc; ++i) names.insert(argv[i]);
-  for (const auto& name : names) std::cout << name << " " << std::hash<std::string>{}(name) << "\\n";
-}
-"""
-
-
-@pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.startswith("linux"), reason="needs g++ and libstdc++")
-def test_std_hash_and_unordered_set_order_match_libstdcxx_including_shared_buckets(tmp_path):
-    source = tmp_path / "unordered_set.cpp"
-    source.write_text(UNORDERED_SET_PROGRAM)
-    subprocess.run(["g++", "-o", str(tmp_path / "unordered_set"), str(source)], check=True, timeout=120)
-    generator = random.Random(0)
-    alphabet = string.ascii_letters + string.digits + "./_"
-    for _ in range(100):
-        names = list(dict.fromkeys(
-            "".join(generator.choices(alphabet, k=generator.randint(1, 30))) for _ in range(generator.randint(1, 13))
-        ))
-        output = subprocess.run([str(tmp_path / "unordered_set"), *names], capture_output=True, text=True, check=True)
-        lines = [line.split(" ") for line in output.stdout.splitlines()]
-        assert [name for name, _ in lines] == writer._unordered_set_order(names)
-        assert all(writer._std_hash(name.encode()) == int(value) for name, value in lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# .metadata
-
-
-def test_dcp_version_constant_is_the_installed_torchs():
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
-    assert writer.DCP_VERSION == CURRENT_DCP_VERSION
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
-@pytest.mark.parametrize("name", RESHARD_FIXTURES)
-def test_resharded_metadata_is_byte_identical_to_pickled_torch_metadata(tmp_path, monkeypatch, name, world_size):
-    calls = []
-
-    def recording_metadata_bytes(*args):
-        calls.append(args)
-        return metadata_bytes(*args)
-
-    monkeypatch.setattr(reshard_command, "metadata_bytes", recording_metadata_bytes)
-    reshard(FIXTURES / name, tmp_path / "out", world_size)
-    (tensors, objects, planner_data, checkpoint_id, save_id), = calls
-    written = (tmp_path / "out" / ".metadata").read_bytes()
-    expected = torch_metadata_bytes(tensors, objects, planner_data, checkpoint_id, save_id)
-    assert written == expected, first_difference(written, expected)
-
-
-def many_entries(tensor_count: int, chunk_count: int, object_count: int, fqn_length: int = 12, big: bool = False):
+def many_entries(tensor_count: int, chunk_count: int, object_count: int, big: bool = False):
     """Return (tensors, objects, planner_data) with every dtype and files shared across chunks."""
     files = [writer.data_file_name(rank) for rank in range(4)]
     step = 2**33 + 7 if big else 4096
     tensors, planner_data = [], {}
     for t in range(tensor_count):
-        fqn = f"model.layers.{t}." + "w" * fqn_length
+        fqn = f"model.layers.{t}.weight"
         chunks = tuple(
             StoredChunk((3 * c, 0), (3, 7), files[(t + c) % len(files)], (t * chunk_count + c) * step, step - 1)
             for c in range(chunk_count)
@@ -286,21 +254,10 @@ def many_entries(tensor_count: int, chunk_count: int, object_count: int, fqn_len
 
 
 METADATA_CASES = {
-    # pickle batches dict items and list items 1000 at a time, and a dict of exactly 1000
-    # ends with an empty batch
-    "1000 entries": many_entries(1000, 1, 0),
-    "1001 entries": many_entries(999, 1, 2),
-    "2000 entries": many_entries(1000, 1, 1000),
-    "1000 chunks": many_entries(1, 1000, 0),
-    "2001 chunks": many_entries(2, 2001, 1),
-    # names of 64 KiB and more go between frames
-    "long names": many_entries(3, 2, 1, fqn_length=70000),
-    "names just under a frame": many_entries(3, 1, 0, fqn_length=65536 - 24),
-    # between two long names only MEMOIZE: a frame too short for a FRAME header
-    "consecutive long names": ([], [StoredObject("o", "__0_0.distcp", 0, 1)], {"o": ("x" * 70000, "y" * 70000)}),
+    "every dtype, shared files": many_entries(2 * len(TORCH_DTYPES), 3, 4),
+    "300 chunks: past 256 memo slots": many_entries(3, 100, 0),
     "offsets past 2**32": many_entries(5, 5, 5, big=True),
     "nothing": ([], [], {}),
-    "one object": ([], [StoredObject("step", "__0_0.distcp", 0, 1)], {"step": ("step",)}),
     "zstd-compressed objects": ([], [StoredObject("a", "__0_0.distcp", 0, 9, ("stream.zstd/1",)),
                                      StoredObject("b", "__0_0.distcp", 9, 9, ("stream.zstd/1",))], {"a": ("a",), "b": ("b",)}),
     "a tensor without chunks": ([StoredTensor("t", "float32", (0,), ())], [], {}),
@@ -308,28 +265,70 @@ METADATA_CASES = {
 }
 
 
-@pytest.mark.parametrize("checkpoint_id", [Path("/ckpt/step-10-world3"), Path("relative/out"), PurePosixPath("/a"), "ckpt", None])
+@pytest.mark.parametrize("checkpoint_id", [Path("/ckpt/step-10-world3"), PurePosixPath("relative/out"), "ckpt", None])
 @pytest.mark.parametrize("case", list(METADATA_CASES))
-def test_metadata_is_byte_identical_to_pickled_torch_metadata_across_batches_and_frames(case, checkpoint_id):
+def test_metadata_unpickles_to_the_metadata_torchs_classes_hold(case, checkpoint_id):
     tensors, objects, planner_data = METADATA_CASES[case]
-    ours = metadata_bytes(tensors, objects, planner_data, checkpoint_id, "save-0")
-    expected = torch_metadata_bytes(tensors, objects, planner_data, checkpoint_id, "save-0")
-    assert ours == expected, first_difference(ours, expected)
+    ours = pickle.loads(metadata_bytes(tensors, objects, planner_data, checkpoint_id, "save-0"))  # our own bytes
+    assert ours == torch_metadata(tensors, objects, planner_data, checkpoint_id, "save-0")
 
 
-def test_written_metadata_reads_back_through_our_reader_and_torchs_pickle_load(tmp_path):
+@pytest.mark.parametrize("case", list(METADATA_CASES))
+def test_metadata_reads_through_ckpttool_as_torchs_pickled_metadata_does(case, tmp_path):
+    tensors, objects, planner_data = METADATA_CASES[case]
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "ours" / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data, tmp_path, "save-0"))
+    reference = pickle.dumps(torch_metadata(tensors, objects, planner_data, tmp_path, "save-0"))
+    (tmp_path / "torch" / ".metadata").write_bytes(reference)
+    ours, theirs = read_checkpoint(tmp_path / "ours"), read_checkpoint(tmp_path / "torch")
+    assert replace(ours, path=None) == replace(theirs, path=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharded checkpoints
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("name", RESHARD_FIXTURES)
+def test_resharded_checkpoint_loads_with_dcp_to_torch_save_and_passes_validate_deep(tmp_path, reference, name, world_size):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    reshard(FIXTURES / name, tmp_path / "out", world_size)
+    dcp_to_torch_save(tmp_path / "out", tmp_path / "out.pt")
+    loaded = flatten(torch.load(tmp_path / "out.pt", weights_only=True))
+    expected = reference(FIXTURES / name)
+    assert loaded.keys() == expected.keys()
+    for fqn, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert_same_bytes(loaded[fqn], value, fqn)
+        else:
+            assert loaded[fqn] == value, fqn
+    report = validate(tmp_path / "out", deep=True)
+    assert report.valid and not report.warnings, report.problems
+
+
+def test_resharded_metadata_is_what_torchs_classes_hold_for_the_same_entries(tmp_path, monkeypatch):
+    calls = []
+
+    def recording_metadata_bytes(*args):
+        calls.append(args)
+        return metadata_bytes(*args)
+
+    monkeypatch.setattr(reshard_command, "metadata_bytes", recording_metadata_bytes)
     reshard(FIXTURES / "fsdp2_world3_uneven", tmp_path / "out", 2)
-    source, written = read_checkpoint(FIXTURES / "fsdp2_world3_uneven"), read_checkpoint(tmp_path / "out")
-    assert written.version == writer.DCP_VERSION
-    assert written.nesting == source.nesting
-    assert {fqn: (t.dtype, t.shape) for fqn, t in written.tensors.items()} == {
-        fqn: (t.dtype, t.shape) for fqn, t in source.tensors.items()
-    }
-    loaded = pickle.loads((tmp_path / "out" / ".metadata").read_bytes())  # written by us just now
-    assert type(loaded).__module__ == "torch.distributed.checkpoint.metadata"
-    assert loaded.storage_meta.checkpoint_id == tmp_path / "out"
-    properties = loaded.state_dict_metadata["model.embed.weight"].properties
-    assert properties.memory_format == torch.contiguous_format and properties.layout == torch.strided
+    (arguments,) = calls
+    written = pickle.loads((tmp_path / "out" / ".metadata").read_bytes())  # written by us just now
+    assert written == torch_metadata(*arguments)
+    assert written.storage_meta.checkpoint_id == tmp_path / "out"
+
+
+def test_resharding_twice_writes_the_same_bytes(tmp_path):
+    for out in ("a", "b"):
+        reshard(FIXTURES / "fsdp2_world2_adamw", tmp_path / out, 3)
+    for path in sorted((tmp_path / "a").iterdir()):
+        if path.suffix == ".distcp":
+            assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,11 +26,11 @@ from ckpttool.dcp.blobs import (
     iter_blocks,
     locate,
     read_chunk,
-    record_problems,
 )
 from ckpttool.dcp.metadata import METADATA_FILENAME, Blob, Checkpoint, read_checkpoint
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
+from ckpttool.torchsave.record import record_problems
 
 DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
 

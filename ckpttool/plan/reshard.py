@@ -12,12 +12,19 @@ R replicas x S shards, N = R * S) it decides, the way FSDP2's `fully_shard` lays
 - for each target chunk, the byte runs of source chunks that fill it, as offsets into the
   chunks' raw row-major bytes (the executor finds those with `dcp.blobs.locate`).
 
-The sharding rule: a tensor is sharded when the source shards it (more than one chunk), or,
-for a source stored whole (world 1), when it is a parameter by the optimizer's account: a
-`model.<name>` tensor with `optim.state.<name>.*` entries, and that optimizer state itself
-when it is not 0-d. Everything else (buffers, 0-d `step`, non-model entries) stays whole.
-FSDP2 also shards parameters without optimizer state (frozen ones); a world-1 source cannot
-tell those from buffers, so they stay whole (DCP still loads them, reading more than its shard).
+The sharding rule (`ReshardPlan.rule`), chosen from the source:
+- `source`: the source is sharded (some tensor has several chunks). Tensors it shards stay
+  sharded; a single-chunk tensor is sharded only when it is a parameter by the optimizer's
+  account (below), else it is replicated (a buffer) and stays whole.
+- `optimizer-state`: a single-rank source (saved at world 1 or without a process group) with
+  optimizer state: a `model.<name>` tensor is a parameter when `optim.state.<name>.*` entries
+  exist; parameters and their non-0-d optimizer state are sharded, everything else (buffers,
+  0-d `step`, non-model entries) stays whole. Parameters without optimizer state (frozen
+  ones) cannot be told from buffers and stay whole (DCP still loads them).
+- `every-tensor`: a single-rank source without optimizer state: parameters cannot be told
+  from buffers, so every tensor of one or more dimensions is sharded along dim 0, as FSDP2
+  shards parameters (stock `dcp.load` reads a buffer stored either way).
+Tensors matching a `keep_whole` glob stay in one piece under every rule.
 
 Example:
     >>> plan = plan_reshard(read_checkpoint("ckpt/step-00000100"), Mesh(1, 3))
@@ -27,13 +34,17 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping, Sequence
 
 from ckpttool.dcp.metadata import MODEL_KEYS, OPTIMIZER_KEYS, Blob, Checkpoint, Tensor
-from ckpttool.dcp.writer import data_file_name
+from ckpttool.dcp.blobs import RawData
+from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
 from ckpttool.layout import Box, intersect, row_major_runs, split_dim0, volume
+from ckpttool.plan.operations import Copy, Gather, Operation, Record
+from ckpttool.torchsave.record import record_layout
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,8 @@ class ReshardPlan:
     files: tuple[RankFile, ...]
     tensors: tuple[TensorLayout, ...]
     planner_data: dict[str, tuple]
+    rule: str = "source"  # the sharding rule that applied (module doc)
+    keep_whole: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -161,20 +174,6 @@ class ReshardPlan:
     @property
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.files)
-
-    def describe(self) -> str:
-        """Return the plan as text, one line per target rank (what `--dry-run` prints)."""
-        sharded = sum(t.sharded for t in self.tensors)
-        lines = [
-            f"reshard to {self.world_size} ranks (mesh {self.mesh}): {len(self.tensors)} tensors "
-            f"({sharded} sharded, {len(self.tensors) - sharded} whole), {self.nbytes} bytes of tensor data"
-        ]
-        for f in self.files:
-            lines.append(
-                f"  rank {f.rank:>3}  {f.name}: {len(f.chunks)} chunks of {f.tensors} tensors, "
-                f"{f.nbytes} bytes, {len(f.objects)} objects"
-            )
-        return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,11 +197,22 @@ def parameters_with_optimizer_state(checkpoint: Checkpoint) -> frozenset[str]:
     return frozenset(names)
 
 
-def is_sharded(tensor: Tensor, optimized: frozenset[str]) -> bool:
+SOURCE_RULE, OPTIMIZER_STATE_RULE, EVERY_TENSOR_RULE = "source", "optimizer-state", "every-tensor"
+
+
+def sharding_rule(checkpoint: Checkpoint, optimized: frozenset[str]) -> str:
+    """Return which sharding rule of the module doc applies to `checkpoint`."""
+    if any(len(tensor.chunks) > 1 for tensor in checkpoint.tensors.values()):
+        return SOURCE_RULE
+    return OPTIMIZER_STATE_RULE if optimized else EVERY_TENSOR_RULE
+
+
+def is_sharded(tensor: Tensor, optimized: frozenset[str], rule: str = SOURCE_RULE,
+               keep_whole: Sequence[str] = ()) -> bool:
     """Return True when FSDP2 would shard `tensor` along dim 0 (the rule in the module doc)."""
-    if not tensor.shape:
+    if not tensor.shape or any(fnmatch.fnmatchcase(tensor.fqn, glob) for glob in keep_whole):
         return False
-    if len(tensor.chunks) > 1:
+    if len(tensor.chunks) > 1 or rule == EVERY_TENSOR_RULE:
         return True
     top, rest = _split_fqn(tensor.fqn)
     if top in MODEL_KEYS:
@@ -306,13 +316,15 @@ def _target_boxes(tensor: Tensor, sharded: bool, mesh: Mesh) -> list[tuple[Box, 
     return [(box, tuple(sorted(holders))) for box, holders in by_offsets.values()]
 
 
-def plan_reshard(checkpoint: Checkpoint, mesh: Mesh) -> ReshardPlan:
-    """Return the plan that lays `checkpoint` out for `mesh` (reads no data files).
+def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] = ()) -> ReshardPlan:
+    """Return the plan that lays `checkpoint` out for `mesh` (reads no data files); tensors
+    matching a `keep_whole` glob are not sharded.
 
     Raises UnsupportedFormat for dtypes of unknown size and CorruptMetadata when a tensor's
     chunks do not cover it.
     """
     optimized = parameters_with_optimizer_state(checkpoint)
+    rule = sharding_rule(checkpoint, optimized)
     order = _state_dict_order(checkpoint)
     layouts: dict[str, TensorLayout] = {}
     items_by_rank: list[list[_Item]] = [[] for _ in range(mesh.world_size)]
@@ -325,7 +337,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh) -> ReshardPlan:
             continue
         if tensor.itemsize == 0:
             raise UnsupportedFormat(f"{checkpoint.path}: {fqn} has dtype {tensor.dtype!r}, whose size is unknown")
-        sharded = is_sharded(tensor, optimized)
+        sharded = is_sharded(tensor, optimized, rule, keep_whole)
         boxes = _target_boxes(tensor, sharded, mesh)
         layouts[fqn] = TensorLayout(fqn, tensor.dtype, tensor.shape, sharded, tuple(b[0] for b, _ in boxes))
         for box, holders in boxes:
@@ -368,7 +380,8 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh) -> ReshardPlan:
         for rank in range(mesh.world_size)
     )
     planner_data = {fqn: checkpoint.nesting[fqn] for fqn in order if fqn in checkpoint.nesting}
-    return ReshardPlan(mesh, files, tuple(layouts[f] for f in order if f in layouts), planner_data)
+    tensors = tuple(layouts[f] for f in order if f in layouts)
+    return ReshardPlan(mesh, files, tensors, planner_data, rule, tuple(keep_whole))
 
 
 def _sizes_at(tensor: Tensor, layout: TensorLayout, offsets: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
@@ -378,3 +391,65 @@ def _sizes_at(tensor: Tensor, layout: TensorLayout, offsets: tuple[int, ...], me
         if start == offsets[0]:
             return (rows, *tensor.shape[1:])
     raise AssertionError(f"no shard of {tensor.fqn} starts at {offsets}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the bytes go: rank files laid out, and the operations that fill them
+
+
+@dataclass(frozen=True)
+class ReshardWrites:
+    """The resharded checkpoint as bytes: each rank file's size, the operations that fill the
+    files (objects copied verbatim, then one torch.save record per chunk) and the entries
+    `.metadata` records for them."""
+
+    files: tuple[tuple[str, int], ...]  # (file name, size)
+    operations: tuple[Operation, ...]
+    tensors: tuple[StoredTensor, ...]
+    objects: tuple[StoredObject, ...]
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str, Mapping[int, RawData | None]]) -> ReshardWrites:
+    """Return where every byte of `plan` goes (pure: reads nothing); `located` says where each
+    source chunk's raw bytes are (None: its blob is decoded)."""
+    files, operations, objects = [], [], []
+    stored: dict[tuple[str, tuple[int, ...]], StoredChunk] = {}
+    for rank_file in plan.files:
+        at = 0
+        for obj in rank_file.objects:
+            source = obj.source
+            objects.append(StoredObject(obj.fqn, rank_file.name, at, source.length, source.transforms))
+            operations.append(Copy(source.file, source.offset, rank_file.name, at, source.length))
+            at += source.length
+        for chunk in rank_file.chunks:
+            layout = record_layout(chunk.dtype, chunk.sizes)
+            parts = _record_parts(checkpoint.tensors[chunk.fqn], chunk, located[chunk.fqn], rank_file.name,
+                                  at + layout.data_offset)
+            operations.append(Record(rank_file.name, at, chunk.fqn, chunk.offsets, chunk.dtype, chunk.sizes, parts))
+            stored[(chunk.fqn, chunk.offsets)] = StoredChunk(chunk.offsets, chunk.sizes, rank_file.name, at, layout.length)
+            at += layout.length
+        files.append((rank_file.name, at))
+    tensors = tuple(
+        StoredTensor(t.fqn, t.dtype, t.shape, tuple(stored[(t.fqn, offsets)] for offsets in t.chunks))
+        for t in plan.tensors
+    )
+    return ReshardWrites(tuple(files), tuple(operations), tensors, tuple(objects))
+
+
+def _record_parts(tensor: Tensor, chunk: TargetChunk, located: Mapping[int, RawData | None], file: str,
+                  data_start: int) -> tuple[Copy | Gather, ...]:
+    parts: list[Copy | Gather] = []
+    decoded: dict[int, list[tuple[int, int, int]]] = {}
+    for run in chunk.runs:
+        raw = located[run.source_chunk]
+        if raw is None:
+            decoded.setdefault(run.source_chunk, []).append((run.source_offset, data_start + run.target_offset, run.length))
+        else:
+            parts.append(Copy(raw.file, raw.offset + run.source_offset, file, data_start + run.target_offset, run.length))
+    for index, pieces in decoded.items():
+        parts.append(Gather(tensor, index, None, tensor.dtype, file, tuple(pieces)))
+    return tuple(parts)

@@ -1,0 +1,295 @@
+"""Run any plan: the operations of `plan.operations` against open data files and outputs.
+
+One executor for consolidate and reshard: in-kernel copies, casts, gathers of decoded or
+block-sharded chunks, torch.save records whose CRC-32 is computed as their data streams, all
+on one thread pool under one memory budget; then, on request, a verification that reads the
+output back and compares it byte for byte with what the source says it must be.
+
+Example:
+    >>> with DataFiles(checkpoint.path) as files:
+    ...     located = locate_chunks(files, checkpoint.tensors.values())
+    ...     run(operations, files, {"m.safetensors": fd}, threads=4, max_memory=512 << 20)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+from ckpttool import dtypes
+from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
+from ckpttool.dcp.metadata import Tensor
+from ckpttool.errors import CorruptBlob, VerificationFailed
+from ckpttool.io import Task, copy_range, run_tasks, thread_buffer, write_at
+from ckpttool.plan import unique_chunks
+from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record
+from ckpttool.torchsave.ptfile import crc32_combine
+from ckpttool.torchsave.record import record_layout
+
+VERIFY_BLOCK = 16 << 20  # bytes compared per step of --verify
+
+Located = dict[str, dict[int, RawData | None]]  # fqn -> chunk index -> raw bytes (None: decode)
+
+
+def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4) -> Located:
+    """Return where each distinct chunk's raw bytes are (reading only record headers), in
+    parallel; the planners take this as input. Raises CorruptBlob for a record that
+    disagrees with the metadata or runs past the end of its file."""
+    tensors = list(tensors)
+    jobs = [(tensor, index) for tensor in tensors for index in unique_chunks(tensor)]
+
+    def find(job: tuple[Tensor, int]) -> RawData | None:
+        tensor, index = job
+        raw = locate(files, tensor, tensor.chunks[index])
+        if raw is not None and raw.offset + raw.length > files.size(raw.file):
+            raise CorruptBlob(
+                f"{files.path(raw.file)}: {tensor.fqn} chunk at {list(tensor.chunks[index].offsets)} ends at byte "
+                f"{raw.offset + raw.length}, past the file's {files.size(raw.file)} bytes (truncated file?)"
+            )
+        return raw
+
+    found: Located = {tensor.fqn: {} for tensor in tensors}
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for (tensor, index), raw in zip(jobs, pool.map(find, jobs)):
+            found[tensor.fqn][index] = raw
+    return found
+
+
+@contextlib.contextmanager
+def opened_outputs(directory: Path, names: Iterable[str]) -> Iterator[dict[str, int]]:
+    """Yield name -> fd of new files `names` in `directory`, open for writing; closed on exit."""
+    fds: dict[str, int] = {}
+    try:
+        for name in names:
+            fds[name] = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write a small file whole and fsync it (inside an atomic output directory)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def reserve(fd: int, size: int) -> None:
+    """Give an output file its final size up front; allocating it makes a full disk fail now."""
+    os.ftruncate(fd, size)
+    if size and hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise  # ENOSPC: the disk cannot hold the output; fail before copying
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
+        max_memory: int, on_done: Callable[[int], None] | None = None) -> None:
+    """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
+    at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each."""
+    tasks = (Task(_runner(op, files, outputs), op.memory) for op in operations)
+    run_tasks(tasks, threads, max_memory, on_done)
+
+
+def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Callable[[], int]:
+    fd = outputs[op.dst]
+    if isinstance(op, Copy):
+        def copy() -> int:
+            try:
+                copy_range(files.fd(op.src), op.src_offset, fd, op.dst_offset, op.length)
+            except EOFError:
+                raise CorruptBlob(f"{files.path(op.src)}: ends before byte {op.src_offset + op.length} (truncated file?)") from None
+            return op.length
+        return copy
+    if isinstance(op, Record):
+        return lambda: _write_record(op, files, fd)
+
+    def write() -> int:
+        at = 0
+        for offset, block in output_blocks(op, files, {}):
+            write_at(fd, block, offset)
+            at += len(block)
+        return at
+
+    return write
+
+
+def output_blocks(op: Convert | Gather | Copy, files: DataFiles, decoded: dict) -> Iterator[tuple[int, bytes | memoryview]]:
+    """Yield (output offset, bytes) that `op` writes, in output order; a block is valid only
+    until the next is asked for (they share this thread's buffers). `decoded` caches decoded
+    chunks across the parts of one record."""
+    if isinstance(op, Copy):
+        buffer = memoryview(thread_buffer(STREAM_BLOCK))
+        for done in range(0, op.length, STREAM_BLOCK):
+            block = buffer[:min(STREAM_BLOCK, op.length - done)]
+            files.read_into(op.src, op.src_offset + done, block)
+            yield op.dst_offset + done, block
+    elif isinstance(op, Convert):
+        buffer = thread_buffer(op.length)
+        files.read_into(op.src, op.src_offset, memoryview(buffer)[:op.length])
+        yield op.dst_offset, cast_in_place(buffer, op.length, op.source_dtype, op.dtype)
+    else:
+        key = (op.tensor.fqn, op.chunk, op.dtype)
+        data = decoded.get(key)
+        if data is None:
+            data = decoded[key] = gather_bytes(op, files)
+        view = memoryview(data)
+        for start, offset, length in op.pieces:
+            yield offset, view[start:start + length]
+
+
+def gather_bytes(op: Gather, files: DataFiles) -> bytes:
+    """Return the chunk's row-major bytes, decoded when needed, cast to the op's dtype."""
+    if op.source is not None:
+        data = files.read(op.source.file, op.source.offset, op.source.length)
+    else:
+        data = read_chunk(files, op.tensor, op.tensor.chunks[op.chunk])
+    return cast(data, op.tensor.dtype, op.dtype)
+
+
+def _record_data(op: Record, files: DataFiles) -> Iterator[tuple[int, bytes | memoryview]]:
+    decoded: dict = {}
+    pieces = sorted(
+        ((offset, part, index) for part in op.parts for index, offset in enumerate(_piece_offsets(part))),
+        key=lambda item: item[0],
+    )
+    # parts are streamed in output order so the CRC-32 runs over the data as it lies
+    for _, part, index in pieces:
+        if isinstance(part, Gather):
+            piece = Gather(part.tensor, part.chunk, part.source, part.dtype, part.dst, (part.pieces[index],))
+            yield from output_blocks(piece, files, decoded)
+        else:
+            yield from output_blocks(part, files, decoded)
+
+
+def _piece_offsets(part: Copy | Gather) -> list[int]:
+    return [part.dst_offset] if isinstance(part, Copy) else [offset for _, offset, _ in part.pieces]
+
+
+def _write_record(op: Record, files: DataFiles, fd: int) -> int:
+    layout = record_layout(op.dtype, op.shape)
+    write_at(fd, layout.head, op.offset)
+    crc = 0
+    for offset, block in _record_data(op, files):
+        crc = zlib.crc32(block, crc)
+        write_at(fd, block, offset)
+    write_at(fd, layout.tail(crc), op.offset + layout.data_offset + layout.data_length)
+    return layout.data_length
+
+
+# ---------------------------------------------------------------------------------------------
+# Casting
+
+
+def cast_in_place(buffer: bytearray, length: int, source_dtype: str, dtype: str) -> memoryview:
+    """Return the first `length` bytes of `buffer` converted as `tensor.to(dtype)` converts
+    them, as a view of this thread's reusable cast buffer.
+
+    torch reads `buffer` where it is and `copy_` writes into the reused buffer: `.to(dtype)`
+    is `empty` + `copy_` in torch (`_to_copy`), so the bytes are the same, without a fresh
+    allocation per block.
+    """
+    import torch
+
+    count = length // dtypes.ITEMSIZE[source_dtype]
+    output_length = count * dtypes.ITEMSIZE[dtype]
+    output = thread_buffer(output_length, "cast")
+    values = torch.frombuffer(buffer, dtype=getattr(torch, source_dtype), count=count)
+    torch.frombuffer(output, dtype=getattr(torch, dtype), count=count).copy_(values)
+    return memoryview(output)[:output_length]
+
+
+def cast(data: bytes, source_dtype: str, dtype: str) -> bytes:
+    """Return the bytes of `data` (elements of `source_dtype`) converted as torch's
+    `tensor.to(dtype)` converts them."""
+    if source_dtype == dtype or not data:
+        return data
+    return bytes(cast_in_place(bytearray(data), len(data), source_dtype, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# CRC-32 of written data
+
+
+def output_crc(fd: int, offset: int, length: int, operations: Sequence[Operation]) -> int:
+    """Return the CRC-32 of `length` output bytes at `offset`: combined from the CRCs
+    torch.save stored for the source chunks when `operations` are whole-chunk copies laid end
+    to end over exactly that range, else computed by reading the written bytes back."""
+    at, crc = offset, 0
+    for op in sorted(operations, key=first_offset):
+        if not isinstance(op, Copy) or op.crc32 is None or op.dst_offset != at:
+            break
+        crc = crc32_combine(crc, op.crc32, op.length)
+        at += op.length
+    else:
+        if at == offset + length:
+            return crc
+    crc = 0
+    for start in range(offset, offset + length, VERIFY_BLOCK):
+        crc = zlib.crc32(os.pread(fd, min(VERIFY_BLOCK, offset + length - start), start), crc)
+    return crc
+
+
+def first_offset(op: Operation) -> int:
+    if isinstance(op, Gather):
+        return min(offset for _, offset, _ in op.pieces) if op.pieces else 0
+    return op.offset if isinstance(op, Record) else op.dst_offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Verification
+
+
+def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
+           max_memory: int, describe: Callable[[Operation], str],
+           on_done: Callable[[int], None] | None = None) -> None:
+    """Read the output back and compare it byte for byte with what each operation must have
+    written (source re-read, re-cast or re-decoded; a record's head and tail as well); raise
+    VerificationFailed naming `describe(op)` and the output byte at the first difference."""
+
+    def check(op: Operation) -> Callable[[], int]:
+        def run_check() -> int:
+            fd = outputs[op.dst]
+            if isinstance(op, Record):
+                layout = record_layout(op.dtype, op.shape)
+                crc = 0
+                _compare(fd, op.offset, layout.head, op, describe)
+                for offset, block in _record_data(op, files):
+                    crc = zlib.crc32(block, crc)
+                    _compare(fd, offset, block, op, describe)
+                _compare(fd, op.offset + layout.data_offset + layout.data_length, layout.tail(crc), op, describe)
+                return layout.data_length
+            written = 0
+            for offset, block in output_blocks(op, files, {}):
+                _compare(fd, offset, block, op, describe)
+                written += len(block)
+            return written
+
+        return run_check
+
+    tasks = (Task(check(op), 2 * op.memory or 2 * STREAM_BLOCK) for op in operations)
+    run_tasks(tasks, threads, max_memory, on_done)
+
+
+def _compare(fd: int, offset: int, expected: bytes | memoryview, op: Operation,
+             describe: Callable[[Operation], str]) -> None:
+    expected = bytes(expected)  # bytes == bytes is one memcmp; a memoryview compares per element
+    actual = os.pread(fd, len(expected), offset)
+    if actual != expected:
+        position = next((i for i, (x, y) in enumerate(zip(actual, expected)) if x != y), len(actual))
+        raise VerificationFailed(
+            f"{describe(op)} differs from the source at output byte {offset + position}; the output was not kept"
+        )

@@ -1,0 +1,288 @@
+"""The consolidate plan: which source bytes go where in one full state dict, as pure data.
+
+Planning reads nothing. `select` picks the output keys from the metadata; the command then
+locates the chosen chunks' raw bytes (`execute.locate_chunks`), finds tied pairs and decodes
+python objects (IO), and `plan_consolidate` turns all of that into output files (safetensors
+headers or a .pt zip layout) and the operations that fill them (`plan.operations`).
+
+Example:
+    >>> selection = select(checkpoint, KeyRules(), OutputFormat("safetensors", False, None))
+    >>> plan = plan_consolidate(checkpoint, selection, located, name="m.safetensors", kind=...)
+    >>> plan.tensors[0].operations[0]
+    Copy(src='__0_0.distcp', src_offset=1216, dst='m.safetensors', dst_offset=96, length=208, crc32=...)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ckpttool import dtypes
+from ckpttool.dcp.blobs import RawData
+from ckpttool.dcp.metadata import Checkpoint, Tensor
+from ckpttool.errors import KeyCollision, UsageError
+from ckpttool.formats import hub, safetensors
+from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys
+from ckpttool.layout import row_major_runs
+from ckpttool.plan import unique_chunks
+from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather, Operation
+from ckpttool.torchsave import ptfile
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What OUT asks for: `safetensors` (one file, or `sharded` into a Hub directory) or `torch`."""
+
+    kind: str  # "safetensors" | "torch"
+    sharded: bool
+    max_shard_size: int | None
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of the output: where it goes and the operations that fill it."""
+
+    key: str
+    fqn: str
+    path: tuple  # nested keys in a .pt (the key itself, or DCP's planner_data with --all)
+    source_dtype: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str  # output file name, relative to the output
+    offset: int  # absolute byte offset of its data in `file`
+    operations: tuple[Operation, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """One output file: its name, total size, and the bytes written at offset 0 (a
+    safetensors header); a .pt's zip records are made after the data (they carry CRCs)."""
+
+    name: str
+    size: int
+    head: bytes
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OutputObject:
+    """A python value (param_groups, step, ...) that goes into a .pt as it was saved."""
+
+    key: str
+    fqn: str
+    path: tuple
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Two keys that hold the same tensor (same dtype, shape and bytes), e.g. a tied
+    embedding and lm_head; `dropped` is left out with --drop-tied."""
+
+    kept: str
+    dropped: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The output keys chosen from a checkpoint: key -> fqn for tensors and for objects, and
+    each key's place in the output (a nested path for --all to .pt)."""
+
+    tensors: dict[str, str]
+    objects: dict[str, str]
+    paths: dict[str, tuple]
+
+
+@dataclass(frozen=True)
+class ConsolidatePlan:
+    """Everything consolidate will write, computed before writing a byte."""
+
+    source: str
+    format: str  # "safetensors" or "torch"
+    files: tuple[OutputFile, ...]
+    tensors: tuple[OutputTensor, ...]
+    objects: tuple[OutputObject, ...] = ()
+    index_name: str | None = None  # model.safetensors.index.json when sharded
+    index: bytes | None = None
+    ties: tuple[Tie, ...] = ()
+    dropped: tuple[str, ...] = ()
+    zip_layouts: dict = field(default_factory=dict)  # .pt: file name -> torchsave.ptfile.PtLayout
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(f.size for f in self.files) + (len(self.index) if self.index else 0)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def operations(self) -> list[Operation]:
+        return [op for tensor in self.tensors for op in tensor.operations]
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing keys
+
+
+def select(checkpoint: Checkpoint, rules: KeyRules, kind: OutputFormat) -> Selection:
+    """Return the output keys for `rules`, in the order the state dict was saved.
+
+    planner_data keeps `model.state_dict()` order, so shards group tensors as save_pretrained
+    would; entries it does not name come after, sorted. Raises UsageError when nothing is
+    selected or python objects would go into safetensors.
+    """
+    source = str(checkpoint.path)
+    chosen = output_keys(list(checkpoint.tensors) + list(checkpoint.objects), rules, checkpoint.nesting)
+    saved_order = {fqn: position for position, fqn in enumerate(checkpoint.nesting)}
+    chosen = dict(sorted(chosen.items(), key=lambda item: (saved_order.get(item[1], len(saved_order)), item[0])))
+    tensors = {key: fqn for key, fqn in chosen.items() if fqn in checkpoint.tensors}
+    objects = {key: fqn for key, fqn in chosen.items() if fqn in checkpoint.objects}
+    if not tensors and not objects:
+        what = "--filter matched nothing" if rules.filters else "the checkpoint has no `model` entries (use --all)"
+        raise UsageError(f"{source}: nothing to export: {what}")
+    if objects and kind.kind == "safetensors":
+        names = ", ".join(sorted(objects)[:4]) + (", ..." if len(objects) > 4 else "")
+        raise UsageError(
+            f"{source}: {len(objects)} selected entries are python objects, not tensors ({names}); "
+            "safetensors holds tensors only: write a .pt file, or leave them out with --filter"
+        )
+    return Selection(tensors, objects, _paths(checkpoint, chosen, rules, kind))
+
+
+def _paths(checkpoint: Checkpoint, chosen: dict[str, str], rules: KeyRules, kind: OutputFormat) -> dict[str, tuple]:
+    """Return each key's place in the output: flat `(key,)`, or with --all to .pt the nested
+    path torch saved (planner_data), wrapper names normalised in each part."""
+    if not (rules.everything and kind.kind == "torch"):
+        return {key: (key,) for key in chosen}
+    if rules.renames:
+        raise UsageError("--rename applies to flat keys; with --all a .pt keeps the nested structure as saved")
+    paths: dict[str, tuple] = {}
+    seen: dict[tuple, str] = {}
+    for key, fqn in chosen.items():
+        path = checkpoint.nesting.get(fqn) or tuple(fqn.split("."))
+        if rules.normalise:
+            path = tuple(normalise(part) if isinstance(part, str) else part for part in path)
+        if path in seen:
+            raise KeyCollision(f"{seen[path]} and {fqn} both become {path!r}; pass --keep-keys")
+        seen[path] = fqn
+        paths[key] = path
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+def plan_consolidate(
+    checkpoint: Checkpoint,
+    selection: Selection,
+    located: Mapping[str, Mapping[int, RawData | None]],
+    *,
+    name: str,
+    kind: OutputFormat,
+    dtype: str | None = None,
+    dtype_map: tuple[tuple[str, str], ...] = (),
+    ties: tuple[Tie, ...] = (),
+    drop_tied: bool = False,
+    objects: Mapping[str, Any] | None = None,
+) -> ConsolidatePlan:
+    """Return the plan that writes `selection` as one state dict named `name` (pure: reads
+    nothing). `located` says where each chunk's raw bytes are (None: decode), `objects` holds
+    the decoded python values of the selected objects (for a .pt)."""
+    dropped = tuple(sorted(t.dropped for t in ties)) if drop_tied else ()
+    tensor_keys = {key: fqn for key, fqn in selection.tensors.items() if key not in dropped}
+    source_tensors = {key: checkpoint.tensors[fqn] for key, fqn in tensor_keys.items()}
+    wanted = {key: target_dtype(t.dtype, match_dtype(key, dtype_map, dtype)) for key, t in source_tensors.items()}
+    sizes = {key: dtypes.ITEMSIZE[wanted[key]] * t.numel for key, t in source_tensors.items()}
+
+    output_files: list[OutputFile] = []
+    offsets: dict[str, tuple[str, int]] = {}
+    index_name = index = None
+    zip_layouts: dict = {}
+    if kind.kind == "safetensors":
+        groups = {name: tuple(tensor_keys)}
+        if kind.sharded:
+            split = hub.plan_shards(sizes, kind.max_shard_size)
+            groups, index_name, index = split.files, split.index_name, split.index
+        for file_name, keys in groups.items():
+            layout = safetensors.layout_file([(k, wanted[k], source_tensors[k].shape) for k in keys])
+            output_files.append(OutputFile(file_name, layout.size, layout.header, tuple(keys)))
+            offsets.update({k: (file_name, layout.offsets[k]) for k in keys})
+    else:
+        values = objects or {}
+        pickled = ptfile.pickle_state(
+            [(selection.paths[k], wanted[k], source_tensors[k].shape) for k in tensor_keys],
+            [(selection.paths[k], values[k]) for k in selection.objects],
+        )
+        layout = ptfile.lay_out(pickled, [sizes[k] for k in tensor_keys])
+        output_files.append(OutputFile(name, layout.size, b"", tuple(tensor_keys)))
+        offsets = {k: (name, layout.data_offsets[i]) for i, k in enumerate(tensor_keys)}
+        zip_layouts[name] = layout
+
+    tensors = []
+    for key, tensor in source_tensors.items():
+        file_name, offset = offsets[key]
+        operations = plan_tensor(tensor, located[tensor.fqn], wanted[key], file_name, offset)
+        tensors.append(OutputTensor(key, tensor.fqn, selection.paths[key], tensor.dtype, wanted[key], tensor.shape,
+                                    file_name, offset, operations))
+    output_objects = tuple(OutputObject(key, fqn, selection.paths[key]) for key, fqn in selection.objects.items())
+    return ConsolidatePlan(
+        source=str(checkpoint.path), format=kind.kind, files=tuple(output_files), tensors=tuple(tensors),
+        objects=output_objects, index_name=index_name, index=index, ties=tuple(ties), dropped=dropped,
+        zip_layouts=zip_layouts,
+    )
+
+
+def plan_tensor(
+    tensor: Tensor,
+    located: Mapping[int, RawData | None],
+    dtype: str,
+    file: str,
+    offset: int,
+) -> tuple[Operation, ...]:
+    """Return the operations that write `tensor`, cast to `dtype`, at `offset` of `file`.
+
+    `located` holds each distinct chunk's raw bytes (None: its blob must be decoded); a
+    chunk that is one contiguous run of the output is copied (or converted) as it is, any
+    other is gathered in memory and written row by row.
+    """
+    itemsize = dtypes.ITEMSIZE[dtype]
+    source_itemsize = dtypes.ITEMSIZE[tensor.dtype]
+    whole = ((0,) * len(tensor.shape), tensor.shape)
+    operations: list[Operation] = []
+    for index in unique_chunks(tensor):
+        chunk = tensor.chunks[index]
+        runs = row_major_runs(whole, (chunk.offsets, chunk.sizes), itemsize)
+        raw = located[index]
+        if raw is not None and len(runs) == 1:
+            (start, length), = runs
+            if dtype == tensor.dtype:
+                operations.append(Copy(raw.file, raw.offset, file, offset + start, length, raw.crc32))
+                continue
+            step = CONVERT_BLOCK - CONVERT_BLOCK % source_itemsize
+            for done in range(0, raw.length, step):
+                part = min(step, raw.length - done)
+                operations.append(Convert(
+                    raw.file, raw.offset + done, part, tensor.dtype, dtype,
+                    file, offset + start + done // source_itemsize * itemsize,
+                ))
+            continue
+        pieces, at = [], 0
+        for start, length in runs:
+            pieces.append((at, offset + start, length))
+            at += length
+        operations.append(Gather(tensor, index, raw, dtype, file, tuple(pieces)))
+    return tuple(operations)
+
+
+def target_dtype(source_dtype: str, wanted: str | None) -> str:
+    """Return the output dtype: `wanted` for floating tensors, the source dtype otherwise
+    (integer and bool tensors are never cast)."""
+    if wanted is None or source_dtype not in dtypes.FLOATING:
+        return source_dtype
+    return wanted

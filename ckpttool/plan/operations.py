@@ -1,0 +1,119 @@
+"""The operations a plan is made of: which source bytes go where, as pure data.
+
+Both planners (`plan.consolidate`, `plan.reshard`) describe their output with these four
+kinds, and `execute` runs any list of them (with one memory budget) and verifies them:
+
+- `Copy`: a byte range moves as it is from a data file to an output file (FSDP's dim-0
+  chunks are contiguous runs of the full tensor: `copy_file_range`, no buffer);
+- `Convert`: a contiguous run that is cast (`--dtype`), in blocks of `CONVERT_BLOCK`;
+- `Gather`: a chunk read whole (decoded when its blob is transformed or strided), cast if
+  asked, and written as pieces (block / 2-D sharding, or a decoded source);
+- `Record`: a torch.save record of one chunk (reshard): its head, the data of its parts
+  (each a Copy or Gather), and the tail that carries the CRC-32 of that data.
+
+Example:
+    >>> Copy("__0_0.distcp", 1216, "m.safetensors", 96, 208).memory
+    0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckpttool import dtypes
+from ckpttool.dcp.blobs import RawData
+from ckpttool.dcp.metadata import Tensor
+
+CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
+STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a record's data
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Move `length` raw bytes from a data file to an output file."""
+
+    src: str
+    src_offset: int
+    dst: str
+    dst_offset: int
+    length: int
+    crc32: int | None = None  # CRC-32 of these bytes, when torch.save recorded it
+
+    @property
+    def memory(self) -> int:
+        return 0  # in-kernel copy
+
+    @property
+    def output_length(self) -> int:
+        return self.length
+
+
+@dataclass(frozen=True)
+class Convert:
+    """Cast a contiguous run of `source_dtype` elements to `dtype` and write it."""
+
+    src: str
+    src_offset: int
+    length: int  # source bytes
+    source_dtype: str
+    dtype: str
+    dst: str
+    dst_offset: int
+
+    @property
+    def output_length(self) -> int:
+        return self.length // dtypes.ITEMSIZE[self.source_dtype] * dtypes.ITEMSIZE[self.dtype]
+
+    @property
+    def memory(self) -> int:
+        return self.length + self.output_length
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Read chunk `chunk` of `tensor` whole (from `source`, or decoded when it is None), cast it
+    to `dtype`, and write `pieces`: (offset in the cast chunk bytes, output offset, length)."""
+
+    tensor: Tensor
+    chunk: int
+    source: RawData | None
+    dtype: str
+    dst: str
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @property
+    def output_length(self) -> int:
+        return sum(length for _, _, length in self.pieces)
+
+    @property
+    def memory(self) -> int:
+        numel = self.tensor.chunks[self.chunk].numel
+        cast = dtypes.ITEMSIZE[self.dtype] if self.dtype != self.tensor.dtype else 0
+        return numel * (self.tensor.itemsize + cast)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A torch.save record of a `dtype` chunk of `shape` at `offset` of `dst`: the record's
+    head, the data written by `parts` (output offsets absolute, together covering the data
+    exactly once), and the tail holding the data's CRC-32."""
+
+    dst: str
+    offset: int
+    fqn: str  # the chunk it holds: for messages
+    chunk_offsets: tuple[int, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[Copy | Gather, ...]
+
+    @property
+    def output_length(self) -> int:
+        return sum(part.output_length for part in self.parts)
+
+    @property
+    def memory(self) -> int:
+        decoded = {(p.tensor.fqn, p.chunk): p.memory for p in self.parts if isinstance(p, Gather)}
+        return max(min(self.output_length, STREAM_BLOCK), sum(decoded.values()))
+
+
+Operation = Copy | Convert | Gather | Record

@@ -1,0 +1,308 @@
+"""The torch.save record of one tensor (DCP's blob per chunk), written and read; and reading
+the record of a plain python object (DCP's blob per non-tensor entry).
+
+Writing lays a record out around its data so the raw bytes can stream straight from a source
+checkpoint into `data/0` without being decoded, and only the CRC-32 (computed while they
+stream) completes it:
+
+    layout = record_layout("float32", (5, 8))
+    write_at(fd, layout.head, offset)                  # everything before data/0's bytes
+    ... stream layout.data_length bytes to offset + layout.data_offset, computing crc ...
+    write_at(fd, layout.tail(crc), offset + layout.data_offset + layout.data_length)
+
+Reading parses the record's zip directory and its `data.pkl` (through an allowlist, never
+executing it) to learn the tensor's dtype, shape and where its bytes are, so they can be
+copied as they are; `record_problems` is what `validate --deep` checks of each record.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckpttool import dtypes
+from ckpttool.dcp.metadata import Blob, RestrictedUnpickler
+from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata
+from ckpttool.torchsave import archive
+from ckpttool.torchsave.pickle import dumps
+from ckpttool.torchsave.zip import (
+    LOCAL,
+    UNSUPPORTED_FLAGS,
+    Read,
+    entry_bytes,
+    entry_data_offset,
+    entry_in,
+    find_entry,
+    read_directory,
+)
+
+if TYPE_CHECKING:
+    from ckpttool.dcp.blobs import DataFiles
+
+MAX_PICKLE_BYTES = 64 << 20  # a torch.save data.pkl for one tensor is a few hundred bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Byte layout of one tensor's torch.save record: `head`, the data, then `tail(crc)`."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    head: bytes
+    data_length: int
+    archive_layout: archive.Layout
+
+    @property
+    def length(self) -> int:
+        return self.archive_layout.length
+
+    @property
+    def data_offset(self) -> int:
+        """Where `data/0`'s bytes start, relative to the record."""
+        return len(self.head)
+
+    def tail(self, crc32: int) -> bytes:
+        """Return the bytes after the data, given the CRC-32 of the data."""
+        end = self.data_offset + self.data_length
+        return b"".join(data for offset, data in archive.writes(self.archive_layout, [crc32]) if offset >= end)
+
+
+@functools.lru_cache(maxsize=4096)
+def record_layout(dtype: str, shape: tuple[int, ...]) -> RecordLayout:
+    """Return the layout of the torch.save record of a contiguous `dtype` tensor of `shape`.
+
+    Example:
+        >>> layout = record_layout("float32", (5, 8))
+        >>> layout.data_offset % 64, layout.data_length
+        (0, 160)
+    """
+    if sys.byteorder != "little":
+        raise NotImplementedError("writing checkpoints on a big-endian host is not supported")
+    shape = tuple(shape)
+    data_length = math.prod(shape) * dtypes.ITEMSIZE[dtype]
+    layout = archive.lay_out(dumps(archive.tensor("0", dtype, shape)), [data_length])
+    data_offset = layout.storages[0].data_offset
+    head = b"".join(data for offset, data in archive.writes(layout, [0]) if offset < data_offset)
+    return RecordLayout(dtype, shape, head, data_length, layout)
+
+
+def record_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> bytes:
+    """Return a whole torch.save record holding `data` (small tensors, tests)."""
+    layout = record_layout(dtype, tuple(shape))
+    if len(data) != layout.data_length:
+        raise ValueError(f"{len(data)} bytes given for a {dtype} tensor of shape {list(shape)}")
+    return layout.head + data + layout.tail(zlib.crc32(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """What a torch.save record of one tensor says about itself."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    storage_bytes: int
+    data_offset: int  # absolute offset of the storage bytes in the data file
+    data_length: int
+    crc32: int
+    byteorder: str
+
+    @property
+    def is_plain(self) -> bool:
+        """True when the storage bytes are exactly the tensor, row-major, little-endian."""
+        itemsize = dtypes.ITEMSIZE.get(self.dtype, 0)
+        nbytes = math.prod(self.shape) * itemsize
+        return (
+            self.byteorder == "little"
+            and self.storage_offset == 0
+            and self.data_length == nbytes
+            and self.stride == archive.contiguous_strides(self.shape)
+        )
+
+
+@dataclass(frozen=True)
+class _Storage:
+    dtype: str | None
+    key: str
+    numel: int  # elements for typed storages, bytes for UntypedStorage
+
+
+@dataclass(frozen=True)
+class _Rebuilt:
+    storage: Any
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str | None
+
+
+class _StorageClass:
+    def __init__(self, dtype: str | None):
+        self.dtype = dtype
+
+
+def _rebuild_v2(storage, storage_offset, size, stride, *rest) -> _Rebuilt:
+    return _Rebuilt(storage, storage_offset, tuple(size), tuple(stride), None)
+
+
+def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *rest):
+    return _Rebuilt(storage, storage_offset, tuple(size), tuple(stride), getattr(dtype, "name", None))
+
+
+# what a one-tensor data.pkl may name; the allowlist's stand-ins record, they never build
+_TENSOR_PICKLE_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("torch.storage", "UntypedStorage"): _StorageClass(None),
+    ("collections", "OrderedDict"): dict,
+    ("torch", "Size"): tuple,
+}
+for _name, _dtype in dtypes.STORAGE_CLASS_DTYPE.items():
+    _TENSOR_PICKLE_ALLOWED[("torch", _name)] = _StorageClass(_dtype)
+
+
+def _persistent_storage(pid: Any) -> _Storage:
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise CorruptBlob(f"unexpected persistent id {pid!r:.80} in torch.save record")
+    _, storage_class, key, _location, numel = pid
+    if not isinstance(storage_class, _StorageClass) or not isinstance(numel, int):
+        raise CorruptBlob(f"unexpected storage {pid!r:.80} in torch.save record")
+    return _Storage(storage_class.dtype, str(key), numel)
+
+
+def _reader(files: DataFiles, blob: Blob) -> Read:
+    return lambda offset, length: files.read(blob.file, blob.offset + offset, length)
+
+
+def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord:
+    """Return what the torch.save record in `blob` holds, without reading its tensor bytes."""
+    read = _reader(files, blob)
+    entries = read_directory(read, blob.length, where)
+    pickle_entry = find_entry(entries, "data.pkl")
+    if pickle_entry is None:
+        raise CorruptBlob(f"{where}: torch.save record has no data.pkl")
+    raw = entry_bytes(read, blob.length, pickle_entry, where, MAX_PICKLE_BYTES)
+    try:
+        rebuilt = RestrictedUnpickler(
+            io.BytesIO(raw), _TENSOR_PICKLE_ALLOWED, where, persistent=_persistent_storage
+        ).load()
+    except (CorruptBlob, CorruptMetadata):
+        raise
+    except Exception as error:
+        raise CorruptBlob(f"{where}: cannot decode torch.save record ({type(error).__name__}: {error})") from None
+    if not isinstance(rebuilt, _Rebuilt) or not isinstance(rebuilt.storage, _Storage):
+        raise CorruptBlob(f"{where}: torch.save record does not hold a single tensor")
+    dtype = rebuilt.dtype or rebuilt.storage.dtype or "unknown"
+    itemsize = dtypes.ITEMSIZE.get(dtype, 1)
+    storage_bytes = rebuilt.storage.numel * (itemsize if rebuilt.storage.dtype else 1)
+    data_entry = find_entry(entries, f"data/{rebuilt.storage.key}")
+    if data_entry is None:
+        raise CorruptBlob(f"{where}: torch.save record misses its storage data/{rebuilt.storage.key}")
+    if data_entry.size != storage_bytes:
+        raise CorruptBlob(
+            f"{where}: storage holds {data_entry.size} bytes but its header says {storage_bytes}"
+        )
+    byteorder_entry = find_entry(entries, "byteorder")
+    byteorder = "little"
+    if byteorder_entry is not None:
+        byteorder = entry_bytes(read, blob.length, byteorder_entry, where, 16).decode("ascii", "replace")
+    return TensorRecord(
+        dtype=dtype,
+        shape=rebuilt.shape,
+        stride=rebuilt.stride,
+        storage_offset=rebuilt.storage_offset,
+        storage_bytes=storage_bytes,
+        data_offset=blob.offset + entry_data_offset(read, blob.length, data_entry, where),
+        data_length=data_entry.size,
+        crc32=data_entry.crc32,
+        byteorder=byteorder,
+    )
+
+
+def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool) -> list[tuple[str, str]]:
+    """Return what is wrong with the torch.save record in `blob` as (kind, message) pairs:
+    kind "checksum" for an entry whose bytes do not match its CRC-32, "structure" for what
+    torch's PyTorchStreamReader would refuse (entries outside one `<name>/` folder, a missing
+    `data.pkl` or `version`, a local header that is damaged or names another entry).
+
+    With `skip_largest` the largest entry (a tensor's data, checked while it streams) is left
+    out and only the bytes around it are read: two reads per record, whatever its size.
+    """
+    read = _reader(files, blob)
+    try:
+        entries = list(read_directory(read, blob.length, where).values())
+    except CorruptBlob as error:
+        return [("structure", str(error))]
+    problems = []
+    folders = {entry.name.split("/", 1)[0] for entry in entries}
+    if len(folders) != 1 or any("/" not in entry.name for entry in entries):
+        problems.append(("structure", f"{where}: record entries are not all in one folder ({', '.join(sorted(e.name for e in entries)[:6])})"))
+    by_name = {entry.name: entry for entry in entries}
+    # torch's reader wants data.pkl and a version record (`version`, or `.data/version`)
+    for required, alternatives in (("data.pkl", ("data.pkl",)), ("version", ("version", ".data/version"))):
+        if all(find_entry(by_name, name) is None for name in alternatives):
+            problems.append(("structure", f"{where}: record has no {required} entry"))
+    for entry in entries:  # what miniz (torch's zip reader) refuses when it opens an archive
+        if entry.method != 0 or entry.size != entry.uncompressed_size:
+            problems.append(("structure", f"{where}: zip entry {entry.name} is not stored uncompressed (method {entry.method}, {entry.size} of {entry.uncompressed_size} bytes)"))
+        if entry.flags & UNSUPPORTED_FLAGS or entry.disk not in (0, 0xFFFF):
+            problems.append(("structure", f"{where}: zip entry {entry.name} has damaged flags or disk fields"))
+        if entry.local_offset + LOCAL.size + entry.size > blob.length:
+            problems.append(("structure", f"{where}: zip entry {entry.name} runs past the end of its record"))
+    largest = max(entries, key=lambda entry: entry.size, default=None)
+    if largest is None:
+        return problems
+    regions = [(0, blob.length)]
+    if skip_largest:
+        try:
+            data_start = entry_data_offset(read, blob.length, largest, where)
+        except CheckpointError as error:
+            return problems + [("structure", str(error))]
+        regions = [(0, data_start), (data_start + largest.size, blob.length)]
+    buffers = [(start, read(start, end - start)) for start, end in regions if end > start]
+    for entry in entries:
+        if skip_largest and entry is largest:
+            continue
+        content = entry_in(buffers, entry)
+        if content is None:
+            problems.append(("structure", f"{where}: zip entry {entry.name} has a damaged local header"))
+        elif zlib.crc32(content) != entry.crc32:
+            problems.append(("checksum", f"{where}: record entry {entry.name} does not match its CRC-32 (bytes changed on disk)"))
+    return problems
+
+
+_PLAIN_OBJECT_ALLOWED: dict[tuple[str, str], Any] = {("collections", "OrderedDict"): dict}
+
+
+def read_plain_object(data: bytes, where: str) -> Any:
+    """Return the value in a whole torch.save record of plain data (numbers, strings, None,
+    lists, tuples, dicts), unpickled through an allowlist without torch.
+
+    Raises CheckpointError (UnsafeMetadata for a value that names any other class) or the
+    error pickle raises on a damaged pickle.
+    """
+
+    def read(offset: int, length: int) -> bytes:
+        if offset < 0 or offset + length > len(data):
+            raise CorruptBlob(f"{where}: zip record points past the end of the blob")
+        return data[offset:offset + length]
+
+    entry = find_entry(read_directory(read, len(data), where), "data.pkl")
+    if entry is None:
+        raise CorruptBlob(f"{where}: torch.save record has no data.pkl")
+    pickled = entry_bytes(read, len(data), entry, where, MAX_PICKLE_BYTES)
+    return RestrictedUnpickler(io.BytesIO(pickled), _PLAIN_OBJECT_ALLOWED, where).load()
