@@ -288,6 +288,21 @@ def check_destination(path: str | os.PathLike, force: bool) -> None:
             raise OutputExists(f"{path}: already exists; pass --force to replace it")
 
 
+def refuse_overlap(output: str | os.PathLike, source: str | os.PathLike) -> None:
+    """Raise UsageError (exit 2) when `output` is `source`, lies inside it or contains it
+    (symlinks resolved): writing there, with `--force` above all, would destroy the source.
+
+    Example:
+        >>> refuse_overlap("ckpt/model.safetensors", "ckpt")
+        UsageError: ckpt/model.safetensors: lies inside the source checkpoint ckpt; ...
+    """
+    out, src = Path(os.path.realpath(output)), Path(os.path.realpath(source))
+    where = "is" if out == src else "lies inside" if src in out.parents else "contains" if out in src.parents else None
+    if where:
+        raise UsageError(f"{output}: {where} the source checkpoint {source}; write the output elsewhere "
+                         "(nothing was touched)")
+
+
 def _prepare(target: Path, force: bool) -> None:
     check_destination(target, force)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
 from ckpttool.integrity import Problem
 from ckpttool.io import (DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, atomic_output,
-                         check_destination, no_progress, parse_size, write_at)
+                         check_destination, no_progress, parse_size, refuse_overlap, write_at)
 from ckpttool.keys import KeyRules, Rename
 from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Tie, plan_consolidate, select
 from ckpttool.torchsave import ptfile
@@ -147,6 +147,7 @@ def consolidate(
     rules = KeyRules(everything, not keep_keys, tuple(Rename.parse(r) for r in renames), tuple(filters))
     default_dtype = parse_dtype(dtype) if dtype else None
     per_key_dtype = parse_dtype_map(dtype_map)
+    refuse_overlap(target, src)
     if not dry_run:
         check_destination(target, force)
     checkpoint = read_checkpoint(src)

@@ -30,7 +30,7 @@ from ckpttool.dcp.metadata import METADATA_FILENAME, read_checkpoint
 from ckpttool.dcp.writer import metadata_bytes
 from ckpttool.errors import CheckpointError, UsageError, VerificationFailed, WriteFailed
 from ckpttool.integrity import Problem
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, no_progress, parse_size
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, no_progress, parse_size, refuse_overlap
 from ckpttool.plan.operations import Record
 from ckpttool.plan.reshard import Mesh, ReshardPlan, parse_mesh, plan_reshard, plan_writes
 
@@ -101,11 +101,10 @@ def reshard(
         raise UsageError("--max-memory must be positive")
     if threads < 1:
         raise UsageError("--threads must be at least 1")
+    destination = Path(dst) if dst is not None else default_destination(source, target_mesh)
+    refuse_overlap(destination, source)
     checkpoint = read_checkpoint(source)
     warnings = tuple(integrity.gate(checkpoint).problems)
-    destination = Path(dst) if dst is not None else default_destination(source, target_mesh)
-    if destination.resolve() == source.resolve():
-        raise UsageError(f"{destination}: the destination is the source checkpoint; choose another directory")
     plan = plan_reshard(checkpoint, target_mesh, keep_whole)
     if dry_run:
         return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
