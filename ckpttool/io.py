@@ -85,15 +85,11 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
     @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
-    @property
     def exit_code(self) -> int:
         return 128 + self.signum
 
     def __str__(self) -> str:
-        return f"interrupted by {self.name}"
+        return f"interrupted by {signal.Signals(self.signum).name}"
 
 
 @dataclass
@@ -125,13 +121,6 @@ def interruptible() -> Iterator[None]:
     that are ignored (`nohup`) or have a handler of someone else's are left alone, and
     outside the main thread (where Python cannot handle signals) this does nothing. Handlers
     are restored on exit.
-
-    Example:
-        >>> try:
-        ...     with interruptible():
-        ...         consolidate("ckpt/step-00000100", "model.safetensors")
-        ... except Interrupted as interrupt:
-        ...     sys.exit(interrupt.exit_code)  # 143 for SIGTERM
     """
     global _signals
     if _signals.installed or threading.current_thread() is not threading.main_thread():
@@ -227,8 +216,6 @@ def remove_stale_temps(target: str | os.PathLike) -> list[StaleTemp]:
     A run killed between its two renames left the previous `target` moved aside and a
     complete new one unrenamed: the previous one is put back (`restored`), as if the run had
     never started. Entries of live processes and of other hosts are left alone.
-    `check_destination` (so every `atomic_*`) calls this and passes each result to the
-    `reporting_stale_temps` callbacks.
 
     Example:
         >>> [str(stale) for stale in remove_stale_temps("ckpt/step-00000100-world8")]
@@ -260,12 +247,7 @@ def remove_stale_temps(target: str | os.PathLike) -> list[StaleTemp]:
 @contextlib.contextmanager
 def reporting_stale_temps(callback: Callable[[StaleTemp], None]) -> Iterator[None]:
     """Return a context in which `check_destination` and `atomic_*` pass each `StaleTemp`
-    they deal with to `callback` (the CLI prints it on stderr).
-
-    Example:
-        >>> with reporting_stale_temps(lambda stale: print(stale, file=sys.stderr)):
-        ...     reshard("ckpt/step-00000100", None, world_size=8, force=True)
-    """
+    they deal with to `callback` (the CLI prints it on stderr)."""
     _stale_listeners.append(callback)
     try:
         yield
@@ -303,9 +285,23 @@ def refuse_overlap(output: str | os.PathLike, source: str | os.PathLike) -> None
                          "(nothing was touched)")
 
 
-def _prepare(target: Path, force: bool) -> None:
+def _prepare(target: Path, force: bool) -> list[Path]:
+    """Check the destination and create its missing parents; return those, deepest first, so
+    a failed run can remove them again (`_remove_created`)."""
     check_destination(target, force)
+    created = []
+    parent = target.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
     target.parent.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_created(directories: list[Path]) -> None:
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only if still empty
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,13 +368,9 @@ def atomic_output(path: str | os.PathLike, force: bool = True) -> Iterator[Binar
     or where the filesystem cannot do that, `.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside
     `path`. On any exception (including `Interrupted`) it is removed and `path` is left as it
     was. An existing `path` is replaced only with `force`.
-
-    Example:
-        >>> with atomic_output("out/model.safetensors", force=False) as handle:
-        ...     handle.write(header)
     """
     target = Path(path)
-    _prepare(target, force)
+    created = _prepare(target, force)
     named = _entry(target, "tmp", _new_token())
     with _signals_deferred():
         handle = _open_unnamed(target.parent, named)
@@ -404,6 +396,7 @@ def atomic_output(path: str | os.PathLike, force: bool = True) -> Iterator[Binar
         handle.close()
         if not committed:
             named.unlink(missing_ok=True)
+            _remove_created(created)
         raise
 
 
@@ -423,7 +416,7 @@ def atomic_directory(path: str | os.PathLike, force: bool = False) -> Iterator[P
         ...     (directory / ".metadata").write_bytes(metadata)
     """
     target = Path(path)
-    _prepare(target, force)
+    created = _prepare(target, force)
     temp = _entry(target, "tmp", _new_token())
     with _signals_deferred():
         temp.mkdir()
@@ -442,6 +435,7 @@ def atomic_directory(path: str | os.PathLike, force: bool = False) -> Iterator[P
     except BaseException:
         if not committed:
             _remove_tree(temp)
+            _remove_created(created)
         raise
 
 
@@ -514,13 +508,11 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, lengt
                     raise
                 _HAS_COPY_FILE_RANGE = False
                 continue
-            if copied == 0:
-                raise EOFError(f"source ended {length - done} bytes early at offset {src_offset + done}")
         else:
             data = os.pread(src_fd, step, src_offset + done)
-            if not data:
-                raise EOFError(f"source ended {length - done} bytes early at offset {src_offset + done}")
-            copied = os.pwrite(dst_fd, data, dst_offset + done)
+            copied = os.pwrite(dst_fd, data, dst_offset + done) if data else 0
+        if copied == 0:
+            raise EOFError(f"source ended {length - done} bytes early at offset {src_offset + done}")
         done += copied
 
 

@@ -20,6 +20,7 @@ import os
 import pickle
 import struct
 import threading
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -32,10 +33,9 @@ from ckpttool.torchsave.zip import LOCAL_MAGIC
 
 ZSTD_TRANSFORM = "stream.zstd"  # torch/distributed/checkpoint/_extension.py ZStandard.registry_name
 MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on header size
-
-
-# ---------------------------------------------------------------------------------------------
-# Opening data files safely
+MAX_OBJECT_BYTES = 64 << 20  # a non-tensor entry decompressed: param_groups, steps, RNG states are far smaller
+RECORD_SLACK = 1 << 20  # what a one-tensor record may hold beyond its data (data.pkl, small entries, zip directory)
+DECOMPRESS_BLOCK = 4 << 20  # bytes decompressed per step
 
 
 def safe_relative_path(relative: str, source: str = "") -> PurePosixPath:
@@ -130,19 +130,11 @@ class DataFiles:
             data = os.pread(fd, length, offset)
         except OSError as error:  # EISDIR, EIO, ...
             raise CorruptBlob(f"{self.path(relative)}: cannot read ({error.strerror or error})") from None
-        parts = [data]
-        got = len(data)
-        while got < length:  # pread may return short reads on some filesystems
-            more = os.pread(fd, length - got, offset + got)
-            if not more:
-                raise CorruptBlob(f"{self.path(relative)}: unexpected end of file at {offset + got}")
-            parts.append(more)
-            got += len(more)
-        return data if len(parts) == 1 else b"".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors-format data files
+        if len(data) < length:  # pread may return short reads on some filesystems
+            rest = bytearray(length - len(data))
+            self.read_into(relative, offset + len(data), memoryview(rest))
+            data += rest
+        return data
 
 
 def safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict, int]:
@@ -229,18 +221,19 @@ def read_chunk(files: DataFiles, tensor: Tensor, chunk: Chunk) -> bytes:
     return _decode_chunk(files, tensor, chunk)
 
 
-def blob_bytes(files: DataFiles, blob: Blob, where: str) -> bytes:
-    """Return a blob's bytes with its stream transforms (zstd) undone."""
+def blob_bytes(files: DataFiles, blob: Blob, where: str, max_output: int = MAX_OBJECT_BYTES) -> bytes:
+    """Return a blob's bytes with its stream transforms (zstd) undone, refusing (CorruptBlob)
+    to decompress more than `max_output` bytes: a tiny blob must not expand to GBs."""
     data = files.read(blob.file, blob.offset, blob.length)
     for transform in reversed(blob.transforms):
         name = transform.split("/", 1)[0]
         if name != ZSTD_TRANSFORM:
             raise UnsupportedFormat(f"{where}: unknown stream transform {transform!r}")
-        data = _zstd_decompress(data, where)
+        data = _zstd_decompress(data, where, max_output)
     return data
 
 
-def _zstd_decompress(data: bytes, where: str) -> bytes:
+def _zstd_decompress(data: bytes, where: str, max_output: int) -> bytes:
     try:
         import zstandard
     except ImportError:
@@ -248,16 +241,24 @@ def _zstd_decompress(data: bytes, where: str) -> bytes:
             f"{where}: blob is zstd-compressed (`{ZSTD_TRANSFORM}`); install `zstandard` "
             "(pip install 'ckpttool[zstd]') to read it"
         ) from None
+    parts, size = [], 0
     try:
-        return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True) as reader:
+            while part := reader.read(min(DECOMPRESS_BLOCK, max_output + 1 - size)):
+                parts.append(part)
+                size += len(part)
+                if size > max_output:
+                    raise CorruptBlob(f"{where}: zstd stream expands beyond {max_output} bytes, more than "
+                                      "the metadata allows for it; refusing to decompress the rest")
     except zstandard.ZstdError as error:
         raise CorruptBlob(f"{where}: zstd stream does not decompress ({error})") from None
+    return b"".join(parts)
 
 
 def _decode_chunk(files: DataFiles, tensor: Tensor, chunk: Chunk) -> bytes:
     """Slow path: materialise the chunk through torch (transforms, strides, big-endian)."""
     where = _where(files, tensor, chunk)
-    data = blob_bytes(files, chunk.blob, where)
+    data = blob_bytes(files, chunk.blob, where, chunk.numel * tensor.itemsize + RECORD_SLACK)
     loaded = load_torch_bytes(data, where)
     import torch
 
@@ -290,7 +291,19 @@ def decode_object(data: bytes, where: str) -> Any:
 
 
 def load_torch_bytes(data: bytes, where: str) -> Any:
-    """Decode a torch.save blob with `weights_only=True` (never runs code from the file)."""
+    """Decode a torch.save blob with `weights_only=True` (never runs code from the file).
+
+    torch.save never compresses a record's entries; one that claims to be compressed (a
+    deflate bomb torch's reader would expand whole) is refused before torch sees it.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            packed = [info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED]
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        packed = []  # not a zip Python can read: torch's reader words the error
+    if packed:
+        raise CorruptBlob(f"{where}: torch.save record entry {packed[0]} is compressed, which torch.save never "
+                          "does; refusing to decompress it")
     import torch
 
     try:
