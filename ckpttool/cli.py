@@ -140,21 +140,14 @@ def validate(src: str, deep: bool, as_json: bool) -> None:
 @write_options
 @json_option("ckpttool.consolidate/1")
 @reports_errors
-def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], keep_keys: bool,
-                renames: tuple[str, ...], dtype: str | None, dtype_map: tuple[str, ...], drop_tied: bool,
-                max_shard_size: str | None, max_memory: str, threads: int, force: bool, dry_run: bool,
-                verify: bool, quiet: bool, as_json: bool) -> None:
+def consolidate(src: str, out: str, quiet: bool, as_json: bool, **options) -> None:
     """Write a sharded checkpoint as one full state dict: OUT.safetensors, OUT.pt/.bin, or a
     directory of Hub-style safetensors shards with model.safetensors.index.json."""
     from ckpttool import render
     from ckpttool.commands.consolidate import consolidate as consolidate_checkpoint
 
-    report = consolidate_checkpoint(
-        src, out, everything=everything, filters=filters, keep_keys=keep_keys, renames=renames,
-        dtype=dtype, dtype_map=dtype_map, drop_tied=drop_tied, max_shard_size=max_shard_size,
-        max_memory=max_memory, threads=threads, force=force, dry_run=dry_run, verify=verify,
-        progress=byte_progress(quiet),
-    )
+    # every other option is a keyword of the library function, under the same name
+    report = consolidate_checkpoint(src, out, progress=byte_progress(quiet), **options)
     show(render.consolidate_document(report) if as_json else None, render.consolidate_text(report),
          render.consolidate_notes(report))
 
@@ -168,17 +161,13 @@ def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], 
 @write_options
 @json_option("ckpttool.reshard/1")
 @reports_errors
-def reshard(src: str, dst: str | None, world_size: int | None, mesh: str | None, keep_whole: tuple[str, ...],
-            max_memory: str, threads: int, force: bool, dry_run: bool, verify: bool, quiet: bool,
-            as_json: bool) -> None:
+def reshard(src: str, dst: str | None, quiet: bool, as_json: bool, **options) -> None:
     """Rewrite a DCP checkpoint for another world size: rank r's file holds what FSDP2 on N
     ranks owns. DST defaults to SRC-world{N} beside SRC."""
     from ckpttool import render
     from ckpttool.commands.reshard import reshard as reshard_checkpoint
 
-    report = reshard_checkpoint(
-        src, dst, world_size, mesh, max_memory=max_memory, threads=threads, force=force,
-        dry_run=dry_run, verify=verify, keep_whole=keep_whole, progress=byte_progress(quiet),
-    )
+    # every other option is a keyword of the library function, under the same name
+    report = reshard_checkpoint(src, dst, progress=byte_progress(quiet), **options)
     show(render.reshard_document(report) if as_json else None, render.reshard_text(report),
          render.problem_lines(report.problems))

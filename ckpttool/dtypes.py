@@ -78,8 +78,3 @@ def canonical(name: str) -> str:
     if name not in ITEMSIZE:
         raise KeyError(name)
     return name
-
-
-def itemsize(name: str) -> int:
-    """Return bytes per element of a known dtype name; KeyError for unknown names."""
-    return ITEMSIZE[name]

@@ -5,7 +5,6 @@ Every message names the file (and tensor, where there is one) and says what to d
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_INVALID = 1  # invalid/corrupt checkpoint, or an operation on one failed
 EXIT_USAGE = 2  # click's own code for usage errors
 
@@ -73,7 +72,6 @@ class OutputExists(CheckpointError):
     """The destination exists and `--force` was not given."""
 
     code = "output-exists"
-
     exit_code = EXIT_USAGE
 
 
@@ -87,7 +85,6 @@ class UsageError(CheckpointError):
     """Arguments that do not fit the checkpoint (unknown dtype name, bad size string, ...)."""
 
     code = "usage"
-
     exit_code = EXIT_USAGE
 
 

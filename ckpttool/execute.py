@@ -18,6 +18,7 @@ import errno
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -92,10 +93,6 @@ def reserve(fd: int, size: int) -> None:
                 raise  # ENOSPC: the disk cannot hold the output; fail before copying
 
 
-# ---------------------------------------------------------------------------------------------
-# Running
-
-
 def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
         max_memory: int, on_done: Callable[[int], None] | None = None) -> None:
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
@@ -114,17 +111,40 @@ def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Call
                 raise CorruptBlob(f"{files.path(op.src)}: ends before byte {op.src_offset + op.length} (truncated file?)") from None
             return op.length
         return copy
-    if isinstance(op, Record):
-        return lambda: _write_record(op, files, fd)
 
     def write() -> int:
-        at = 0
-        for offset, block in output_blocks(op, files, {}):
+        for offset, block in _blocks(op, files):
             write_at(fd, block, offset)
-            at += len(block)
-        return at
+        return op.output_length
 
     return write
+
+
+def _blocks(op: Operation, files: DataFiles) -> Iterator[tuple[int, bytes | memoryview]]:
+    """Yield (output offset, bytes) of all that `op` writes: for a record its head, the data
+    of its parts in output order (so the CRC-32 runs over the data as it lies), then its tail."""
+    if not isinstance(op, Record):
+        yield from output_blocks(op, files, {})
+        return
+    layout = record_layout(op.dtype, op.shape)
+    yield op.offset, layout.head
+    pieces = sorted(
+        ((offset, part, index) for part in op.parts for index, offset in enumerate(_piece_offsets(part))),
+        key=lambda item: item[0],
+    )
+    decoded: dict = {}
+    crc = 0
+    for _, part, index in pieces:
+        if isinstance(part, Gather):
+            part = replace(part, pieces=(part.pieces[index],))
+        for offset, block in output_blocks(part, files, decoded):
+            crc = zlib.crc32(block, crc)
+            yield offset, block
+    yield op.offset + layout.data_offset + layout.data_length, layout.tail(crc)
+
+
+def _piece_offsets(part: Copy | Gather) -> list[int]:
+    return [part.dst_offset] if isinstance(part, Copy) else [offset for _, offset, _ in part.pieces]
 
 
 def output_blocks(op: Convert | Gather | Copy, files: DataFiles, decoded: dict) -> Iterator[tuple[int, bytes | memoryview]]:
@@ -160,40 +180,6 @@ def gather_bytes(op: Gather, files: DataFiles) -> bytes:
     return cast(data, op.tensor.dtype, op.dtype)
 
 
-def _record_data(op: Record, files: DataFiles) -> Iterator[tuple[int, bytes | memoryview]]:
-    decoded: dict = {}
-    pieces = sorted(
-        ((offset, part, index) for part in op.parts for index, offset in enumerate(_piece_offsets(part))),
-        key=lambda item: item[0],
-    )
-    # parts are streamed in output order so the CRC-32 runs over the data as it lies
-    for _, part, index in pieces:
-        if isinstance(part, Gather):
-            piece = Gather(part.tensor, part.chunk, part.source, part.dtype, part.dst, (part.pieces[index],))
-            yield from output_blocks(piece, files, decoded)
-        else:
-            yield from output_blocks(part, files, decoded)
-
-
-def _piece_offsets(part: Copy | Gather) -> list[int]:
-    return [part.dst_offset] if isinstance(part, Copy) else [offset for _, offset, _ in part.pieces]
-
-
-def _write_record(op: Record, files: DataFiles, fd: int) -> int:
-    layout = record_layout(op.dtype, op.shape)
-    write_at(fd, layout.head, op.offset)
-    crc = 0
-    for offset, block in _record_data(op, files):
-        crc = zlib.crc32(block, crc)
-        write_at(fd, block, offset)
-    write_at(fd, layout.tail(crc), op.offset + layout.data_offset + layout.data_length)
-    return layout.data_length
-
-
-# ---------------------------------------------------------------------------------------------
-# Casting
-
-
 def cast_in_place(buffer: bytearray, length: int, source_dtype: str, dtype: str) -> memoryview:
     """Return the first `length` bytes of `buffer` converted as `tensor.to(dtype)` converts
     them, as a view of this thread's reusable cast buffer.
@@ -218,10 +204,6 @@ def cast(data: bytes, source_dtype: str, dtype: str) -> bytes:
     if source_dtype == dtype or not data:
         return data
     return bytes(cast_in_place(bytearray(data), len(data), source_dtype, dtype))
-
-
-# ---------------------------------------------------------------------------------------------
-# CRC-32 of written data
 
 
 def output_crc(fd: int, offset: int, length: int, operations: Sequence[Operation]) -> int:
@@ -249,10 +231,6 @@ def first_offset(op: Operation) -> int:
     return op.offset if isinstance(op, Record) else op.dst_offset
 
 
-# ---------------------------------------------------------------------------------------------
-# Verification
-
-
 def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
            max_memory: int, describe: Callable[[Operation], str],
            on_done: Callable[[int], None] | None = None) -> None:
@@ -262,21 +240,9 @@ def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[s
 
     def check(op: Operation) -> Callable[[], int]:
         def run_check() -> int:
-            fd = outputs[op.dst]
-            if isinstance(op, Record):
-                layout = record_layout(op.dtype, op.shape)
-                crc = 0
-                _compare(fd, op.offset, layout.head, op, describe)
-                for offset, block in _record_data(op, files):
-                    crc = zlib.crc32(block, crc)
-                    _compare(fd, offset, block, op, describe)
-                _compare(fd, op.offset + layout.data_offset + layout.data_length, layout.tail(crc), op, describe)
-                return layout.data_length
-            written = 0
-            for offset, block in output_blocks(op, files, {}):
-                _compare(fd, offset, block, op, describe)
-                written += len(block)
-            return written
+            for offset, block in _blocks(op, files):
+                _compare(outputs[op.dst], offset, block, op, describe)
+            return op.output_length
 
         return run_check
 

@@ -84,13 +84,11 @@ def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool) -> str | 
     The model subtree is `nesting[fqn][0] == "model"` (torch's planner_data), so a model
     key holding dots stays one key; without nesting the `model.` prefix is cut.
     """
-    path = nesting.get(fqn)
     if everything:
         return fqn
+    path = nesting.get(fqn)
     if path:
-        if path[0] != MODEL_SUBTREE or len(path) < 2:
-            return None
-        return ".".join(str(part) for part in path[1:])
+        return ".".join(str(part) for part in path[1:]) if path[0] == MODEL_SUBTREE and len(path) > 1 else None
     prefix = MODEL_SUBTREE + "."
     return fqn[len(prefix):] if fqn.startswith(prefix) else None
 

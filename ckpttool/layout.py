@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -51,10 +52,7 @@ def find_overlaps(boxes: Sequence[Box], limit: int = 100) -> list[tuple[int, int
     still open at its start. For FSDP's dim-0 shards at most one is open, so this is
     O(n log n); block (2-D) sharding with k column blocks costs O(n log n + n k).
     """
-    order = sorted(
-        (i for i, (_, sizes) in enumerate(boxes) if volume(sizes) > 0),
-        key=lambda i: boxes[i][0],
-    )
+    order = sorted((i for i, (_, sizes) in enumerate(boxes) if volume(sizes) > 0), key=lambda i: boxes[i][0])
     pairs: list[tuple[int, int]] = []
     if not order or not boxes[order[0]][0]:
         # 0-d tensors: every non-empty box is the one element
@@ -163,9 +161,7 @@ def split_dim0(length: int, world_size: int) -> list[tuple[int, int]]:
     return shards
 
 
-def row_major_runs(
-    box: Box, region: Box, itemsize: int
-) -> list[tuple[int, int]]:
+def row_major_runs(box: Box, region: Box, itemsize: int) -> list[tuple[int, int]]:
     """Return `(byte offset within box, byte length)` runs that make up `region` inside `box`.
 
     `box` is a chunk stored row-major; `region` is a sub-box of it (global coordinates). Runs
@@ -195,19 +191,10 @@ def row_major_runs(
     if volume(r_sizes) == 0:
         return runs
     base = sum(local[d] * strides[d] for d in range(inner - 1, dims))
-    for index in _ndindex(outer_sizes):
+    for index in itertools.product(*(range(size) for size in outer_sizes)):
         start = base + sum((local[d] + index[d]) * strides[d] for d in range(inner - 1))
         if runs and runs[-1][0] + runs[-1][1] == start:
             runs[-1] = (runs[-1][0], runs[-1][1] + run)
         else:
             runs.append((start, run))
     return runs
-
-
-def _ndindex(sizes: Sequence[int]):
-    if not sizes:
-        yield ()
-        return
-    for head in range(sizes[0]):
-        for rest in _ndindex(sizes[1:]):
-            yield (head, *rest)

@@ -30,7 +30,6 @@ def human_bytes(count: int) -> str:
         if abs(value) < 1000 or unit == "TB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
-    return f"{count} B"
 
 
 def human_count(count: int) -> str:
@@ -64,76 +63,43 @@ def table(rows: Iterable[tuple], headers: tuple[str, ...], right: set[int] = fro
     return [line(headers)] + [line(r) for r in rows]
 
 
-# ---------------------------------------------------------------------------------------------
-# inspect
-
-
 def inspect_document(report: InspectReport) -> dict[str, Any]:
     """Return the `ckpttool.inspect/1` JSON document of a report."""
-    with paused_gc():  # one small dict per chunk: 100k+ of them, none in a cycle
-        return _inspect_document(report)
-
-
-def _inspect_document(report: InspectReport) -> dict[str, Any]:
     s = report.summary
-    return {
-        "schema": INSPECT_SCHEMA,
-        "path": str(report.path),
-        "summary": {
-            "dcp_version": s.dcp_version,
-            "metadata_file": s.metadata_file,
-            "tensors": s.tensors,
-            "objects": s.objects,
-            "chunks": s.chunks,
-            "tensor_bytes": s.tensor_bytes,
-            "file_bytes": s.file_bytes,
-            "files": s.files,
-            "ranks": list(s.ranks),
-            "parameters": s.parameters,
-        },
-        "groups": {
-            name: {"tensors": g.tensors, "objects": g.objects, "numel": g.numel, "bytes": g.nbytes}
-            for name, g in report.groups.items()
-        },
-        "filters": list(report.filters),
-        "tensors": [_tensor_document(t) for t in report.tensors],
-        "objects": [
-            {"fqn": o.fqn, "group": o.group, "file": o.file, "length": o.length} for o in report.objects
-        ],
-        "files": [
-            {
-                "file": f.file,
-                "rank": f.rank,
-                "size": f.size,
-                "referenced_bytes": f.referenced_bytes,
-                "tensor_bytes": {g: f.tensor_bytes.get(g, 0) for g in GROUPS},
-            }
-            for f in report.files
-        ],
-    }
+    with paused_gc():  # one small dict per chunk: 100k+ of them, none in a cycle
+        return {
+            "schema": INSPECT_SCHEMA,
+            "path": str(report.path),
+            "summary": {
+                "dcp_version": s.dcp_version, "metadata_file": s.metadata_file,
+                "tensors": s.tensors, "objects": s.objects, "chunks": s.chunks,
+                "tensor_bytes": s.tensor_bytes, "file_bytes": s.file_bytes, "files": s.files,
+                "ranks": list(s.ranks), "parameters": s.parameters,
+            },
+            "groups": {
+                name: {"tensors": g.tensors, "objects": g.objects, "numel": g.numel, "bytes": g.nbytes}
+                for name, g in report.groups.items()
+            },
+            "filters": list(report.filters),
+            "tensors": [_tensor_document(t) for t in report.tensors],
+            "objects": [{"fqn": o.fqn, "group": o.group, "file": o.file, "length": o.length} for o in report.objects],
+            "files": [
+                {"file": f.file, "rank": f.rank, "size": f.size, "referenced_bytes": f.referenced_bytes,
+                 "tensor_bytes": {g: f.tensor_bytes.get(g, 0) for g in GROUPS}}
+                for f in report.files
+            ],
+        }
 
 
 def _tensor_document(tensor: TensorInfo) -> dict[str, Any]:
     return {
-        "fqn": tensor.fqn,
-        "group": tensor.group,
-        "dtype": tensor.dtype,
-        "shape": list(tensor.shape),
-        "numel": tensor.numel,
-        "bytes": tensor.nbytes,
-        "sharding": tensor.sharding.kind,
-        "uneven": tensor.sharding.uneven,
-        "empty_chunks": tensor.sharding.empty_chunks,
-        "chunk_count": len(tensor.chunks),
+        "fqn": tensor.fqn, "group": tensor.group, "dtype": tensor.dtype, "shape": list(tensor.shape),
+        "numel": tensor.numel, "bytes": tensor.nbytes,
+        "sharding": tensor.sharding.kind, "uneven": tensor.sharding.uneven,
+        "empty_chunks": tensor.sharding.empty_chunks, "chunk_count": len(tensor.chunks),
         "chunks": [
-            {
-                "offsets": list(c.offsets),
-                "sizes": list(c.sizes),
-                "file": c.file,
-                "offset": c.offset,
-                "length": c.length,
-                "bytes": c.nbytes,
-            }
+            {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "offset": c.offset,
+             "length": c.length, "bytes": c.nbytes}
             for c in tensor.chunks
         ],
     }
@@ -168,9 +134,7 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
         if chunks:
             for t in members:
                 lines.append(f"  {t.fqn}:")
-                chunk_rows = [
-                    (list(c.offsets), list(c.sizes), c.file, c.offset, c.length) for c in t.chunks
-                ]
+                chunk_rows = [(list(c.offsets), list(c.sizes), c.file, c.offset, c.length) for c in t.chunks]
                 lines += ["      " + line for line in table(chunk_rows, ("OFFSETS", "SIZES", "FILE", "AT", "LENGTH"), {3, 4})]
         if objects:
             lines.append("  other: " + ", ".join(o.fqn for o in objects[:8]) + (" ..." if len(objects) > 8 else ""))
@@ -183,10 +147,6 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
         ]
         lines += ["", "files:"] + ["  " + line for line in table(rows, ("FILE", "RANK", "SIZE", "MODEL", "OPTIMIZER", "OTHER"), {1, 2, 3, 4, 5})]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# validate
 
 
 def problems_document(problems: Iterable[Problem]) -> list[dict[str, Any]]:
@@ -211,13 +171,8 @@ def validate_document(report: ValidationReport) -> dict[str, Any]:
         "deep": report.deep,
         "errors": len(report.errors),
         "warnings": len(report.warnings),
-        "checked": {
-            "tensors": report.tensors,
-            "chunks": report.chunks,
-            "objects": report.objects,
-            "files": report.files,
-            "bytes_read": report.bytes_read,
-        },
+        "checked": {"tensors": report.tensors, "chunks": report.chunks, "objects": report.objects,
+                    "files": report.files, "bytes_read": report.bytes_read},
         "seconds": round(report.seconds, 3),
         "problems": problems_document(report.problems),
         "numerics": [{"fqn": n.fqn, "nan": n.nan, "inf": n.inf} for n in report.numerics],
@@ -233,10 +188,6 @@ def validate_text(report: ValidationReport) -> str:
     warnings = f", {len(report.warnings)} warning(s)" if report.warnings else ""
     lines.append(f"{verdict}{warnings}: {report.path}: {checked}{depth}, {report.seconds:.2f} s")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# consolidate
 
 
 def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
@@ -312,9 +263,6 @@ def _consolidate_plan_text(report: ConsolidateReport) -> str:
     ]
     return "\n".join(lines)
 
-
-# ---------------------------------------------------------------------------------------------
-# reshard
 
 RULE_TEXT = {
     "source": "sharded as in the source; single-chunk tensors sharded only if they have optimizer state",

@@ -6,11 +6,6 @@ The pipeline: read `.metadata` -> integrity gate -> choose keys (`plan.consolida
 (`plan_consolidate`, pure) -> `execute.run` into atomic outputs -> .pt zip records ->
 optional `--verify` -> fsync and rename. Memory holds only the buffers of running operations:
 FSDP's dim-0 chunks move with `copy_file_range` and never enter user space.
-
-Example:
-    >>> report = consolidate("runs/gpt/step-00000200", "gpt.safetensors")
-    >>> report.tensors, report.files
-    (42, (PosixPath('gpt.safetensors'),))
 """
 
 from __future__ import annotations
@@ -87,12 +82,10 @@ def output_format(out: Path, max_shard_size: str | int | None) -> OutputFormat:
 
 def parse_dtype(name: str, option: str = "--dtype") -> str:
     """Return the torch dtype name for `bf16|fp16|fp32` (or a torch spelling of them)."""
-    canonical = DTYPE_CHOICES.get(name.lower())
-    if canonical is None:
-        try:
-            canonical = dtypes.canonical(name.lower())
-        except KeyError:
-            canonical = None
+    try:
+        canonical = dtypes.canonical(name.lower())
+    except KeyError:
+        canonical = None
     if canonical not in DTYPE_CHOICES.values():
         raise UsageError(f"{option} {name!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     return canonical
@@ -172,10 +165,6 @@ def consolidate(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Reads before planning: tied pairs and python objects
-
-
 def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: execute.Located) -> tuple[Tie, ...]:
     """Return pairs (embedding-like key, head-like key) that hold the same tensor.
 
@@ -205,13 +194,7 @@ def _same_chunk(files: DataFiles, a: Tensor, index_a: int, b: Tensor, index_b: i
         if (raw_a.file, raw_a.offset) == (raw_b.file, raw_b.offset):
             return True  # one blob stored for both names
         return all(x == y for x, y in zip(iter_blocks(files, raw_a), iter_blocks(files, raw_b)))
-    return _chunk_bytes(files, a, index_a, raw_a) == _chunk_bytes(files, b, index_b, raw_b)
-
-
-def _chunk_bytes(files: DataFiles, tensor: Tensor, index: int, raw) -> bytes:
-    if raw is None:
-        return read_chunk(files, tensor, tensor.chunks[index])
-    return files.read(raw.file, raw.offset, raw.length)
+    return read_chunk(files, a, a.chunks[index_a]) == read_chunk(files, b, b.chunks[index_b])
 
 
 def load_objects(checkpoint: Checkpoint, files: DataFiles, keys: dict[str, str]) -> dict[str, Any]:
@@ -225,10 +208,6 @@ def load_objects(checkpoint: Checkpoint, files: DataFiles, keys: dict[str, str])
             raise CorruptMetadata(f"{where}: the metadata has no storage entry for this object")
         values[key] = decode_object(blob_bytes(files, blob, where), where)
     return values
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
 
 
 def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, kind: OutputFormat, budget: int,

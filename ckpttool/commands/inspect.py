@@ -103,27 +103,13 @@ def matches(fqn: str, patterns: Sequence[str]) -> bool:
 
 def _tensor_info(tensor: Tensor) -> TensorInfo:
     chunks = tuple(
-        ChunkInfo(
-            offsets=c.offsets,
-            sizes=c.sizes,
-            file=c.blob.file if c.blob else None,
-            offset=c.blob.offset if c.blob else None,
-            length=c.blob.length if c.blob else None,
-            nbytes=c.numel * tensor.itemsize,
-        )
+        ChunkInfo(c.offsets, c.sizes, c.blob.file, c.blob.offset, c.blob.length, c.numel * tensor.itemsize)
+        if c.blob else ChunkInfo(c.offsets, c.sizes, None, None, None, c.numel * tensor.itemsize)
         for c in tensor.chunks
     )
     sharding = classify([(c.offsets, c.sizes) for c in tensor.chunks], tensor.shape)
-    return TensorInfo(
-        fqn=tensor.fqn,
-        group=group_of(tensor.fqn),
-        dtype=tensor.dtype,
-        shape=tensor.shape,
-        numel=tensor.numel,
-        nbytes=tensor.nbytes,
-        sharding=sharding,
-        chunks=chunks,
-    )
+    return TensorInfo(tensor.fqn, group_of(tensor.fqn), tensor.dtype, tensor.shape, tensor.numel, tensor.nbytes,
+                      sharding, chunks)
 
 
 def rank_of(file: str) -> int | None:
@@ -174,29 +160,16 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = ()) -> Inspe
     for group in GROUPS:
         members = [t for t in tensors if t.group == group]
         groups[group] = GroupInfo(
-            tensors=len(members),
-            objects=sum(1 for o in objects if o.group == group),
-            numel=sum(t.numel for t in members),
-            nbytes=sum(t.nbytes for t in members),
+            tensors=len(members), objects=sum(1 for o in objects if o.group == group),
+            numel=sum(t.numel for t in members), nbytes=sum(t.nbytes for t in members),
         )
     summary = Summary(
-        dcp_version=checkpoint.version,
-        metadata_file=checkpoint.metadata_file,
-        tensors=len(tensors),
-        objects=len(objects),
-        chunks=sum(len(t.chunks) for t in tensors),
-        tensor_bytes=sum(t.nbytes for t in tensors),
-        file_bytes=sum(f.size or 0 for f in files),
-        files=len(files),
-        ranks=tuple(sorted({f.rank for f in files if f.rank is not None})),
-        parameters=groups["model"].numel,
+        dcp_version=checkpoint.version, metadata_file=checkpoint.metadata_file,
+        tensors=len(tensors), objects=len(objects), chunks=sum(len(t.chunks) for t in tensors),
+        tensor_bytes=sum(t.nbytes for t in tensors), file_bytes=sum(f.size or 0 for f in files), files=len(files),
+        ranks=tuple(sorted({f.rank for f in files if f.rank is not None})), parameters=groups["model"].numel,
     )
     return InspectReport(
-        path=checkpoint.path,
-        summary=summary,
-        groups=groups,
-        tensors=tuple(t for t in tensors if matches(t.fqn, filters)),
-        objects=tuple(o for o in objects if matches(o.fqn, filters)),
-        files=tuple(files),
-        filters=filters,
+        checkpoint.path, summary, groups, tensors=tuple(t for t in tensors if matches(t.fqn, filters)),
+        objects=tuple(o for o in objects if matches(o.fqn, filters)), files=tuple(files), filters=filters,
     )

@@ -55,11 +55,6 @@ class ReshardReport:
     def world_size(self) -> int:
         return self.plan.world_size
 
-    @property
-    def throughput(self) -> float:
-        """Bytes per second of tensor data written."""
-        return self.tensor_bytes / self.seconds if self.seconds > 0 else 0.0
-
 
 def default_destination(source: Path, mesh: Mesh) -> Path:
     """Return `SRC-world{N}` beside SRC."""

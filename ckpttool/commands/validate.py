@@ -18,15 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool import dtypes, integrity
-from ckpttool.dcp.blobs import (
-    DataFiles,
-    blob_bytes,
-    decode_object,
-    is_safetensors_blob,
-    iter_blocks,
-    locate,
-    read_chunk,
-)
+from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk
 from ckpttool.dcp.metadata import METADATA_FILENAME, Blob, Checkpoint, read_checkpoint
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem

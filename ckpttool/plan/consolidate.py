@@ -125,10 +125,6 @@ class ConsolidatePlan:
         return [op for tensor in self.tensors for op in tensor.operations]
 
 
-# ---------------------------------------------------------------------------------------------
-# Choosing keys
-
-
 def select(checkpoint: Checkpoint, rules: KeyRules, kind: OutputFormat) -> Selection:
     """Return the output keys for `rules`, in the order the state dict was saved.
 
@@ -174,23 +170,10 @@ def _paths(checkpoint: Checkpoint, chosen: dict[str, str], rules: KeyRules, kind
     return paths
 
 
-# ---------------------------------------------------------------------------------------------
-# The plan
-
-
-def plan_consolidate(
-    checkpoint: Checkpoint,
-    selection: Selection,
-    located: Mapping[str, Mapping[int, RawData | None]],
-    *,
-    name: str,
-    kind: OutputFormat,
-    dtype: str | None = None,
-    dtype_map: tuple[tuple[str, str], ...] = (),
-    ties: tuple[Tie, ...] = (),
-    drop_tied: bool = False,
-    objects: Mapping[str, Any] | None = None,
-) -> ConsolidatePlan:
+def plan_consolidate(checkpoint: Checkpoint, selection: Selection, located: Mapping[str, Mapping[int, RawData | None]],
+                     *, name: str, kind: OutputFormat, dtype: str | None = None,
+                     dtype_map: tuple[tuple[str, str], ...] = (), ties: tuple[Tie, ...] = (), drop_tied: bool = False,
+                     objects: Mapping[str, Any] | None = None) -> ConsolidatePlan:
     """Return the plan that writes `selection` as one state dict named `name` (pure: reads
     nothing). `located` says where each chunk's raw bytes are (None: decode), `objects` holds
     the decoded python values of the selected objects (for a .pt)."""
@@ -238,13 +221,8 @@ def plan_consolidate(
     )
 
 
-def plan_tensor(
-    tensor: Tensor,
-    located: Mapping[int, RawData | None],
-    dtype: str,
-    file: str,
-    offset: int,
-) -> tuple[Operation, ...]:
+def plan_tensor(tensor: Tensor, located: Mapping[int, RawData | None], dtype: str, file: str,
+                offset: int) -> tuple[Operation, ...]:
     """Return the operations that write `tensor`, cast to `dtype`, at `offset` of `file`.
 
     `located` holds each distinct chunk's raw bytes (None: its blob must be decoded); a

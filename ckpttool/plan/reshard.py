@@ -176,10 +176,6 @@ class ReshardPlan:
         return sum(f.nbytes for f in self.files)
 
 
-# ---------------------------------------------------------------------------------------------
-# Which tensors are sharded
-
-
 def _split_fqn(fqn: str) -> tuple[str, str]:
     top, _, rest = fqn.partition(".")
     return top, rest
@@ -217,34 +213,22 @@ def is_sharded(tensor: Tensor, optimized: frozenset[str], rule: str = SOURCE_RUL
     top, rest = _split_fqn(tensor.fqn)
     if top in MODEL_KEYS:
         return rest in optimized
-    if top in OPTIMIZER_KEYS and rest.startswith("state."):
-        return True
-    return False
+    return top in OPTIMIZER_KEYS and rest.startswith("state.")
 
 
-# ---------------------------------------------------------------------------------------------
-# Filling a target chunk from source chunks
-
-
-def _zip_runs(
-    source: list[tuple[int, int]], target: list[tuple[int, int]], chunk_index: int
-) -> Iterator[Run]:
+def _zip_runs(source: list[tuple[int, int]], target: list[tuple[int, int]], chunk_index: int) -> Iterator[Run]:
     """Pair two run lists that cover the same bytes in the same order, splitting as needed."""
-    si = ti = 0
-    s_off, s_left = source[0] if source else (0, 0)
-    t_off, t_left = target[0] if target else (0, 0)
-    while si < len(source) and ti < len(target):
+    sources, targets = iter(source), iter(target)
+    s_off, s_left = next(sources, (0, 0))
+    t_off, t_left = next(targets, (0, 0))
+    while s_left and t_left:
         length = min(s_left, t_left)
         yield Run(chunk_index, s_off, t_off, length)
         s_off, s_left, t_off, t_left = s_off + length, s_left - length, t_off + length, t_left - length
-        if s_left == 0:
-            si += 1
-            if si < len(source):
-                s_off, s_left = source[si]
-        if t_left == 0:
-            ti += 1
-            if ti < len(target):
-                t_off, t_left = target[ti]
+        if not s_left:
+            s_off, s_left = next(sources, (0, 0))
+        if not t_left:
+            t_off, t_left = next(targets, (0, 0))
 
 
 def fill_runs(tensor: Tensor, box: Box) -> tuple[Run, ...]:
@@ -276,10 +260,6 @@ def fill_runs(tensor: Tensor, box: Box) -> tuple[Run, ...]:
         )
     runs.sort(key=lambda run: run.target_offset)
     return tuple(runs)
-
-
-# ---------------------------------------------------------------------------------------------
-# The plan
 
 
 @dataclass(frozen=True)
@@ -327,6 +307,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] =
     rule = sharding_rule(checkpoint, optimized)
     order = _state_dict_order(checkpoint)
     layouts: dict[str, TensorLayout] = {}
+    boxes_of: dict[str, list[Box]] = {}
     items_by_rank: list[list[_Item]] = [[] for _ in range(mesh.world_size)]
     for fqn in order:
         tensor = checkpoint.tensors.get(fqn)
@@ -339,6 +320,7 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] =
             raise UnsupportedFormat(f"{checkpoint.path}: {fqn} has dtype {tensor.dtype!r}, whose size is unknown")
         sharded = is_sharded(tensor, optimized, rule, keep_whole)
         boxes = _target_boxes(tensor, sharded, mesh)
+        boxes_of[fqn] = [box for box, _ in boxes]
         layouts[fqn] = TensorLayout(fqn, tensor.dtype, tensor.shape, sharded, tuple(b[0] for b, _ in boxes))
         for box, holders in boxes:
             # dedup_save_plans weighs an item by WriteItem.tensor_storage_size(), which is the
@@ -370,10 +352,9 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] =
                 raise CorruptMetadata(f"{checkpoint.path}: {fqn} has no storage entry in the metadata")
             objects[assigned[(fqn, None)]].append(TargetObject(fqn, source))
             continue
-        for offsets in layouts[fqn].chunks:
-            sizes = _sizes_at(tensor, layouts[fqn], offsets, mesh)
-            box = (offsets, sizes)
-            target = TargetChunk(fqn, tensor.dtype, offsets, sizes, volume(sizes) * tensor.itemsize, fill_runs(tensor, box))
+        for offsets, sizes in boxes_of[fqn]:
+            runs = fill_runs(tensor, (offsets, sizes))
+            target = TargetChunk(fqn, tensor.dtype, offsets, sizes, volume(sizes) * tensor.itemsize, runs)
             chunks[assigned[(fqn, offsets)]].append(target)
     files = tuple(
         RankFile(rank, data_file_name(rank), tuple(objects[rank]), tuple(chunks[rank]))
@@ -382,19 +363,6 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] =
     planner_data = {fqn: checkpoint.nesting[fqn] for fqn in order if fqn in checkpoint.nesting}
     tensors = tuple(layouts[f] for f in order if f in layouts)
     return ReshardPlan(mesh, files, tensors, planner_data, rule, tuple(keep_whole))
-
-
-def _sizes_at(tensor: Tensor, layout: TensorLayout, offsets: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
-    if not layout.sharded:
-        return tuple(tensor.shape)
-    for start, rows in split_dim0(tensor.shape[0], mesh.shards):
-        if start == offsets[0]:
-            return (rows, *tensor.shape[1:])
-    raise AssertionError(f"no shard of {tensor.fqn} starts at {offsets}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Where the bytes go: rank files laid out, and the operations that fill them
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,12 @@ class _Writer:
             raise TypeError(f"cannot pickle a {type(value).__name__} without its class")
         write(self, value)
 
-    def fetch(self, slot: int) -> None:
-        self.out += pickle.BINGET + bytes([slot]) if slot < 256 else pickle.LONG_BINGET + struct.pack("<I", slot)
+    def fetched(self, key: str | Global) -> bool:
+        """Write a fetch of `key` from the memo and return True, or return False when it is not there."""
+        slot = self.memo.get(key)
+        if slot is not None:
+            self.out += pickle.BINGET + bytes([slot]) if slot < 256 else pickle.LONG_BINGET + struct.pack("<I", slot)
+        return slot is not None
 
     def remember(self, key: str | Global) -> None:
         slot = self.memo[key] = len(self.memo)
@@ -129,13 +133,10 @@ def _int(writer: _Writer, value: int) -> None:
 
 
 def _str(writer: _Writer, value: str) -> None:
-    slot = writer.memo.get(value)
-    if slot is None:
+    if not writer.fetched(value):
         data = value.encode("utf-8", "surrogatepass")
         writer.out += pickle.BINUNICODE + struct.pack("<I", len(data)) + data
         writer.remember(value)
-    else:
-        writer.fetch(slot)
 
 
 def _tuple(writer: _Writer, value: tuple) -> None:
@@ -169,12 +170,9 @@ def _dict(writer: _Writer, value: dict) -> None:
 
 
 def _global(writer: _Writer, value: Global) -> None:
-    slot = writer.memo.get(value)
-    if slot is None:
+    if not writer.fetched(value):
         writer.out += pickle.GLOBAL + f"{value.module}\n{value.name}\n".encode("utf-8")
         writer.remember(value)
-    else:
-        writer.fetch(slot)
 
 
 def _reduce(writer: _Writer, value: Reduce) -> None:

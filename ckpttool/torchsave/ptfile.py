@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -99,12 +100,10 @@ def _lists(node: Any) -> Any:
     return converted
 
 
-# ---------------------------------------------------------------------------------------------
-# Python objects holding torch types
-
-
 @dataclass(frozen=True)
 class _Persistent:
+    """A storage inside a python object holding torch types, pickled as its persistent id."""
+
     pid: tuple
 
 
@@ -150,10 +149,6 @@ def _python_pickled(value: Any, first_key: int, inline: list[bytes]) -> Opcodes:
     return Opcodes(buffer.getvalue()[2:-1])  # without PROTO 2 and STOP
 
 
-# ---------------------------------------------------------------------------------------------
-# The zip
-
-
 @dataclass(frozen=True)
 class PtLayout:
     """Where everything of a .pt goes: planned storages (copied in by the caller) first, then
@@ -183,8 +178,6 @@ def lay_out(pickled: PickledState, storage_sizes: Sequence[int]) -> PtLayout:
 def zip_records(layout: PtLayout, crcs: dict[str, int]) -> list[tuple[int, bytes]]:
     """Return (offset, bytes) of everything but the planned storages' data, given the CRC-32
     of each planned storage by entry name (`archive/data/<key>`)."""
-    import zlib
-
     storages = layout.archive_layout.storages
     planned = storages[:len(storages) - len(layout.inline)]
     storage_crcs = [crcs[entry.name] for entry in planned] + [zlib.crc32(data) for data in layout.inline]
@@ -197,23 +190,18 @@ def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
     so a tensor's CRC follows from the CRCs torch.save stored for its chunks."""
     if length2 <= 0:
         return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
+    # the operator that appends one zero bit, squared thrice: one zero byte; each further
+    # square doubles the zeros it appends, applied for each bit set in length2
+    operator = [0xEDB88320] + [1 << n for n in range(31)]
+    for _ in range(3):
+        operator = _gf2_square(operator)
     while True:
-        even = _gf2_square(odd)
         if length2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(operator, crc1)
         length2 >>= 1
         if not length2:
-            break
-        odd = _gf2_square(even)
-        if length2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        length2 >>= 1
-        if not length2:
-            break
-    return crc1 ^ crc2
+            return crc1 ^ crc2
+        operator = _gf2_square(operator)
 
 
 def _gf2_times(matrix: list[int], vector: int) -> int:

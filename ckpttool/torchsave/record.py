@@ -30,16 +30,8 @@ from ckpttool.dcp.metadata import Blob, RestrictedUnpickler
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata
 from ckpttool.torchsave import archive
 from ckpttool.torchsave.pickle import dumps
-from ckpttool.torchsave.zip import (
-    LOCAL,
-    UNSUPPORTED_FLAGS,
-    Read,
-    entry_bytes,
-    entry_data_offset,
-    entry_in,
-    find_entry,
-    read_directory,
-)
+from ckpttool.torchsave.zip import (LOCAL, UNSUPPORTED_FLAGS, Read, entry_bytes, entry_data_offset, entry_in, find_entry,
+                                    read_directory)
 
 if TYPE_CHECKING:
     from ckpttool.dcp.blobs import DataFiles
@@ -47,16 +39,10 @@ if TYPE_CHECKING:
 MAX_PICKLE_BYTES = 64 << 20  # a torch.save data.pkl for one tensor is a few hundred bytes
 
 
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
 @dataclass(frozen=True)
 class RecordLayout:
     """Byte layout of one tensor's torch.save record: `head`, the data, then `tail(crc)`."""
 
-    dtype: str
-    shape: tuple[int, ...]
     head: bytes
     data_length: int
     archive_layout: archive.Layout
@@ -87,12 +73,11 @@ def record_layout(dtype: str, shape: tuple[int, ...]) -> RecordLayout:
     """
     if sys.byteorder != "little":
         raise NotImplementedError("writing checkpoints on a big-endian host is not supported")
-    shape = tuple(shape)
     data_length = math.prod(shape) * dtypes.ITEMSIZE[dtype]
     layout = archive.lay_out(dumps(archive.tensor("0", dtype, shape)), [data_length])
     data_offset = layout.storages[0].data_offset
     head = b"".join(data for offset, data in archive.writes(layout, [0]) if offset < data_offset)
-    return RecordLayout(dtype, shape, head, data_length, layout)
+    return RecordLayout(head, data_length, layout)
 
 
 def record_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> bytes:
@@ -103,10 +88,6 @@ def record_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> bytes:
     return layout.head + data + layout.tail(zlib.crc32(data))
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading
-
-
 @dataclass(frozen=True)
 class TensorRecord:
     """What a torch.save record of one tensor says about itself."""
@@ -115,7 +96,6 @@ class TensorRecord:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int  # in elements
-    storage_bytes: int
     data_offset: int  # absolute offset of the storage bytes in the data file
     data_length: int
     crc32: int
@@ -170,9 +150,8 @@ _TENSOR_PICKLE_ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.storage", "UntypedStorage"): _StorageClass(None),
     ("collections", "OrderedDict"): dict,
     ("torch", "Size"): tuple,
+    **{("torch", name): _StorageClass(dtype) for name, dtype in dtypes.STORAGE_CLASS_DTYPE.items()},
 }
-for _name, _dtype in dtypes.STORAGE_CLASS_DTYPE.items():
-    _TENSOR_PICKLE_ALLOWED[("torch", _name)] = _StorageClass(_dtype)
 
 
 def _persistent_storage(pid: Any) -> _Storage:
@@ -197,9 +176,8 @@ def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord
         raise CorruptBlob(f"{where}: torch.save record has no data.pkl")
     raw = entry_bytes(read, blob.length, pickle_entry, where, MAX_PICKLE_BYTES)
     try:
-        rebuilt = RestrictedUnpickler(
-            io.BytesIO(raw), _TENSOR_PICKLE_ALLOWED, where, persistent=_persistent_storage
-        ).load()
+        unpickler = RestrictedUnpickler(io.BytesIO(raw), _TENSOR_PICKLE_ALLOWED, where, persistent=_persistent_storage)
+        rebuilt = unpickler.load()
     except (CorruptBlob, CorruptMetadata):
         raise
     except Exception as error:
@@ -213,24 +191,15 @@ def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord
     if data_entry is None:
         raise CorruptBlob(f"{where}: torch.save record misses its storage data/{rebuilt.storage.key}")
     if data_entry.size != storage_bytes:
-        raise CorruptBlob(
-            f"{where}: storage holds {data_entry.size} bytes but its header says {storage_bytes}"
-        )
+        raise CorruptBlob(f"{where}: storage holds {data_entry.size} bytes but its header says {storage_bytes}")
     byteorder_entry = find_entry(entries, "byteorder")
     byteorder = "little"
     if byteorder_entry is not None:
         byteorder = entry_bytes(read, blob.length, byteorder_entry, where, 16).decode("ascii", "replace")
-    return TensorRecord(
-        dtype=dtype,
-        shape=rebuilt.shape,
-        stride=rebuilt.stride,
-        storage_offset=rebuilt.storage_offset,
-        storage_bytes=storage_bytes,
-        data_offset=blob.offset + entry_data_offset(read, blob.length, data_entry, where),
-        data_length=data_entry.size,
-        crc32=data_entry.crc32,
-        byteorder=byteorder,
-    )
+    data_offset = blob.offset + entry_data_offset(read, blob.length, data_entry, where)
+    return TensorRecord(dtype=dtype, shape=rebuilt.shape, stride=rebuilt.stride,
+                        storage_offset=rebuilt.storage_offset, data_offset=data_offset, data_length=data_entry.size,
+                        crc32=data_entry.crc32, byteorder=byteorder)
 
 
 def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool) -> list[tuple[str, str]]:

@@ -45,10 +45,6 @@ ALIGNMENT = 64  # caffe2/serialize/inline_container.h kFieldAlignment
 Read = Callable[[int, int], bytes]  # (offset, length) -> exactly those bytes of the archive
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading
-
-
 @dataclass(frozen=True)
 class Entry:
     """A file of the archive, as its central directory describes it."""
@@ -150,10 +146,7 @@ def entry_bytes(read: Read, length: int, entry: Entry, where: str, limit: int) -
 def find_entry(entries: dict[str, Entry], suffix: str) -> Entry | None:
     """Return the entry named `suffix` or `<folder>/.../suffix` (torch.save names the folder
     after the file), or None."""
-    for name, entry in entries.items():
-        if name == suffix or name.endswith("/" + suffix):
-            return entry
-    return None
+    return next((entry for name, entry in entries.items() if name == suffix or name.endswith("/" + suffix)), None)
 
 
 def entry_in(buffers: list[tuple[int, bytes]], entry: Entry) -> bytes | None:
@@ -168,14 +161,8 @@ def entry_in(buffers: list[tuple[int, bytes]], entry: Entry) -> bytes | None:
             if fields[0] != LOCAL_SIGNATURE or buffer[name_start:name_start + fields[9]] != name:
                 return None
             begin = name_start + fields[9] + fields[10]
-            if begin + entry.size <= len(buffer):
-                return buffer[begin:begin + entry.size]
-            return None
+            return buffer[begin:begin + entry.size] if begin + entry.size <= len(buffer) else None
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
 
 
 @dataclass(frozen=True)
@@ -232,9 +219,8 @@ def place(entries: Sequence[tuple[str, int]], start: int = 0) -> list[Placed]:
 
 def descriptor(entry: Placed, crc32: int) -> bytes:
     """Return the data descriptor that follows the entry's data."""
-    if entry.zip64_size:
-        return DESCRIPTOR64.pack(DESCRIPTOR_SIGNATURE, crc32, entry.size, entry.size)
-    return DESCRIPTOR.pack(DESCRIPTOR_SIGNATURE, crc32, entry.size, entry.size)
+    layout = DESCRIPTOR64 if entry.zip64_size else DESCRIPTOR
+    return layout.pack(DESCRIPTOR_SIGNATURE, crc32, entry.size, entry.size)
 
 
 def directory(entries: Sequence[Placed], crcs: Sequence[int]) -> bytes:
