@@ -178,3 +178,38 @@ def test_a_run_directory_of_checkpoints_is_refused_with_the_ones_inside_and_the_
         f"{tmp_path}: a directory of checkpoints (step-2, step-9, step-10; latest: step-9), not a "
         f"checkpoint itself: pass one of them, e.g. {tmp_path / 'step-9'}"
     )
+
+
+def test_metadata_pickled_by_python_3_11_early_releases_reads_the_same(tmp_path):
+    """CPython 3.11.0-3.11.4 (Debian bookworm ships 3.11.2) pickle enum members by name, as
+    `getattr(_MEM_FORMAT_ENCODING, 'TORCH_CONTIGUOUS_FORMAT')`; torch's `.metadata` then holds a
+    `builtins.getattr` call, which the allowlist admits for that enum's members only."""
+    import enum
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class EarlyPython311Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    source = FIXTURES / "fsdp2_world2_adamw"
+    copy = tmp_path / "ckpt"
+    shutil.copytree(source, copy)
+    with open(copy / ".metadata", "wb") as handle:
+        EarlyPython311Pickler(handle).dump(FileSystemReader(source).read_metadata())
+    assert b"getattr" in (copy / ".metadata").read_bytes()
+    expected, got = read_checkpoint(source), read_checkpoint(copy)
+    assert got.tensors == expected.tensors and got.objects == expected.objects
+
+
+def test_getattr_in_metadata_reaches_nothing_but_the_memory_format_enum(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    for target in ((pickle.GLOBAL + b"os\nsystem\n"), (pickle.GLOBAL + b"torch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n")):
+        for name in (b"__class__", b"mro", b"TORCH_NO_SUCH_FORMAT"):
+            data = (b"\x80\x02" + pickle.GLOBAL + b"builtins\ngetattr\n" + target + pickle.SHORT_BINSTRING
+                    + bytes([len(name)]) + name + pickle.TUPLE2 + pickle.REDUCE + pickle.STOP)
+            (tmp_path / "ckpt" / ".metadata").write_bytes(data)
+            with pytest.raises((UnsafeMetadata, CorruptMetadata)):
+                read_checkpoint(tmp_path / "ckpt")

@@ -209,6 +209,19 @@ def _memory_format_encoding(value: Any) -> int:
     return int(value)
 
 
+# torch/distributed/checkpoint/metadata.py `_MEM_FORMAT_ENCODING` members, by name
+_MEMORY_FORMAT_MEMBERS = {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2}
+
+
+def _enum_member(owner: Any, name: Any) -> int:
+    """`getattr(_MEM_FORMAT_ENCODING, NAME)`: how CPython 3.11.0-3.11.4 pickle an enum member
+    (Debian bookworm's default Python writes metadata this way). Nothing else is reachable."""
+    if owner is _memory_format_encoding and isinstance(name, str) and name in _MEMORY_FORMAT_MEMBERS:
+        return _MEMORY_FORMAT_MEMBERS[name]
+    raise UnsafeMetadata(f"refuses getattr({name!r:.60}) on anything but a _MEM_FORMAT_ENCODING member; "
+                         "nothing from the file was executed")
+
+
 _METADATA_MODULES = (
     "torch.distributed.checkpoint.metadata",
     # TensorProperties lived here before torch 2.2
@@ -243,6 +256,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
+    ("builtins", "getattr"): _enum_member,
 }
 for _module in _METADATA_MODULES:
     for _name, _cls in _RECORD_TYPES.items():
