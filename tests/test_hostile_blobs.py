@@ -105,3 +105,27 @@ def test_a_compression_bomb_is_refused_by_every_command_in_bounded_time_and_memo
             assert "Traceback" not in stderr
         assert rss < MAX_RSS, (command, rss)
         assert not out.exists() or status == 0  # nothing half-written, no parent left behind
+
+
+def record_with(pickled: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", pickled)
+        archive.writestr("archive/version", b"3\n")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name, pickled", [
+    ("1 MB of nested tuples", b"\x80\x02" + b"(" * 500_000 + b")" + b"t" * 500_000 + b"."),
+    ("huge memo index", b"\x80\x02N" + b"r\xff\xff\xff\x7f" + b"."),
+])
+def test_an_object_blob_that_breaks_the_unpicklers_budget_is_refused_not_handed_to_torch(name, pickled):
+    import time
+
+    from ckpttool.dcp.blobs import decode_object
+    from ckpttool.errors import CorruptBlob
+
+    started = time.perf_counter()
+    with pytest.raises(CorruptBlob):
+        decode_object(record_with(pickled), f"blob {name}")
+    assert time.perf_counter() - started < 5

@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckpttool import dtypes
-from ckpttool.dcp.metadata import Blob, Chunk, Tensor
+from ckpttool.dcp.metadata import Blob, Chunk, PickleRefused, Tensor
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
 from ckpttool.torchsave.record import read_plain_object, read_tensor_record
 from ckpttool.torchsave.zip import LOCAL_MAGIC
@@ -285,6 +285,8 @@ def decode_object(data: bytes, where: str) -> Any:
     """
     try:
         return read_plain_object(data, where)
+    except PickleRefused as error:  # a budget or rule broken: torch.load would build the bomb
+        raise CorruptBlob(f"{where}: {error}") from None
     except (CheckpointError, pickle.UnpicklingError, ValueError, EOFError,
             KeyError, TypeError, AttributeError, IndexError, OverflowError):
         return load_torch_bytes(data, where)
