@@ -21,6 +21,7 @@ _API = {
     "validate": ("ckpttool.commands.validate", "validate"),
     "consolidate": ("ckpttool.commands.consolidate", "consolidate"),
     "reshard": ("ckpttool.commands.reshard", "reshard"),
+    "diff": ("ckpttool.commands.diff", "diff"),
     "read_checkpoint": ("ckpttool.dcp.metadata", "read_checkpoint"),
     "CheckpointError": ("ckpttool.errors", "CheckpointError"),
 }

@@ -23,13 +23,18 @@ def reports_errors(command):
     SIGINT, SIGTERM or SIGHUP into one line and 128 + the signal number (130, 143, 129)."""
     from ckpttool import io
 
+    def shown(text) -> str:  # render.shown, imported only when there is something to show
+        from ckpttool.render import shown
+
+        return shown(text)
+
     @wraps(command)
     def run(*args, **kwargs):
         try:
-            with io.interruptible(), io.reporting_stale_temps(lambda stale: click.echo(stale, err=True)):
+            with io.interruptible(), io.reporting_stale_temps(lambda stale: click.echo(shown(stale), err=True)):
                 return command(*args, **kwargs)
         except CheckpointError as error:
-            click.echo(f"error: [{error.code}] {error}", err=True)
+            click.echo(f"error: [{error.code}] {shown(error)}", err=True)
             sys.exit(error.exit_code)
         except KeyboardInterrupt as interrupt:  # io.Interrupted for each of the three signals
             interrupt = interrupt if isinstance(interrupt, io.Interrupted) else io.Interrupted()
@@ -45,7 +50,7 @@ def main() -> None:
     """See inside, validate, reshard and consolidate PyTorch Distributed Checkpoints."""
 
 
-checkpoint_dir = click.Path(file_okay=False, dir_okay=True, exists=True)
+checkpoint_dir = click.Path(file_okay=True, dir_okay=True, exists=True)  # a directory, or one .safetensors file
 
 
 def byte_progress(quiet: bool):
@@ -65,6 +70,10 @@ def json_option(schema: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print the {schema} JSON document (see README).")
 
 
+follow_symlinks_option = click.option(
+    "--follow-symlinks", is_flag=True, help="Read data files that are symlinks to places outside the checkpoint directory.")
+
+
 def write_options(command):
     """Options every writing command shares: --force --dry-run --verify --threads --max-memory --quiet."""
     for option in reversed((
@@ -74,6 +83,7 @@ def write_options(command):
         click.option("--dry-run", is_flag=True, help="Show what would be written; write nothing."),
         click.option("--verify", is_flag=True, help="Read the output back and compare it with the source before keeping it."),
         click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
+        follow_symlinks_option,
     )):
         command = option(command)
     return command
@@ -84,11 +94,11 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
     from ckpttool import render
 
     for line in notes:
-        click.echo(line, err=True)
+        click.echo(render.shown(line), err=True)
     if document is not None:
         render.emit_json(document)
     elif text:
-        click.echo(text)
+        click.echo(render.terminal_text(text))
 
 
 @main.command()
@@ -113,14 +123,15 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
 @main.command()
 @click.argument("src", type=checkpoint_dir)
 @click.option("--deep", is_flag=True, help="Also read every byte: decode each blob, check CRC-32, dtype and shape, count NaN/Inf.")
+@follow_symlinks_option
 @json_option("ckpttool.validate/1")
 @reports_errors
-def validate(src: str, deep: bool, as_json: bool) -> None:
+def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None:
     """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid."""
     from ckpttool import render
     from ckpttool.commands.validate import validate as validate_checkpoint
 
-    report = validate_checkpoint(src, deep=deep)
+    report = validate_checkpoint(src, deep=deep, follow_symlinks=follow_symlinks)
     show(render.validate_document(report) if as_json else None, render.validate_text(report))
     if not report.valid:
         sys.exit(EXIT_INVALID)
@@ -171,3 +182,60 @@ def reshard(src: str, dst: str | None, quiet: bool, as_json: bool, **options) ->
     report = reshard_checkpoint(src, dst, progress=byte_progress(quiet), **options)
     show(render.reshard_document(report) if as_json else None, render.reshard_text(report),
          render.problem_lines(report.problems))
+
+EXIT_DIFFERENT = 1  # cmp and diff: 0 same, 1 different, 2 could not compare
+EXIT_COULD_NOT_COMPARE = 2
+
+
+def cannot_compare_exits_2(command):
+    """cmp/diff exit codes: 1 means "different", so anything that stops the comparison (any
+    CheckpointError, whatever its usual exit code, or a bug) exits 2. Applied inside
+    `reports_errors`, which still prints the error's one line with its own problem code."""
+
+    @wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except CheckpointError as error:
+            error.exit_code = EXIT_COULD_NOT_COMPARE  # on this instance only
+            raise
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception:  # a bug: its traceback, but never the exit code of "different"
+            import traceback
+
+            traceback.print_exc()
+            sys.exit(EXIT_COULD_NOT_COMPARE)
+
+    return run
+
+
+@main.command()
+@click.argument("a", type=click.Path(exists=True))
+@click.argument("b", type=click.Path(exists=True))
+@click.option("--normalize", is_flag=True, help="Match entries by model key, as consolidate names them: the model. subtree and wrapper names (_orig_mod., _fsdp_wrapped_module., module.) stripped on both sides.")
+@click.option("--only", type=click.Choice(["model", "optimizer", "other"]), multiple=True, help="Compare only this group of entries (repeatable); a bare weights file is all model.  [default: all]")
+@click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn or key, on either side, matches (repeatable), e.g. '*.layers.0.*'.")
+@click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite the keys of both sides with re.sub (repeatable, in order).")
+@click.option("--rename-a", "renames_a", multiple=True, metavar="REGEX=REPL", help="Rewrite A's keys only (after --rename).")
+@click.option("--rename-b", "renames_b", multiple=True, metavar="REGEX=REPL", help="Rewrite B's keys only (after --rename).")
+@click.option("--atol", type=float, help="Accept floating elements with |a - b| <= atol + rtol * |b|.  [default: bytes must match]")
+@click.option("--rtol", type=float, help="Relative tolerance, with --atol (0 when only one is given).  [default: bytes must match]")
+@click.option("--limit", default=20, type=click.IntRange(0), help="Differing entries listed in the text output (0: all).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@follow_symlinks_option
+@json_option("ckpttool.diff/1")
+@reports_errors
+@cannot_compare_exits_2
+def diff(a: str, b: str, as_json: bool, limit: int, quiet: bool, **options) -> None:
+    """Compare two checkpoints of any layouts and shardings, entry by entry and byte for byte.
+
+    Exit 0 identical (or within --atol/--rtol), 1 different, 2 could not compare."""
+    from ckpttool import render
+    from ckpttool.commands.diff import diff as diff_checkpoints
+
+    # every other option is a keyword of the library function, under the same name
+    report = diff_checkpoints(a, b, progress=byte_progress(quiet), **options)
+    show(render.diff_document(report) if as_json else None, render.diff_text(report, limit=limit),
+         render.diff_notes(report))
+    sys.exit(0 if report.same else EXIT_DIFFERENT)

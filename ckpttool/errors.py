@@ -38,6 +38,13 @@ class CorruptMetadata(CheckpointError):
     code = "metadata-unreadable"
 
 
+class BadName(CorruptMetadata):
+    """An entry name or data-file path holds a NUL byte or an unpaired surrogate: no file
+    system, safetensors header or terminal can take it."""
+
+    code = "bad-name"
+
+
 class MissingFile(CheckpointError):
     """A data file that the metadata references does not exist."""
 
@@ -48,6 +55,17 @@ class CorruptBlob(CheckpointError):
     """A blob's bytes do not decode, or disagree with the metadata (size, dtype, shape)."""
 
     code = "corrupt-blob"
+
+
+class UnsafeDataFile(CheckpointError):
+    """A data file is not a regular file (FIFO, device, directory), or is a symlink that
+    leaves the checkpoint directory (allowed only with --follow-symlinks)."""
+
+    code = "unsafe-file"
+
+    def __init__(self, message: str, code: str = "unsafe-file"):
+        super().__init__(message)
+        self.code = code
 
 
 class UnsupportedFormat(CheckpointError):

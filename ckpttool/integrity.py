@@ -18,17 +18,20 @@ Example:
 from __future__ import annotations
 
 import operator
-import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ckpttool import dtypes
-from ckpttool.dcp.blobs import DataFiles, is_safetensors_blob, safe_relative_path, safetensors_header
+from ckpttool.dcp.blobs import (DataFiles, check_data_file, containment_root, is_raw_range, is_safetensors_blob,
+                                safe_relative_path, safetensors_header)
 from ckpttool.dcp.metadata import METADATA_FILENAME, RANK_METADATA_PATTERN, Blob, Checkpoint, Chunk, Tensor, paused_gc
-from ckpttool.errors import CheckpointError, InvalidCheckpoint
+from ckpttool.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
 from ckpttool.layout import coverage, find_overlaps, in_bounds
 
 ERROR, WARNING, INFO = "error", "warning", "info"
+# files a DCP directory holds besides data: torch's metadata, Lightning's meta.pt, Megatron's
+# metadata.json and common.pt (never "unreferenced")
+FRAMEWORK_FILES = frozenset({METADATA_FILENAME, "meta.pt", "metadata.json", "common.pt"})
 MAX_PROBLEMS_PER_TENSOR = 20  # overlap pairs listed per tensor before summarising
 
 
@@ -60,22 +63,23 @@ class Integrity:
         self.problems.append(Problem(severity, code, message, file, fqn))
 
 
-def check(checkpoint: Checkpoint) -> Integrity:
+def check(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Integrity:
     """Return every problem of the checkpoint's metadata against its files (never raises for
-    a bad checkpoint)."""
+    a bad checkpoint). Data files must be regular files inside the checkpoint directory
+    (symlinks resolved) unless `follow_symlinks`."""
     report = Integrity(checkpoint)
     for note in checkpoint.notes:
         fqn = note.split(":", 1)[0]
         report.add(ERROR, "unknown-dtype", f"{checkpoint.metadata_file}: {note}; this build cannot size or read it", fqn=fqn)
     with paused_gc():
-        report.sizes = _check_files(checkpoint, report)
+        report.sizes = _check_files(checkpoint, report, follow_symlinks)
         _check_blobs(checkpoint, report.sizes, report)
         for tensor in checkpoint.tensors.values():
             _check_geometry(tensor, report)
     return report
 
 
-def gate(checkpoint: Checkpoint) -> Integrity:
+def gate(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Integrity:
     """Return the integrity findings, or raise InvalidCheckpoint (with the first error's code
     and message) when there is any error; warnings pass.
 
@@ -83,7 +87,7 @@ def gate(checkpoint: Checkpoint) -> Integrity:
         >>> gate(read_checkpoint("damaged"))
         InvalidCheckpoint: damaged: model.embed.weight: chunks at [3, 0] and [5, 0] overlap (1 more problem: run `ckpttool validate damaged`)
     """
-    report = check(checkpoint)
+    report = check(checkpoint, follow_symlinks)
     errors = report.errors
     if errors:
         first = errors[0]
@@ -95,8 +99,10 @@ def gate(checkpoint: Checkpoint) -> Integrity:
     return report
 
 
-def _check_files(checkpoint: Checkpoint, report: Integrity) -> dict[str, int]:
-    """Stat each referenced file once; report unsafe paths, missing and unreferenced files."""
+def _check_files(checkpoint: Checkpoint, report: Integrity, follow_symlinks: bool) -> dict[str, int]:
+    """Stat each referenced file once; report unsafe paths, special files, symlinks leaving
+    the checkpoint, missing and unreferenced files."""
+    inside = None if follow_symlinks else containment_root(checkpoint.path)
     sizes: dict[str, int] = {}
     users: dict[str, str] = {}
     for entry in checkpoint.entries():
@@ -112,21 +118,28 @@ def _check_files(checkpoint: Checkpoint, report: Integrity) -> dict[str, int]:
             continue
         try:
             status = path.stat()
-            if not stat.S_ISREG(status.st_mode):
-                report.add(ERROR, "missing-file", f"{path}: referenced by {fqn} but is not a regular file", name, fqn)
-                continue
+            check_data_file(path, status.st_mode, inside)
             sizes[name] = status.st_size
+        except UnsafeDataFile as error:
+            report.add(ERROR, error.code, f"{error} (referenced by {fqn})", name, fqn)
         except FileNotFoundError:
             report.add(ERROR, "missing-file", f"{path}: referenced by {fqn} (and maybe others) but missing; was the save interrupted or the copy partial?", name, fqn)
         except OSError as error:
             report.add(ERROR, "unreadable-file", f"{path}: cannot stat ({error})", name, fqn)
     report.files = len(users)
-    referenced = {str(safe_relative_path(n)) for n in sizes}
+    referenced = set()
+    for name in users:
+        try:
+            referenced.add(str(safe_relative_path(name)))
+        except CheckpointError:
+            pass
+    if checkpoint.metadata_file != METADATA_FILENAME and not RANK_METADATA_PATTERN.match(checkpoint.metadata_file):
+        return sizes  # safetensors layouts: the folder also holds configs, tokenizers, indexes
     for path in sorted(checkpoint.path.rglob("*")):
         if not path.is_file():
             continue
         relative = path.relative_to(checkpoint.path).as_posix()
-        if relative == METADATA_FILENAME or RANK_METADATA_PATTERN.match(relative) or relative in referenced:
+        if relative in FRAMEWORK_FILES or RANK_METADATA_PATTERN.match(relative) or relative in referenced:
             continue
         report.add(WARNING, "unreferenced-file", f"{path}: not referenced by the metadata (left over from another save?)", relative)
     return sizes
@@ -136,6 +149,7 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrit
     """Every chunk has a blob inside its file, large enough for its elements; no two overlap."""
     # per file: (start, end, what, (tensor, chunk) of an untransformed tensor blob or None)
     by_file: dict[str, list[tuple[int, int, str, tuple[Tensor, Chunk] | None]]] = defaultdict(list)
+    shared: set[tuple[str, int, int]] = set()  # raw ranges several tensors may name (tied weights share a storage)
     for tensor in checkpoint.tensors.values():
         itemsize = dtypes.ITEMSIZE.get(tensor.dtype)
         for chunk in tensor.chunks:
@@ -145,7 +159,10 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrit
                 continue
             owner = None if chunk.blob.transforms else (tensor, chunk)
             _check_blob_range(chunk.blob, where, tensor.fqn, sizes, report, by_file, owner)
-            if itemsize and not chunk.blob.transforms and min(chunk.sizes, default=1) >= 0:
+            raw = is_raw_range(chunk.blob)
+            if raw:
+                shared.add((chunk.blob.file, chunk.blob.offset, chunk.blob.offset + chunk.blob.length))
+            if itemsize and (raw or not chunk.blob.transforms) and min(chunk.sizes, default=1) >= 0:
                 needed = chunk.numel * itemsize
                 if needed > chunk.blob.length:
                     report.add(ERROR, "size-mismatch", f"{chunk.blob.file}: {where} claims {chunk.numel} {tensor.dtype} elements ({needed} bytes) but its blob is only {chunk.blob.length} bytes", chunk.blob.file, tensor.fqn)
@@ -158,8 +175,8 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrit
         ranges.sort(key=_range_order)
         if any(a[0] == b[0] and a[3] and b[3] for a, b in zip(ranges, ranges[1:])):
             ranges = _resolve_safetensors_blobs(checkpoint, name, ranges, sizes[name], report)
-        for (start, end, fqn, _), (next_start, _, next_fqn, _) in zip(ranges, ranges[1:]):
-            if next_start < end:
+        for (start, end, fqn, _), (next_start, next_end, next_fqn, _) in zip(ranges, ranges[1:]):
+            if next_start < end and not ((start, end) == (next_start, next_end) and (name, start, end) in shared):
                 report.add(ERROR, "blob-overlap", f"{name}: bytes {next_start}..{end} are claimed by both {fqn} and {next_fqn}", name, next_fqn)
     for fqn, blob in checkpoint.orphan_blobs:
         report.add(WARNING, "orphan-storage", f"{checkpoint.metadata_file}: storage entry for {fqn} in {blob.file} matches no tensor chunk", blob.file, fqn)
@@ -199,7 +216,7 @@ def _resolve_safetensors_blobs(checkpoint: Checkpoint, name: str, ranges: list, 
             groups[entry[0]].append(entry)
     resolved: list[tuple] = []
     replaced: set[int] = set()
-    with DataFiles(checkpoint.path) as files:
+    with DataFiles(checkpoint.path, follow_symlinks=True) as files:  # checked by _check_files
         for offset, members in sorted(groups.items()):
             if len(members) < 2:
                 continue

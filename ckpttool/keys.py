@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from ckpttool.errors import KeyCollision, UsageError
+from ckpttool.dcp.metadata import group_of
 
 # Module wrappers that insert a path component into parameter names:
 # FSDP1 (torch/distributed/fsdp/_common_utils.py FSDP_WRAPPED_MODULE), torch.compile
@@ -78,14 +79,18 @@ def normalise(key: str) -> str:
     return key.removeprefix(DDP_PREFIX)
 
 
-def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool) -> str | None:
+def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool,
+             model_subtree: str | None = MODEL_SUBTREE) -> str | None:
     """Return the key before normalisation, or None when `fqn` is outside the selection.
 
     The model subtree is `nesting[fqn][0] == "model"` (torch's planner_data), so a model
-    key holding dots stays one key; without nesting the `model.` prefix is cut.
+    key holding dots stays one key; without nesting the `model.` prefix is cut. With no
+    model subtree (model fqns at the top level) every model-group fqn is its own key.
     """
     if everything:
         return fqn
+    if model_subtree is None:
+        return fqn if group_of(fqn, None) == "model" else None
     path = nesting.get(fqn)
     if path:
         return ".".join(str(part) for part in path[1:]) if path[0] == MODEL_SUBTREE and len(path) > 1 else None
@@ -93,14 +98,15 @@ def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool) -> str | 
     return fqn[len(prefix):] if fqn.startswith(prefix) else None
 
 
-def output_keys(fqns: Iterable[str], rules: KeyRules, nesting: Mapping[str, tuple]) -> dict[str, str]:
+def output_keys(fqns: Iterable[str], rules: KeyRules, nesting: Mapping[str, tuple],
+                model_subtree: str | None = MODEL_SUBTREE) -> dict[str, str]:
     """Return {output key: fqn} for the selected entries, sorted by output key.
 
     Raises KeyCollision naming both fqns when two entries end up with one key.
     """
     chosen: dict[str, str] = {}
     for fqn in sorted(fqns):
-        key = base_key(fqn, nesting, rules.everything)
+        key = base_key(fqn, nesting, rules.everything, model_subtree)
         if key is None:
             continue
         if rules.normalise:

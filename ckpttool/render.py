@@ -7,6 +7,7 @@ version. The schemas are documented in README.md.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any, Iterable, TextIO
 
@@ -21,6 +22,27 @@ INSPECT_SCHEMA = "ckpttool.inspect/1"
 VALIDATE_SCHEMA = "ckpttool.validate/1"
 CONSOLIDATE_SCHEMA = "ckpttool.consolidate/1"
 RESHARD_SCHEMA = "ckpttool.reshard/1"
+
+
+# Never sent raw to a terminal: C0 and C1 controls (ESC starts ANSI sequences; CR and BS
+# overwrite), DEL, bidirectional controls (they reorder what is shown) and unpaired surrogates.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def shown(text: Any) -> str:
+    """`text` made inert for a terminal, on one line: `model.\x1b[31mw` for an ESC, `\n` escaped."""
+    text = str(text)
+    return text if text.isprintable() else _UNSAFE.sub(_escape, text)
+
+
+def terminal_text(text: str) -> str:
+    """`shown` line by line: keeps the line breaks of multi-line output, escapes the rest."""
+    return text if text.isprintable() else "\n".join(map(shown, text.split("\n")))
 
 
 def human_bytes(count: int) -> str:
@@ -53,7 +75,7 @@ def emit_json(document: dict[str, Any], out: TextIO | None = None) -> None:
 
 def table(rows: Iterable[tuple], headers: tuple[str, ...], right: set[int] = frozenset()) -> list[str]:
     """Return aligned text lines; columns in `right` are right-aligned."""
-    rows = [tuple(str(c) for c in row) for row in rows]
+    rows = [tuple(shown(c) for c in row) for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
 
     def line(cells: tuple[str, ...]) -> str:
@@ -70,6 +92,7 @@ def inspect_document(report: InspectReport) -> dict[str, Any]:
         return {
             "schema": INSPECT_SCHEMA,
             "path": str(report.path),
+            "layout": report.layout,
             "summary": {
                 "dcp_version": s.dcp_version, "metadata_file": s.metadata_file,
                 "tensors": s.tensors, "objects": s.objects, "chunks": s.chunks,
@@ -105,12 +128,19 @@ def _tensor_document(tensor: TensorInfo) -> dict[str, Any]:
     }
 
 
+def _format_name(layout: str, version: str | None) -> str:
+    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist"):  # torch DCP inside
+        return f"DCP {version or 'unversioned'}"
+    return layout
+
+
 def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = False) -> str:
     """Return the human view of an inspect report."""
     s = report.summary
     ranks = f"ranks {s.ranks[0]}..{s.ranks[-1]}" if len(s.ranks) > 1 else f"rank {s.ranks[0]}" if s.ranks else "no ranks"
     lines = [
-        f"{report.path}  (DCP {s.dcp_version or 'unversioned'}, {s.metadata_file})",
+        f"{report.path}  ({_format_name(report.layout, s.dcp_version)}, {s.metadata_file})",
+        f"  layout: {report.layout}",
         f"  {s.tensors} tensors in {s.chunks} chunks, {s.objects} other entries; "
         f"{human_bytes(s.tensor_bytes)} of tensor data in {s.files} files ({human_bytes(s.file_bytes)} on disk) from {ranks}",
         f"  model parameters: {human_count(s.parameters)} ({s.parameters:,})",
@@ -133,11 +163,11 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
             lines += ["  " + line for line in table(rows, ("TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SHARDING", "BYTES"), {3, 5})]
         if chunks:
             for t in members:
-                lines.append(f"  {t.fqn}:")
+                lines.append(f"  {shown(t.fqn)}:")
                 chunk_rows = [(list(c.offsets), list(c.sizes), c.file, c.offset, c.length) for c in t.chunks]
                 lines += ["      " + line for line in table(chunk_rows, ("OFFSETS", "SIZES", "FILE", "AT", "LENGTH"), {3, 4})]
         if objects:
-            lines.append("  other: " + ", ".join(o.fqn for o in objects[:8]) + (" ..." if len(objects) > 8 else ""))
+            lines.append("  other: " + ", ".join(shown(o.fqn) for o in objects[:8]) + (" ..." if len(objects) > 8 else ""))
     if by_file:
         rows = [
             (f.file, "" if f.rank is None else f.rank, human_bytes(f.size) if f.size is not None else "MISSING",
@@ -159,7 +189,7 @@ def problems_document(problems: Iterable[Problem]) -> list[dict[str, Any]]:
 
 def problem_lines(problems: Iterable[Problem]) -> list[str]:
     """Return one `severity: [code] message` line per problem (warnings of a write go to stderr)."""
-    return [f"{p.severity}: [{p.code}] {p.message}" for p in problems]
+    return [f"{p.severity}: [{p.code}] {shown(p.message)}" for p in problems]
 
 
 def validate_document(report: ValidationReport) -> dict[str, Any]:
@@ -198,6 +228,8 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "source": str(report.source),
         "output": str(report.output),
         "format": plan.format,
+        "layout": report.layout,
+        "selected": report.selected,
         "dry_run": report.dry_run,
         "verified": report.verified,
         "files": [
@@ -232,8 +264,13 @@ def consolidate_text(report: ConsolidateReport) -> str:
     checked = ", verified" if report.verified else ""
     return (
         f"wrote {what}, {human_bytes(report.tensor_bytes)} to {report.output} in {report.seconds:.2f} s "
-        f"({human_bytes(int(report.throughput))}/s{checked})"
+        f"({human_bytes(int(report.throughput))}/s{checked})\n"
+        f"  {_selection_line(report)}"
     )
+
+
+def _selection_line(report: ConsolidateReport) -> str:
+    return f"read {shown(report.layout)}; exported {report.selected}"
 
 
 def consolidate_notes(report: ConsolidateReport) -> list[str]:
@@ -241,7 +278,7 @@ def consolidate_notes(report: ConsolidateReport) -> list[str]:
     lines = problem_lines(report.problems)
     for tie in report.ties:
         action = "dropped" if tie.dropped in report.dropped else "both written (--drop-tied keeps one)"
-        lines.append(f"tied: {tie.dropped} is the same tensor as {tie.kept}: {tie.dropped} {action}")
+        lines.append(f"tied: {shown(tie.dropped)} is the same tensor as {shown(tie.kept)}: {shown(tie.dropped)} {action}")
     return lines
 
 
@@ -258,6 +295,7 @@ def _consolidate_plan_text(report: ConsolidateReport) -> str:
         f"{report.source} -> {report.output} ({plan.format}, {len(plan.files)} file(s)"
         f"{', index ' + plan.index_name if plan.index_name else ''}): {len(plan.tensors)} tensors, "
         f"{len(plan.objects)} objects, {human_bytes(plan.tensor_bytes)}",
+        _selection_line(report),
         *table(rows, ("KEY", "FROM", "DTYPE", "SHAPE", "FILE")),
         "dry run: nothing was written",
     ]
@@ -322,8 +360,121 @@ def reshard_text(report: ReshardReport) -> str:
             f"  rank {f.rank:>3}  {f.name}: {len(f.chunks)} chunks of {f.tensors} tensors, "
             f"{f.nbytes} bytes, {len(f.objects)} objects"
         )
-    whole = [t.fqn for t in plan.tensors if not t.sharded and t.shape]
+    whole = [shown(t.fqn) for t in plan.tensors if not t.sharded and t.shape]
     if whole:
         lines.append(f"  whole: {', '.join(whole[:8])}{' ...' if len(whole) > 8 else ''}")
     lines.append(f"(dry run: nothing written to {report.destination})")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# diff
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # the diff module brings numpy; only the diff command pays for its import
+    from ckpttool.commands.diff import DiffReport, TensorDiff
+
+DIFF_SCHEMA = "ckpttool.diff/1"
+
+
+def _json_number(value: float | None) -> float | str | None:
+    # JSON has no Inf/NaN: they are spelled "inf", "-inf", "nan"
+    if value is None or value == value and abs(value) != float("inf"):
+        return value
+    return "nan" if value != value else "inf" if value > 0 else "-inf"
+
+
+def diff_document(report: "DiffReport") -> dict[str, Any]:
+    """Return the `ckpttool.diff/1` JSON document: every entry of either side and how it compares."""
+    def only(entries) -> list[dict[str, Any]]:
+        return [{"key": o.key, "fqn": o.fqn, "kind": o.kind, "dtype": o.dtype,
+                 "shape": None if o.shape is None else list(o.shape)} for o in entries]
+
+    return {
+        "schema": DIFF_SCHEMA,
+        "a": str(report.a),
+        "b": str(report.b),
+        "verdict": report.verdict,
+        "same": report.same,
+        "normalize": report.normalize,
+        "only": list(report.only),
+        "filters": list(report.filters),
+        "atol": report.atol,
+        "rtol": report.rtol,
+        "summary": {
+            "tensors": len(report.tensors), "equal": sum(t.status == "equal" for t in report.tensors),
+            "close": len(report.close), "different": len(report.different),
+            "objects": len(report.objects), "objects_different": len(report.different_objects),
+            "only_a": len(report.only_a), "only_b": len(report.only_b), "mismatches": len(report.mismatches),
+            "bytes_compared": report.bytes_compared, "bytes_shared": report.bytes_shared,
+        },
+        "only_a": only(report.only_a),
+        "only_b": only(report.only_b),
+        "mismatches": [{"key": m.key, "fqn_a": m.fqn_a, "fqn_b": m.fqn_b, "field": m.field, "a": m.a, "b": m.b}
+                       for m in report.mismatches],
+        "tensors": [
+            {"key": t.key, "fqn_a": t.fqn_a, "fqn_b": t.fqn_b, "dtype": t.dtype, "shape": list(t.shape),
+             "status": t.status, "numel": t.numel, "differing": t.differing,
+             "first_index": None if t.first_index is None else list(t.first_index),
+             "max_abs": _json_number(t.max_abs), "max_rel": _json_number(t.max_rel), "non_finite": t.non_finite}
+            for t in report.tensors
+        ],
+        "objects": [{"key": o.key, "fqn_a": o.fqn_a, "fqn_b": o.fqn_b, "equal": o.equal, "a": o.a, "b": o.b}
+                    for o in report.objects],
+        "hint": report.hint,
+        "seconds": round(report.seconds, 3),
+        "problems": [dict(entry, side=side) for side, problems in (("a", report.problems_a), ("b", report.problems_b))
+                     for entry in problems_document(problems)],
+    }
+
+
+def _tensor_difference(t: "TensorDiff") -> str:
+    text = f"{t.differing} of {t.numel} elements"
+    if t.first_index is not None:
+        text += f" (first at {list(t.first_index)})"
+    if t.max_abs is not None:
+        text += f", max abs {t.max_abs:.6g}, max rel {t.max_rel:.6g}"
+    if t.non_finite:
+        text += f", {t.non_finite} NaN/Inf"
+    return text
+
+
+def diff_text(report: "DiffReport", limit: int = 20) -> str:
+    """Return the human view: a one-line verdict, then the differing entries (at most `limit`,
+    0 for all)."""
+    sides = f"{shown(report.a)} and {shown(report.b)}"
+    compared = human_bytes(report.bytes_compared + report.bytes_shared)
+    equal = sum(t.status == "equal" for t in report.tensors)
+    if report.verdict == "identical":
+        lines = [f"IDENTICAL: {sides}: {len(report.tensors)} tensors ({compared}) and {len(report.objects)} "
+                 "objects, byte for byte"]
+    elif report.verdict == "within-tolerance":
+        lines = [f"WITHIN TOLERANCE (atol {report.atol or 0}, rtol {report.rtol or 0}): {sides}: "
+                 f"{len(report.close)} of {len(report.tensors)} tensors differ within it, {equal} identical "
+                 f"({compared}); {len(report.objects)} objects equal"]
+    else:
+        lines = [f"DIFFERENT: {sides}: {len(report.different)} of {len(report.tensors)} tensors differ"
+                 + (f" ({len(report.close)} more within tolerance)" if report.close else "")
+                 + f", {len(report.mismatches)} dtype/shape changes, {len(report.only_a)} only in A, "
+                 f"{len(report.only_b)} only in B, {len(report.different_objects)} of {len(report.objects)} "
+                 f"objects differ ({compared} compared)"]
+    items = [f"only in A: {shown(o.key)}" + (f" ({shown(o.fqn)})" if o.fqn != o.key else "") for o in report.only_a]
+    items += [f"only in B: {shown(o.key)}" + (f" ({shown(o.fqn)})" if o.fqn != o.key else "") for o in report.only_b]
+    items += [f"{m.field} differs: {shown(m.key)}: {shown(m.a)} -> {shown(m.b)}" for m in report.mismatches]
+    items += [f"{'differs' if t.status == 'different' else 'close'}: {shown(t.key)}: {_tensor_difference(t)}"
+              for t in report.tensors if t.status != "equal"]
+    items += [f"object differs: {shown(o.key)}: {shown(o.a)} -> {shown(o.b)}" for o in report.different_objects]
+    shown_items = items if not limit else items[:limit]
+    lines += ["  " + item for item in shown_items]
+    if len(items) > len(shown_items):
+        lines.append(f"  ... and {len(items) - len(shown_items)} more (--limit 0 lists all; --json has every entry)")
+    if report.hint:
+        lines.append(f"hint: {shown(report.hint)}")
+    return "\n".join(lines)
+
+
+def diff_notes(report: "DiffReport") -> list[str]:
+    """Return the gate's warnings of each side, for stderr."""
+    return [f"A: {line}" for line in problem_lines(report.problems_a)] + \
+        [f"B: {line}" for line in problem_lines(report.problems_b)]

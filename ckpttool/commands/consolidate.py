@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ckpttool import dtypes, execute, integrity
+from ckpttool import dtypes, execute, integrity, readers
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
-from ckpttool.dcp.metadata import Checkpoint, Tensor, read_checkpoint
+from ckpttool.dcp.metadata import Checkpoint, Tensor
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
 from ckpttool.integrity import Problem
@@ -55,6 +55,8 @@ class ConsolidateReport:
     dry_run: bool = False
     verified: bool = False
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
+    layout: str = "dcp"  # what readers.detect found
+    selected: str = "everything"  # which entries were exported: see `selection_text`
 
     @property
     def throughput(self) -> float:
@@ -119,6 +121,7 @@ def consolidate(
     force: bool = False,
     dry_run: bool = False,
     verify: bool = False,
+    follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
 ) -> ConsolidateReport:
     """Return a report after writing the checkpoint at `src` as one full state dict at `out`.
@@ -143,10 +146,10 @@ def consolidate(
     refuse_overlap(target, src)
     if not dry_run:
         check_destination(target, force)
-    checkpoint = read_checkpoint(src)
-    warnings = tuple(integrity.gate(checkpoint).problems)
+    detection, checkpoint = readers.read(src, follow_symlinks)
+    warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
     selection = select(checkpoint, rules, kind)
-    with DataFiles(checkpoint.path) as files:
+    with DataFiles(checkpoint.path, follow_symlinks) as files:
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
         located = execute.locate_chunks(files, tensors.values(), threads)
         objects = load_objects(checkpoint, files, selection.objects) if kind.kind == "torch" else {}
@@ -161,8 +164,18 @@ def consolidate(
         source=checkpoint.path, output=target, format=plan.format, files=written, tensors=len(plan.tensors),
         objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=time.perf_counter() - started,
         plan=plan, ties=plan.ties, dropped=plan.dropped, dry_run=dry_run, verified=verify and not dry_run,
+        layout=detection.describe(), selected=selection_text(checkpoint, rules),
         problems=warnings,
     )
+
+
+def selection_text(checkpoint: Checkpoint, rules: KeyRules) -> str:
+    """Say which entries consolidate exports, e.g. `model weights (the model. subtree)`."""
+    if rules.everything:
+        return "every entry (--all), under its full name"
+    if checkpoint.model_subtree is None:
+        return "model weights (the top-level keys besides optimizer and training state)"
+    return f"model weights (the {checkpoint.model_subtree}. subtree)"
 
 
 def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: execute.Located) -> tuple[Tie, ...]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-from ckpttool.dcp.metadata import DATA_FILE_PATTERN, Checkpoint, Tensor, group_of, paused_gc, read_checkpoint
+from ckpttool import readers
+from ckpttool.dcp.metadata import DATA_FILE_PATTERN, Checkpoint, Tensor, group_of, paused_gc
 from ckpttool.layout import Sharding, classify
 
 GROUPS = ("model", "optimizer", "other")
@@ -94,6 +96,7 @@ class InspectReport:
     objects: tuple[ObjectInfo, ...]
     files: tuple[FileInfo, ...]
     filters: tuple[str, ...] = ()
+    layout: str = "dcp"  # readers.detect's name for the on-disk layout
 
 
 def matches(fqn: str, patterns: Sequence[str]) -> bool:
@@ -101,21 +104,31 @@ def matches(fqn: str, patterns: Sequence[str]) -> bool:
     return not patterns or any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
 
 
-def _tensor_info(tensor: Tensor) -> TensorInfo:
+def _tensor_info(tensor: Tensor, model_subtree: str | None) -> TensorInfo:
     chunks = tuple(
         ChunkInfo(c.offsets, c.sizes, c.blob.file, c.blob.offset, c.blob.length, c.numel * tensor.itemsize)
         if c.blob else ChunkInfo(c.offsets, c.sizes, None, None, None, c.numel * tensor.itemsize)
         for c in tensor.chunks
     )
     sharding = classify([(c.offsets, c.sizes) for c in tensor.chunks], tensor.shape)
-    return TensorInfo(tensor.fqn, group_of(tensor.fqn), tensor.dtype, tensor.shape, tensor.numel, tensor.nbytes,
-                      sharding, chunks)
+    return TensorInfo(tensor.fqn, group_of(tensor.fqn, model_subtree), tensor.dtype, tensor.shape, tensor.numel,
+                      tensor.nbytes, sharding, chunks)
+
+
+# data files named for the rank that wrote them: torch HF writer's shard-{rank + 1}-model-...,
+# verl's model_world_size_{W}_rank_{rank}.pt
+_HF_SHARD = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
+_VERL_RANK = re.compile(r"^model_world_size_\d+_rank_(\d+)\.pt$")
 
 
 def rank_of(file: str) -> int | None:
-    """Return the rank that wrote `__{rank}_{n}.distcp`, or None for other names."""
-    match = DATA_FILE_PATTERN.match(os.path.basename(file))
-    return int(match.group(1)) if match else None
+    """Return the rank that wrote `__{rank}_{n}.distcp` (and the HF writer's and verl's
+    per-rank files), or None for other names."""
+    name = os.path.basename(file)
+    if match := DATA_FILE_PATTERN.match(name) or _VERL_RANK.match(name):
+        return int(match.group(1))
+    match = _HF_SHARD.match(name)
+    return int(match.group(1)) - 1 if match else None
 
 
 def inspect(src: str | os.PathLike, filters: Sequence[str] = ()) -> InspectReport:
@@ -124,16 +137,16 @@ def inspect(src: str | os.PathLike, filters: Sequence[str] = ()) -> InspectRepor
     `filters` are fqn globs (`model.layers.*`); summary, groups and files count all entries,
     `tensors` and `objects` list only the matching ones.
     """
-    checkpoint = read_checkpoint(src)
+    detection, checkpoint = readers.read(src)
     with paused_gc():
-        return build_report(checkpoint, tuple(filters))
+        return build_report(checkpoint, tuple(filters), detection.layout)
 
 
-def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = ()) -> InspectReport:
+def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: str = "dcp") -> InspectReport:
     """Return the inspect report of already-read metadata."""
-    tensors = [_tensor_info(t) for t in checkpoint.tensors.values()]
+    tensors = [_tensor_info(t, checkpoint.model_subtree) for t in checkpoint.tensors.values()]
     objects = [
-        ObjectInfo(o.fqn, group_of(o.fqn), o.blob.file if o.blob else None, o.blob.length if o.blob else None)
+        ObjectInfo(o.fqn, group_of(o.fqn, checkpoint.model_subtree), o.blob.file if o.blob else None, o.blob.length if o.blob else None)
         for o in checkpoint.objects.values()
     ]
 
@@ -172,4 +185,5 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = ()) -> Inspe
     return InspectReport(
         checkpoint.path, summary, groups, tensors=tuple(t for t in tensors if matches(t.fqn, filters)),
         objects=tuple(o for o in objects if matches(o.fqn, filters)), files=tuple(files), filters=filters,
+        layout=layout,
     )

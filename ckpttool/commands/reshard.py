@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ckpttool import execute, integrity
+from ckpttool import execute, integrity, readers
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.dcp.metadata import METADATA_FILENAME, read_checkpoint
 from ckpttool.dcp.writer import metadata_bytes
@@ -73,6 +73,7 @@ def reshard(
     dry_run: bool = False,
     verify: bool = False,
     keep_whole: Sequence[str] = (),
+    follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
 ) -> ReshardReport:
     """Return a report after writing `src` resharded for `world_size` ranks (or an HSDP `mesh`
@@ -98,15 +99,15 @@ def reshard(
         raise UsageError("--threads must be at least 1")
     destination = Path(dst) if dst is not None else default_destination(source, target_mesh)
     refuse_overlap(destination, source)
-    checkpoint = read_checkpoint(source)
-    warnings = tuple(integrity.gate(checkpoint).problems)
+    checkpoint = readers.open_checkpoint(source, follow_symlinks)
+    warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
     plan = plan_reshard(checkpoint, target_mesh, keep_whole)
     if dry_run:
         return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
                              dry_run=True, problems=warnings)
     check_destination(destination, force)
     progress = progress or no_progress
-    with DataFiles(source) as files:
+    with DataFiles(checkpoint.path, follow_symlinks) as files:
         writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values(), threads))
         try:
             with atomic_directory(destination, force=force) as temp:

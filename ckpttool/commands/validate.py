@@ -17,9 +17,9 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool import dtypes, integrity
+from ckpttool import dtypes, integrity, readers
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk
-from ckpttool.dcp.metadata import METADATA_FILENAME, Blob, Checkpoint, read_checkpoint
+from ckpttool.dcp.metadata import METADATA_FILENAME, Blob, Checkpoint
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
 from ckpttool.torchsave.record import record_problems
@@ -65,29 +65,30 @@ class ValidationReport:
         self.problems.append(Problem(severity, code, message, file, fqn))
 
 
-def validate(src: str | os.PathLike, deep: bool = False) -> ValidationReport:
+def validate(src: str | os.PathLike, deep: bool = False, follow_symlinks: bool = False) -> ValidationReport:
     """Return every problem found in the checkpoint at `src` (never raises for a bad one).
+    Data files that are symlinks leaving the checkpoint are a problem unless `follow_symlinks`.
 
-    Raises NotACheckpoint only when `src` does not exist or is not a directory (a usage error).
+    Raises NotACheckpoint only when `src` does not exist (a usage error).
     """
     started = time.perf_counter()
     root = Path(src)
-    if not root.is_dir():
-        raise NotACheckpoint(f"{root}: no such directory" if not root.exists() else f"{root}: not a directory")
+    if not root.exists():
+        raise NotACheckpoint(f"{root}: no such file or directory")
     report = ValidationReport(path=root, deep=deep)
     try:
-        checkpoint = read_checkpoint(root)
+        checkpoint = readers.open_checkpoint(root, follow_symlinks)
     except CheckpointError as error:
         report.add(ERROR, error.code, str(error), file=METADATA_FILENAME)
         report.seconds = time.perf_counter() - started
         return report
     report.tensors, report.objects = len(checkpoint.tensors), len(checkpoint.objects)
     report.chunks = sum(len(t.chunks) for t in checkpoint.tensors.values())
-    found = integrity.check(checkpoint)
+    found = integrity.check(checkpoint, follow_symlinks)
     report.problems.extend(found.problems)
     report.files = found.files
     if deep:
-        _check_bytes(checkpoint, found.sizes, report)
+        _check_bytes(checkpoint, found.sizes, report, follow_symlinks)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -109,7 +110,7 @@ def _check_record_entries(files: DataFiles, blob: Blob, where: str, fqn: str, re
         report.add(ERROR, "checksum" if kind == "checksum" else "corrupt-blob", message, blob.file, fqn)
 
 
-def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport) -> None:
+def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport, follow_symlinks: bool) -> None:
     """Decode every blob: record structure, dtype/shape, CRC-32, NaN/Inf counts.
 
     Needs no torch for torch_save and safetensors blobs of plain objects and tensors; torch
@@ -119,7 +120,7 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
 
     broken_files = {p.file for p in report.errors if p.file}
     view = memoryview(bytearray(DEEP_BLOCK))  # one block buffer, refilled in place
-    with DataFiles(checkpoint.path) as files:
+    with DataFiles(checkpoint.path, follow_symlinks) as files:
         for tensor in checkpoint.tensors.values():
             if tensor.dtype not in dtypes.ITEMSIZE:
                 continue

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import pickle
+import stat
 import struct
 import threading
 import zipfile
@@ -26,8 +27,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ckpttool import dtypes
-from ckpttool.dcp.metadata import Blob, Chunk, PickleRefused, Tensor
-from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
+from ckpttool.dcp.metadata import Blob, Chunk, PickleRefused, Tensor, file_kind
+from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsafeDataFile, UnsupportedFormat
 from ckpttool.torchsave.record import read_plain_object, read_tensor_record
 from ckpttool.torchsave.zip import LOCAL_MAGIC
 
@@ -36,6 +37,20 @@ MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on header size
 MAX_OBJECT_BYTES = 64 << 20  # a non-tensor entry decompressed: param_groups, steps, RNG states are far smaller
 RECORD_SLACK = 1 << 20  # what a one-tensor record may hold beyond its data (data.pkl, small entries, zip directory)
 DECOMPRESS_BLOCK = 4 << 20  # bytes decompressed per step
+# Our own marker, never written to disk: the blob is the chunk's raw row-major bytes as they
+# are, with no record around them (readers/verl.py: a storage inside a torch.save .pt file);
+# `ckpttool.raw/<crc32 hex>` also states the CRC-32 of those bytes.
+RAW_RANGE_TRANSFORM = "ckpttool.raw"
+
+
+def raw_range_transforms(crc32: int | None = None) -> tuple[str, ...]:
+    """Return the transforms of a raw-byte-range blob (with its CRC-32 when known)."""
+    return (RAW_RANGE_TRANSFORM if crc32 is None else f"{RAW_RANGE_TRANSFORM}/{crc32:08x}",)
+
+
+def is_raw_range(blob: Blob) -> bool:
+    """True for a blob that is a chunk's raw bytes (see RAW_RANGE_TRANSFORM)."""
+    return len(blob.transforms) == 1 and blob.transforms[0].split("/", 1)[0] == RAW_RANGE_TRANSFORM
 
 
 def safe_relative_path(relative: str, source: str = "") -> PurePosixPath:
@@ -51,11 +66,38 @@ def safe_relative_path(relative: str, source: str = "") -> PurePosixPath:
     return path
 
 
-class DataFiles:
-    """Open data files of one checkpoint by relative path; positional reads, thread-safe."""
+def containment_root(root: str | os.PathLike) -> Path:
+    """The directory a checkpoint's data files must stay inside once symlinks are resolved:
+    the checkpoint itself or, for a Hub cache snapshot (`models--x/snapshots/REV/`, whose files
+    link to `../../blobs/`), the cached repository."""
+    real = Path(os.path.realpath(root))
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        return real.parent.parent
+    return real
 
-    def __init__(self, root: str | os.PathLike):
+
+def check_data_file(path: Path, mode: int, inside: Path | None, real: str | None = None) -> None:
+    """Raise UnsafeDataFile unless `path` (of st_mode `mode`) is a regular file that, once
+    symlinks are resolved (`real`, default realpath), lies inside `inside` (None: anywhere)."""
+    if inside is not None:
+        real = real or os.path.realpath(path)
+        if not Path(real).is_relative_to(inside):
+            raise UnsafeDataFile(f"{path}: a symlink to {real}, outside the checkpoint directory; refusing "
+                                 "it (pass --follow-symlinks to read it)", "symlink-escapes")
+    if not stat.S_ISREG(mode):
+        raise UnsafeDataFile(f"{path}: {file_kind(path)}, not a regular file; refusing to read it",
+                             "not-regular-file")
+
+
+class DataFiles:
+    """Open data files of one checkpoint by relative path; positional reads, thread-safe.
+
+    Only regular files are opened (non-blocking, so a FIFO cannot hang the open), and only
+    inside the checkpoint directory unless `follow_symlinks`."""
+
+    def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False):
         self.root = Path(root)
+        self._inside = None if follow_symlinks else containment_root(root)
         self._fds: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -81,7 +123,8 @@ class DataFiles:
             if fd is None:
                 path = self.path(relative)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    check_data_file(path, os.stat(path).st_mode, self._inside)  # before open: devices may act on it
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     raise MissingFile(
                         f"{path}: referenced by the metadata but missing (was the save "
@@ -89,8 +132,16 @@ class DataFiles:
                     ) from None
                 except OSError as error:
                     raise CorruptBlob(f"{path}: cannot open data file ({error.strerror or error})") from None
+                try:  # again on what was opened: the path may have changed in between
+                    status = os.fstat(fd)
+                    opened = f"/proc/self/fd/{fd}"
+                    check_data_file(path, status.st_mode, self._inside,
+                                    os.readlink(opened) if os.path.islink(opened) else None)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 self._fds[relative] = fd
-                self._sizes[relative] = os.fstat(fd).st_size
+                self._sizes[relative] = status.st_size
             return fd
 
     def size(self, relative: str) -> int:
@@ -153,8 +204,9 @@ def safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict, 
 
 
 def is_safetensors_blob(files: DataFiles, blob: Blob) -> bool:
-    """True when the blob starts with a safetensors header rather than a zip record."""
-    if blob.transforms or blob.length == 0:
+    """True when the blob starts with a safetensors header rather than a zip record (an
+    empty tensor's blob in a safetensors file has length 0 and is one too)."""
+    if blob.transforms:
         return False
     head = files.read(blob.file, blob.offset, min(9, files.size(blob.file) - blob.offset))
     return len(head) == 9 and head[8:9] == b"{" and head[:4] != LOCAL_MAGIC
@@ -185,9 +237,16 @@ def locate(files: DataFiles, tensor: Tensor, chunk: Chunk) -> RawData | None:
     where = _where(files, tensor, chunk)
     if blob is None:
         raise CorruptBlob(f"{where}: the metadata has no storage entry for this chunk")
+    expected = chunk.numel * tensor.itemsize
+    if is_raw_range(blob):
+        if blob.length != expected:
+            raise CorruptBlob(f"{where}: holds {blob.length} bytes, expected {expected}")
+        crc = blob.transforms[0].partition("/")[2]
+        if crc and not (len(crc) == 8 and all(c in "0123456789abcdef" for c in crc)):
+            raise CorruptBlob(f"{where}: malformed {RAW_RANGE_TRANSFORM} transform {blob.transforms[0][:40]!r}")
+        return RawData(blob.file, blob.offset, blob.length, int(crc, 16) if crc else None)
     if blob.transforms:
         return None
-    expected = chunk.numel * tensor.itemsize
     if is_safetensors_blob(files, blob):
         header, data_start = safetensors_header(files, blob, where)
         info = header.get(tensor.fqn)
@@ -311,9 +370,18 @@ def load_torch_bytes(data: bytes, where: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        raise CorruptBlob(f"{where}: refused or unreadable torch.save blob ({error})") from None
+        raise CorruptBlob(f"{where}: torch.save blob refused by torch.load(weights_only=True): "
+                          f"{_torch_reason(str(error))}; ckpttool never runs code from a checkpoint") from None
     except Exception as error:
-        raise CorruptBlob(f"{where}: unreadable torch.save blob ({type(error).__name__}: {error})") from None
+        raise CorruptBlob(f"{where}: unreadable torch.save blob ({type(error).__name__}: "
+                          f"{_torch_reason(str(error))})") from None
+
+
+def _torch_reason(message: str) -> str:
+    """The cause in torch's error, on one line, without its advice to load with weights_only=False."""
+    cause = message.split("WeightsUnpickler error:", 1)[-1].split(" Please ", 1)[0]
+    line = " ".join(cause.split()).rstrip(".")
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def iter_blocks(files: DataFiles, raw: RawData, block: int = 16 << 20, buffer: memoryview | None = None):

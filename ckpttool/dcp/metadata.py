@@ -58,7 +58,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Iterator, NamedTuple
 
 from ckpttool import dtypes
-from ckpttool.errors import CorruptMetadata, NotACheckpoint, UnsafeMetadata
+from ckpttool.errors import BadName, CorruptMetadata, NotACheckpoint, UnsafeMetadata
 
 METADATA_FILENAME = ".metadata"  # torch/distributed/checkpoint/filesystem.py `_metadata_fn`
 RANK_METADATA_PATTERN = re.compile(r"^__(\d+)\.metadata$")  # written when use_collectives=False
@@ -70,6 +70,11 @@ READ_CHUNK_BYTES = 64 << 20
 # Top-level state-dict keys and the group they belong to.
 MODEL_KEYS = ("model",)
 OPTIMIZER_KEYS = ("optim", "optimizer", "optimizers")
+# Beside model fqns at the top level (torchtitan): what is training state, not model.
+TRAINING_STATE_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "extra_state",
+                       "rng", "rng_state", "step", "epoch")
+
+OUR_TRANSFORMS = "ckpttool."  # blob markers of our own readers (blobs.RAW_RANGE_TRANSFORM), never in a file
 
 # Budgets of `scan_pickle` (see the module docstring).
 MAX_NESTING = 16
@@ -156,6 +161,9 @@ class Checkpoint:
     save_id: str | None = None
     # problems found while converting, kept for `validate` (e.g. unknown dtype names)
     notes: tuple[str, ...] = ()
+    # the top-level key holding the model's weights; None: model fqns are top-level keys
+    # (torchtitan, safetensors files, Hub folders), beside optimizer and training state
+    model_subtree: str | None = "model"
 
     def entries(self) -> Iterator[Tensor | Object]:
         """Yield tensors and objects in fqn order."""
@@ -170,14 +178,15 @@ class Checkpoint:
         return sorted(files)
 
 
-def group_of(fqn: str) -> str:
-    """Return `model`, `optimizer` or `other` from an fqn's top-level key."""
+def group_of(fqn: str, model_subtree: str | None = "model") -> str:
+    """Return `model`, `optimizer` or `other` from an fqn's top-level key (see
+    `Checkpoint.model_subtree`)."""
     top = fqn.split(".", 1)[0]
-    if top in MODEL_KEYS:
-        return "model"
-    if top in OPTIMIZER_KEYS:
+    if top in OPTIMIZER_KEYS or (top.startswith("optimizer_") and top[10:].isdigit()):  # Lightning: optimizer_0
         return "optimizer"
-    return "other"
+    if model_subtree is None:
+        return "other" if top in TRAINING_STATE_KEYS else "model"
+    return "model" if top == model_subtree or top in MODEL_KEYS else "other"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,7 +461,7 @@ class _Node:
 
 
 _EMPTY_TUPLE = _Node(_TUPLE, key=2, ints=True, items=(), value=())
-_SHORT_TUPLE = 8  # tuples up to this length keep their items (call arguments)
+_SHORT_TUPLE = 64  # tuples up to this length keep their items (call arguments: a path has 10+ parts)
 _UNKEPT = object()  # a memo slot the fast loader did not keep (torch never fetches it again)
 _UNKEPTS = tuple((_UNKEPT,) * n for n in range(12))
 
@@ -1608,7 +1617,7 @@ def find_metadata_file(path: Path) -> Path:
     if main.is_file():
         return main
     if os.path.lexists(main):
-        raise CorruptMetadata(f"{main}: {_file_kind(main)}, not a regular file; torch writes .metadata as a plain file")
+        raise CorruptMetadata(f"{main}: {file_kind(main)}, not a regular file; torch writes .metadata as a plain file")
     per_rank = sorted(
         (int(m.group(1)), p) for p in path.iterdir() if (m := RANK_METADATA_PATTERN.match(p.name))
     )
@@ -1634,7 +1643,7 @@ def find_metadata_file(path: Path) -> Path:
 MAX_LISTED_CHECKPOINTS = 5  # checkpoints named in the "directory of checkpoints" error
 
 
-def _file_kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
     try:
         mode = path.stat().st_mode
     except OSError:
@@ -1677,7 +1686,7 @@ def read_metadata_bytes(path: Path) -> bytearray:
     with open(fd, "rb", buffering=0, closefd=True) as handle:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):
-            raise CorruptMetadata(f"{path}: {_file_kind(path)}, not a regular file; torch writes .metadata as a plain file")
+            raise CorruptMetadata(f"{path}: {file_kind(path)}, not a regular file; torch writes .metadata as a plain file")
         size = status.st_size
         if size > MAX_METADATA_BYTES:
             raise CorruptMetadata(
@@ -1842,6 +1851,7 @@ def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
             orphans.append((fqn, unkeyed))
         orphans.extend((fqn, blob) for _, blob in keyed)
 
+    refuse_bad_names(source, names, {b.file for _, b in orphans}, tensors, objects)
     nesting = _field(metadata, "planner_data")
     storage_meta = _field(metadata, "storage_meta")
     save_id = _field(storage_meta, "save_id") if isinstance(storage_meta, _Record) else None
@@ -1859,6 +1869,31 @@ def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
         save_id=save_id if type(save_id) is str else None,
         notes=tuple(notes),
     )
+
+
+def bad_text(text: str) -> str | None:
+    """Why `text` can be neither a name nor a path (a NUL byte, an unpaired surrogate), or None."""
+    if "\x00" in text:
+        return "a NUL byte"
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "an unpaired surrogate"
+    return None
+
+
+def refuse_bad_names(source: Path, names: list[str], files: set[str], tensors: dict[str, Tensor],
+                     objects: dict[str, Object]) -> None:
+    """Raise BadName for the first entry name or data-file path that `bad_text` refuses."""
+    for fqn in names:
+        if (why := bad_text(fqn)) is not None:
+            raise BadName(f"{source}: entry name {ascii(fqn)[:120]} holds {why}; refusing the checkpoint")
+    files |= {c.blob.file for t in tensors.values() for c in t.chunks if c.blob}
+    files |= {o.blob.file for o in objects.values() if o.blob}
+    for file in files:
+        if (why := bad_text(file)) is not None:
+            raise BadName(f"{source}: data file path {ascii(file)[:120]} holds {why}; refusing the checkpoint")
 
 
 def _nesting(planner_data: dict) -> dict[str, tuple[str | int, ...]]:
@@ -1887,6 +1922,8 @@ def _blob(info: Any, fqn: str, source: Path) -> Blob:
         return Blob(file, offset, length, ())
     if not isinstance(transforms, (list, tuple)) or not all(type(t) is str for t in transforms):
         raise CorruptMetadata(f"{source}: {fqn}: transform_descriptors is not a list of strings")
+    if any(t.startswith(OUR_TRANSFORMS) for t in transforms):  # our readers' markers, never torch's
+        raise CorruptMetadata(f"{source}: {fqn}: transform_descriptors names {transforms[0][:40]!r}, which torch never writes")
     return Blob(file, offset, length, tuple(transforms))
 
 

@@ -133,7 +133,8 @@ def select(checkpoint: Checkpoint, rules: KeyRules, kind: OutputFormat) -> Selec
     selected or python objects would go into safetensors.
     """
     source = str(checkpoint.path)
-    chosen = output_keys(list(checkpoint.tensors) + list(checkpoint.objects), rules, checkpoint.nesting)
+    chosen = output_keys(list(checkpoint.tensors) + list(checkpoint.objects), rules, checkpoint.nesting,
+                         checkpoint.model_subtree)
     saved_order = {fqn: position for position, fqn in enumerate(checkpoint.nesting)}
     chosen = dict(sorted(chosen.items(), key=lambda item: (saved_order.get(item[1], len(saved_order)), item[0])))
     tensors = {key: fqn for key, fqn in chosen.items() if fqn in checkpoint.tensors}

@@ -40,6 +40,7 @@ UINT32_MAX = 0xFFFFFFFF  # a field at this value says "see the zip64 extra field
 UTF8_NAMES_AND_DESCRIPTOR = 0x0808  # general purpose flags: bit 11 (UTF-8 names), bit 3 (descriptor)
 UNSUPPORTED_FLAGS = 0x0001 | 0x0020 | 0x0040  # encrypted, compressed patch, strong encryption (miniz refuses)
 VERSION, ZIP64_VERSION = 20, 45  # "version needed to extract": 2.0, or 4.5 for zip64 fields
+DOS_DIRECTORY = 0x10  # external attributes: MS-DOS directory bit (miniz then treats the entry as a directory)
 ALIGNMENT = 64  # caffe2/serialize/inline_container.h kFieldAlignment
 
 Read = Callable[[int, int], bytes]  # (offset, length) -> exactly those bytes of the archive
@@ -72,12 +73,15 @@ def read_directory(read: Read, length: int, where: str) -> dict[str, Entry]:
     locator = position - EOCD64_LOCATOR.size
     if locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
         # torch writes zip64 end records (miniz) and its reader trusts them over the classic one
-        (_, _, eocd64_offset, _) = EOCD64_LOCATOR.unpack_from(tail, locator)
+        (_, _, eocd64_offset, disks) = EOCD64_LOCATOR.unpack_from(tail, locator)
         if eocd64_offset + EOCD64.size > length:
             raise CorruptBlob(f"{where}: zip64 end record lies outside the blob")
         fields = EOCD64.unpack(read(eocd64_offset, EOCD64.size))
-        if fields[0] != EOCD64_SIGNATURE or fields[6] != fields[7]:
+        if fields[0] != EOCD64_SIGNATURE or fields[6] != fields[7] or fields[1] < EOCD64.size - 12:
             raise CorruptBlob(f"{where}: torch.save record's zip64 end record is damaged")
+        # miniz (torch's zip reader) refuses what looks like a multi-disk archive
+        if disks != 1 or (fields[4], fields[5]) not in ((0, 0), (1, 1)):
+            raise CorruptBlob(f"{where}: torch.save record's zip64 end records name several disks (damaged)")
         classic = (count, cd_size, cd_offset)
         count, cd_size, cd_offset = fields[7], fields[8], fields[9]
         saturated = (0xFFFF, UINT32_MAX, UINT32_MAX)
@@ -97,9 +101,13 @@ def read_directory(read: Read, length: int, where: str) -> dict[str, Entry]:
         method, crc, csize, usize = fields[4], fields[7], fields[8], fields[9]
         name_length, extra_length, comment_length, local_offset = fields[10], fields[11], fields[12], fields[16]
         name_start = at + CENTRAL.size
+        if name_start + name_length + extra_length + comment_length > cd_size:
+            raise CorruptBlob(f"{where}: damaged zip directory (an entry runs past its end)")
         name = directory[name_start:name_start + name_length].decode("utf-8", "replace")
         extra = directory[name_start + name_length:name_start + name_length + extra_length]
         usize, csize, local_offset = _zip64_values(extra, usize, csize, local_offset)
+        if fields[15] & DOS_DIRECTORY or name.endswith("/"):
+            raise CorruptBlob(f"{where}: zip entry {name} is marked as a directory (torch's reader returns no bytes for it)")
         entries[name] = Entry(name, local_offset, csize, crc, method, usize, fields[3], fields[13])
         at = name_start + name_length + extra_length + comment_length
     return entries

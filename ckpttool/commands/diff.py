@@ -1,0 +1,580 @@
+"""`diff`: are two checkpoints the same, entry by entry and byte by byte?
+
+A and B may be any layouts `open_checkpoint` reads, sharded any way (world 2 against world 3,
+a DCP directory against its consolidated .safetensors). Each pair of tensors is compared over
+the intersections of the two chunkings, in slabs of at most `block_size` bytes per side, so
+memory stays bounded however large a tensor is. Bytes decide (bit-exact, so -0.0 differs from
+0.0 and NaN payloads count); for floating dtypes the largest absolute and relative differences
+are reported too, and `atol`/`rtol`, only when given, accept elements with
+`|a - b| <= atol + rtol * |b|` (numpy's `isclose`; B is the reference). Non-tensor entries are
+compared as decoded values (plain ones without torch, through the allowlist).
+
+Example:
+    >>> report = diff("ckpt/step-00000100", "model.safetensors", normalize=True)
+    >>> report.verdict, [t.key for t in report.different]
+    ('different', ['layers.0.fc1.weight'])
+"""
+
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import math
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ckpttool import dtypes, integrity
+from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate, read_chunk, tensor_bytes
+from ckpttool.dcp.metadata import Checkpoint, Chunk, Object, Tensor, group_of
+from ckpttool.errors import CorruptMetadata, KeyCollision, UsageError
+from ckpttool.integrity import Problem
+from ckpttool.io import ProgressFactory, no_progress
+from ckpttool.keys import Rename, base_key, normalise
+from ckpttool.layout import Box, intersect, row_major_runs, volume
+from ckpttool.readers import open_checkpoint
+
+GROUPS = ("model", "optimizer", "other")  # as `inspect` groups entries
+BLOCK_SIZE = 4 << 20  # bytes per side compared at a time (a multiple of every itemsize)
+
+# bit patterns of each element size, compared as unsigned integers
+_UNSIGNED = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+_IEEE = {"float16": "<f2", "float32": "<f4", "float64": "<f8"}
+# float8 formats: (exponent bits, mantissa bits, bias, kind) as torch defines them
+# (c10/util/Float8_*.h): `fn` has no Inf and NaN at S.1111.111, `fnuz` has NaN at 0x80 only.
+_FLOAT8 = {
+    "float8_e4m3fn": (4, 3, 7, "fn"),
+    "float8_e5m2": (5, 2, 15, "ieee"),
+    "float8_e4m3fnuz": (4, 3, 8, "fnuz"),
+    "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
+}
+
+
+@dataclass(frozen=True)
+class Only:
+    """An entry that one side has and the other does not."""
+
+    key: str
+    fqn: str
+    kind: str  # "tensor" or "object"
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A key both sides have, with a different dtype, shape, or kind (tensor vs object)."""
+
+    key: str
+    fqn_a: str
+    fqn_b: str
+    field: str  # "dtype", "shape" or "kind"
+    a: str
+    b: str
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """Two tensors of one dtype and shape, compared element by element."""
+
+    key: str
+    fqn_a: str
+    fqn_b: str
+    dtype: str
+    shape: tuple[int, ...]
+    differing: int = 0  # elements whose bytes differ
+    first_index: tuple[int, ...] | None = None  # row-major first differing element
+    max_abs: float | None = None  # floating dtypes: over differing elements finite on both sides
+    max_rel: float | None = None  # |a - b| / |b| over the same elements (inf where b == 0)
+    non_finite: int = 0  # differing elements that are NaN or Inf on either side
+    within_tolerance: bool = False  # differs, but every element passes --atol/--rtol
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def status(self) -> str:
+        """`equal`, `close` (within the tolerances asked for) or `different`."""
+        return "equal" if not self.differing else "close" if self.within_tolerance else "different"
+
+
+@dataclass(frozen=True)
+class ObjectDiff:
+    """Two non-tensor entries, compared as decoded python values."""
+
+    key: str
+    fqn_a: str
+    fqn_b: str
+    equal: bool
+    a: str  # short repr of each value
+    b: str
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """What differs between checkpoints A and B; entries sorted by key."""
+
+    a: Path  # as given (a file, a directory, a run directory)
+    b: Path
+    normalize: bool
+    only: tuple[str, ...]
+    filters: tuple[str, ...]
+    atol: float | None
+    rtol: float | None
+    only_a: tuple[Only, ...]
+    only_b: tuple[Only, ...]
+    mismatches: tuple[Mismatch, ...]
+    tensors: tuple[TensorDiff, ...]  # every tensor pair compared, equal ones included
+    objects: tuple[ObjectDiff, ...]
+    bytes_compared: int  # element bytes read and compared (per side)
+    bytes_shared: int  # element bytes both sides hold in the very same file range (not read)
+    seconds: float
+    problems_a: tuple[Problem, ...] = ()  # the integrity gate's warnings
+    problems_b: tuple[Problem, ...] = ()
+    hint: str | None = None
+
+    @property
+    def different(self) -> tuple[TensorDiff, ...]:
+        return tuple(t for t in self.tensors if t.status == "different")
+
+    @property
+    def close(self) -> tuple[TensorDiff, ...]:
+        return tuple(t for t in self.tensors if t.status == "close")
+
+    @property
+    def different_objects(self) -> tuple[ObjectDiff, ...]:
+        return tuple(o for o in self.objects if not o.equal)
+
+    @property
+    def verdict(self) -> str:
+        """`identical`, `within-tolerance` (some bytes differ, all within atol/rtol) or `different`."""
+        if self.only_a or self.only_b or self.mismatches or self.different or self.different_objects:
+            return "different"
+        return "within-tolerance" if self.close else "identical"
+
+    @property
+    def same(self) -> bool:
+        """True when the CLI exits 0: identical, or within the tolerances asked for."""
+        return self.verdict != "different"
+
+
+def diff(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
+    *,
+    normalize: bool = False,
+    only: Sequence[str] = (),
+    filters: Sequence[str] = (),
+    renames: Sequence[str] = (),
+    renames_a: Sequence[str] = (),
+    renames_b: Sequence[str] = (),
+    atol: float | None = None,
+    rtol: float | None = None,
+    follow_symlinks: bool = False,
+    block_size: int = BLOCK_SIZE,
+    progress: ProgressFactory | None = None,
+) -> DiffReport:
+    """Return what differs between the checkpoints at `a` and `b`, reading every tensor byte
+    of the entries both hold (each side passes the integrity gate first).
+
+    Keys match exactly unless `normalize` (model subtree and wrapper names stripped, as
+    consolidate names its keys); `renames` (`REGEX=REPL`) rewrite keys of both sides, then
+    `renames_a`/`renames_b` of one. `only` keeps groups (model, optimizer, other; a bare weights
+    file is all model), `filters` globs on the fqn or the key of either side.
+
+    Example:
+        >>> diff("run/step-100", "run/step-100-world3").verdict
+        'identical'
+    """
+    started = time.perf_counter()
+    unknown = sorted(set(only) - set(GROUPS))
+    if unknown:
+        raise UsageError(f"--only {unknown[0]!r}: choose from {', '.join(GROUPS)}")
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is not None and not value >= 0:
+            raise UsageError(f"{name} {value}: must be a number >= 0")
+    if block_size < 16 or block_size % 16:
+        raise UsageError(f"block size {block_size}: must be a positive multiple of 16 bytes")
+    shared = tuple(Rename.parse(r) for r in renames)
+    rules_a, rules_b = shared + tuple(Rename.parse(r) for r in renames_a), shared + tuple(Rename.parse(r) for r in renames_b)
+    checkpoint_a, checkpoint_b = open_checkpoint(a, follow_symlinks), open_checkpoint(b, follow_symlinks)
+    warnings_a = tuple(integrity.gate(checkpoint_a, follow_symlinks).problems)
+    warnings_b = tuple(integrity.gate(checkpoint_b, follow_symlinks).problems)
+    keys_a = entry_keys(checkpoint_a, normalize, rules_a, tuple(only), tuple(filters))
+    keys_b = entry_keys(checkpoint_b, normalize, rules_b, tuple(only), tuple(filters))
+    common = sorted(keys_a.keys() & keys_b.keys())
+    only_a = tuple(_only(checkpoint_a, key, keys_a[key]) for key in sorted(keys_a.keys() - keys_b.keys()))
+    only_b = tuple(_only(checkpoint_b, key, keys_b[key]) for key in sorted(keys_b.keys() - keys_a.keys()))
+    hint = None
+    if not normalize and keys_a and keys_b and not common:
+        hint = _normalize_hint(checkpoint_a, checkpoint_b, rules_a, rules_b, tuple(only), tuple(filters))
+
+    mismatches, pairs, object_pairs = [], [], []
+    for key in common:
+        entry_a, entry_b = _entry(checkpoint_a, keys_a[key]), _entry(checkpoint_b, keys_b[key])
+        found = _mismatch(key, entry_a, entry_b)
+        if found:
+            mismatches.append(found)
+        elif isinstance(entry_a, Tensor):
+            pairs.append((key, entry_a, entry_b))
+        else:
+            object_pairs.append((key, entry_a, entry_b))
+
+    tolerance = (atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
+    with DataFiles(checkpoint_a.path, follow_symlinks) as files_a, DataFiles(checkpoint_b.path, follow_symlinks) as files_b:
+        side_a, side_b = _Side(files_a), _Side(files_b)
+        counter = _Counter()
+        with (progress or no_progress)("diff", sum(t.nbytes for _, t, _ in pairs)) as bar:
+            tensors = tuple(
+                compare_tensors(key, ta, tb, side_a, side_b, tolerance, block_size, counter, bar.update)
+                for key, ta, tb in pairs
+            )
+        objects = tuple(_compare_objects(key, oa, ob, files_a, files_b) for key, oa, ob in object_pairs)
+    return DiffReport(
+        a=Path(a), b=Path(b), normalize=normalize, only=tuple(only), filters=tuple(filters),
+        atol=atol, rtol=rtol, only_a=only_a, only_b=only_b, mismatches=tuple(mismatches), tensors=tensors,
+        objects=objects, bytes_compared=counter.compared, bytes_shared=counter.shared,
+        seconds=time.perf_counter() - started, problems_a=warnings_a, problems_b=warnings_b, hint=hint,
+    )
+
+
+def entry_keys(checkpoint: Checkpoint, normalize: bool, renames: Sequence[Rename] = (),
+               only: Sequence[str] = (), filters: Sequence[str] = ()) -> dict[str, str]:
+    """Return {key: fqn} of the checkpoint's selected entries, the keys the two sides match on.
+
+    Raises KeyCollision when two entries of one side end up with one key.
+
+    Example:
+        >>> entry_keys(dcp, normalize=True)["layers.0.fc1.weight"]
+        'model.layers.0._orig_mod.fc1.weight'
+    """
+    names = sorted(set(checkpoint.tensors) | set(checkpoint.objects))
+    subtree = checkpoint.model_subtree
+    chosen: dict[str, str] = {}
+    for fqn in names:
+        if only and group_of(fqn, subtree) not in only:
+            continue
+        key = fqn
+        if normalize:
+            key = normalise(base_key(fqn, checkpoint.nesting, False, subtree) or fqn)
+        for rename in renames:
+            key = rename.apply(key)
+        if filters and not any(fnmatch.fnmatchcase(fqn, g) or fnmatch.fnmatchcase(key, g) for g in filters):
+            continue
+        if key in chosen:
+            raise KeyCollision(f"{checkpoint.path}: {chosen[key]} and {fqn} both become {key!r}; "
+                               "adjust --rename, or leave out --normalize if it caused this")
+        chosen[key] = fqn
+    return chosen
+
+
+def _normalize_hint(a: Checkpoint, b: Checkpoint, rules_a, rules_b, only, filters) -> str | None:
+    try:
+        keys_a, keys_b = entry_keys(a, True, rules_a, only, filters), entry_keys(b, True, rules_b, only, filters)
+    except KeyCollision:
+        return None
+    common = sorted(keys_a.keys() & keys_b.keys())
+    if not common:
+        return None
+    return (f"no entry names in common; --normalize matches {len(common)} of them "
+            f"(e.g. {keys_a[common[0]]} with {keys_b[common[0]]})")
+
+
+def _entry(checkpoint: Checkpoint, fqn: str) -> Tensor | Object:
+    return checkpoint.tensors.get(fqn) or checkpoint.objects[fqn]
+
+
+def _only(checkpoint: Checkpoint, key: str, fqn: str) -> Only:
+    entry = _entry(checkpoint, fqn)
+    if isinstance(entry, Tensor):
+        return Only(key, fqn, "tensor", entry.dtype, entry.shape)
+    return Only(key, fqn, "object")
+
+
+def _describe(entry: Tensor | Object) -> str:
+    return f"tensor {entry.dtype} {list(entry.shape)}" if isinstance(entry, Tensor) else "object"
+
+
+def _mismatch(key: str, a: Tensor | Object, b: Tensor | Object) -> Mismatch | None:
+    if isinstance(a, Tensor) != isinstance(b, Tensor):
+        return Mismatch(key, a.fqn, b.fqn, "kind", _describe(a), _describe(b))
+    if not isinstance(a, Tensor):
+        return None
+    if a.dtype != b.dtype:
+        return Mismatch(key, a.fqn, b.fqn, "dtype", a.dtype, b.dtype)
+    if a.shape != b.shape:
+        return Mismatch(key, a.fqn, b.fqn, "shape", str(list(a.shape)), str(list(b.shape)))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors: regions where a chunk of A meets a chunk of B, read slab by slab
+
+
+class _Counter:
+    compared = 0
+    shared = 0
+
+
+class _Side:
+    """One checkpoint's data files; fills a buffer with a region's row-major bytes."""
+
+    def __init__(self, files: DataFiles):
+        self.files = files
+        self._decoded: tuple[tuple, bytes] | None = None  # the last chunk that had to be decoded
+
+    def identity(self, raw: RawData) -> tuple[int, int, int]:
+        """(device, inode, offset): equal on both sides only for the very same bytes on disk."""
+        status = os.fstat(self.files.fd(raw.file))
+        return status.st_dev, status.st_ino, raw.offset
+
+    def fill(self, tensor: Tensor, chunk: Chunk, raw: RawData | None, region: Box, view: memoryview) -> None:
+        position = 0
+        runs = row_major_runs((chunk.offsets, chunk.sizes), region, tensor.itemsize)
+        if raw is None:  # zstd, strided or big-endian blob: decoded whole (as validate --deep does)
+            key = (tensor.fqn, chunk.offsets)
+            if self._decoded is None or self._decoded[0] != key:
+                self._decoded = None
+                self._decoded = (key, read_chunk(self.files, tensor, chunk))
+            data = self._decoded[1]
+            for offset, length in runs:
+                view[position:position + length] = data[offset:offset + length]
+                position += length
+            return
+        for offset, length in runs:
+            self.files.read_into(raw.file, raw.offset + offset, view[position:position + length])
+            position += length
+
+
+def overlapping_chunks(a: Sequence[Chunk], b: Sequence[Chunk]) -> Iterator[tuple[int, int, Box]]:
+    """Yield (index in a, index in b, common box) for every pair of non-empty chunks that
+    share elements, in the order of a's chunks.
+
+    A sweep along dim 0: for each chunk of a, only chunks of b starting before its end and
+    no more than b's tallest chunk before its start are looked at.
+    """
+    chunks_b = sorted((i for i, c in enumerate(b) if c.numel), key=lambda i: b[i].offsets)
+    if not chunks_b:
+        return
+    if not b[chunks_b[0]].offsets:  # 0-d: the one element
+        for i, chunk in enumerate(a):
+            if chunk.numel:
+                yield i, chunks_b[0], ((), ())
+        return
+    starts = [b[j].offsets[0] for j in chunks_b]
+    tallest = max(b[j].sizes[0] for j in chunks_b)
+    for i in sorted((i for i, c in enumerate(a) if c.numel), key=lambda i: a[i].offsets):
+        box_a = (a[i].offsets, a[i].sizes)
+        found = []
+        at = bisect.bisect_left(starts, box_a[0][0] + box_a[1][0]) - 1
+        while at >= 0 and starts[at] + tallest > box_a[0][0]:
+            j = chunks_b[at]
+            common = intersect(box_a, (b[j].offsets, b[j].sizes))
+            if common is not None:
+                found.append((j, common))
+            at -= 1
+        for j, common in sorted(found, key=lambda item: item[1][0]):
+            yield i, j, common
+
+
+def slabs(region: Box, itemsize: int, limit: int) -> Iterator[Box]:
+    """Yield sub-boxes of `region` in row-major order, each of at most `limit` bytes.
+
+    Example:
+        >>> list(slabs(((0, 0), (4, 3)), 4, 24))
+        [((0, 0), (2, 3)), ((2, 0), (2, 3))]
+    """
+    offsets, sizes = region
+    if volume(sizes) * itemsize <= limit:
+        yield region
+        return
+    dim = next(d for d, size in enumerate(sizes) if size > 1)  # outer dims of size 1 keep the order
+    step = max(1, limit // (volume(sizes[dim + 1:]) * itemsize))
+    for start in range(0, sizes[dim], step):
+        sub_offsets = offsets[:dim] + (offsets[dim] + start,) + offsets[dim + 1:]
+        sub_sizes = sizes[:dim] + (min(step, sizes[dim] - start),) + sizes[dim + 1:]
+        yield from slabs((sub_offsets, sub_sizes), itemsize, limit)
+
+
+def compare_tensors(key: str, a: Tensor, b: Tensor, side_a: _Side, side_b: _Side,
+                    tolerance: tuple[float, float] | None, block_size: int, counter: _Counter,
+                    on_done=lambda count: None) -> TensorDiff:
+    """Return how two tensors of one dtype and shape differ, reading both slab by slab."""
+    found = _Elements(a.dtype, a.shape, tolerance)
+    itemsize = a.itemsize
+    buffer_a, buffer_b = bytearray(min(block_size, a.nbytes)), bytearray(min(block_size, a.nbytes))
+    located_a: dict[int, RawData | None] = {}
+    located_b: dict[int, RawData | None] = {}
+    for i, j, region in overlapping_chunks(a.chunks, b.chunks):
+        if i not in located_a:
+            located_a[i] = locate(side_a.files, a, a.chunks[i])
+        if j not in located_b:
+            located_b[j] = locate(side_b.files, b, b.chunks[j])
+        raw_a, raw_b = located_a[i], located_b[j]
+        chunk_a, chunk_b = a.chunks[i], b.chunks[j]
+        nbytes = volume(region[1]) * itemsize
+        if (raw_a is not None and raw_b is not None and chunk_a[:2] == chunk_b[:2]
+                and side_a.identity(raw_a) == side_b.identity(raw_b)):
+            counter.shared += nbytes  # one byte range of one file: the same bytes, nothing to read
+            on_done(nbytes)
+            continue
+        for slab in slabs(region, itemsize, block_size):
+            length = volume(slab[1]) * itemsize
+            view_a, view_b = memoryview(buffer_a)[:length], memoryview(buffer_b)[:length]
+            side_a.fill(a, chunk_a, raw_a, slab, view_a)
+            side_b.fill(b, chunk_b, raw_b, slab, view_b)
+            found.add(view_a, view_b, slab)
+            counter.compared += length
+            on_done(length)
+    return TensorDiff(key, a.fqn, b.fqn, a.dtype, a.shape, **found.result())
+
+
+class _Elements:
+    """Accumulates, slab by slab, which elements differ and by how much."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], tolerance: tuple[float, float] | None):
+        self.dtype, self.shape, self.tolerance = dtype, shape, tolerance
+        self.itemsize = dtypes.ITEMSIZE[dtype]
+        self.floating = dtype in _IEEE or dtype == "bfloat16" or dtype in _FLOAT8 or dtype == "float8_e8m0fnu"
+        self.differing = self.non_finite = self.beyond = 0
+        self.first: tuple[int, tuple[int, ...]] | None = None  # (flat index, index)
+        self.max_abs: float | None = None
+        self.max_rel: float | None = None
+
+    def add(self, a: memoryview, b: memoryview, slab: Box) -> None:
+        bits_a, bits_b = _bits(a, self.itemsize), _bits(b, self.itemsize)
+        unequal = bits_a != bits_b
+        if unequal.ndim > 1:  # 16-byte elements, compared as two 8-byte words
+            unequal = unequal.any(axis=1)
+        positions = np.flatnonzero(unequal)
+        if not positions.size:
+            return
+        self.differing += int(positions.size)
+        local = tuple(int(i) for i in np.unravel_index(int(positions[0]), slab[1])) if slab[1] else ()
+        index = tuple(o + i for o, i in zip(slab[0], local))
+        flat = sum(i * math.prod(self.shape[d + 1:]) for d, i in enumerate(index))
+        if self.first is None or flat < self.first[0]:
+            self.first = (flat, index)
+        if not self.floating:
+            self.beyond += int(positions.size)
+            return
+        x, y = _as_float64(bits_a[positions], self.dtype), _as_float64(bits_b[positions], self.dtype)
+        finite = np.isfinite(x) & np.isfinite(y)
+        self.non_finite += int(positions.size - np.count_nonzero(finite))
+        x, y = x[finite], y[finite]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            gap = np.abs(x - y)
+            relative = np.where(gap == 0, 0.0, gap / np.abs(y))
+        if gap.size:
+            self.max_abs = max(self.max_abs or 0.0, float(gap.max()))
+            self.max_rel = max(self.max_rel or 0.0, float(relative.max()))
+        if self.tolerance is None:
+            self.beyond += int(positions.size)
+        else:
+            atol, rtol = self.tolerance
+            self.beyond += int(positions.size - np.count_nonzero(gap <= atol + rtol * np.abs(y)))
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "differing": self.differing, "first_index": self.first[1] if self.first else None,
+            "max_abs": self.max_abs, "max_rel": self.max_rel, "non_finite": self.non_finite,
+            "within_tolerance": bool(self.differing) and self.tolerance is not None and not self.beyond,
+        }
+
+
+def _bits(data: memoryview, itemsize: int) -> np.ndarray:
+    if itemsize in _UNSIGNED:
+        return np.frombuffer(data, _UNSIGNED[itemsize])
+    return np.frombuffer(data, "<u8").reshape(-1, itemsize // 8)
+
+
+def _as_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Return the values of floating elements given as their unsigned bit patterns (exact:
+    every format here fits in float64)."""
+    if dtype in _IEEE:
+        return bits.view(_IEEE[dtype]).astype(np.float64)
+    if dtype == "bfloat16":  # the top half of a float32
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return float8_table(dtype)[bits]
+
+
+_TABLES: dict[str, np.ndarray] = {}
+
+
+def float8_table(dtype: str) -> np.ndarray:
+    """Return the 256 float64 values of a float8 format, indexed by bit pattern."""
+    if dtype not in _TABLES:
+        values = np.empty(256, np.float64)
+        for bits in range(256):
+            if dtype == "float8_e8m0fnu":  # exponent only, bias 127, 0xFF is NaN
+                values[bits] = math.nan if bits == 0xFF else 2.0 ** (bits - 127)
+                continue
+            exponent_bits, mantissa_bits, bias, kind = _FLOAT8[dtype]
+            sign = -1.0 if bits & 0x80 else 1.0
+            exponent = (bits >> mantissa_bits) & ((1 << exponent_bits) - 1)
+            mantissa = bits & ((1 << mantissa_bits) - 1)
+            top = (1 << exponent_bits) - 1
+            if (kind == "fnuz" and bits == 0x80) or (kind == "fn" and bits & 0x7F == 0x7F):
+                values[bits] = math.nan
+            elif kind == "ieee" and exponent == top:
+                values[bits] = sign * math.inf if mantissa == 0 else math.nan
+            elif exponent == 0:
+                values[bits] = sign * mantissa * 2.0 ** (1 - bias - mantissa_bits)
+            else:
+                values[bits] = sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias)
+        _TABLES[dtype] = values
+    return _TABLES[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Objects: decoded values, compared bit-exactly
+
+
+def _compare_objects(key: str, a: Object, b: Object, files_a: DataFiles, files_b: DataFiles) -> ObjectDiff:
+    value_a, value_b = _object_value(files_a, a), _object_value(files_b, b)
+    equal = same_value(value_a, value_b)
+    return ObjectDiff(key, a.fqn, b.fqn, equal, "" if equal else _brief(value_a), "" if equal else _brief(value_b))
+
+
+def _object_value(files: DataFiles, entry: Object) -> Any:
+    blob = entry.blob
+    where = f"{files.path(blob.file) if blob else files.root}: {entry.fqn}"
+    if blob is None:
+        raise CorruptMetadata(f"{where}: the metadata has no storage entry for this object")
+    return decode_object(blob_bytes(files, blob, where), where)
+
+
+def same_value(x: Any, y: Any) -> bool:
+    """True when two decoded values are equal bit for bit: same types all the way down,
+    floats by their bits (NaN equals NaN, -0.0 differs from 0.0), tensors by dtype, shape
+    and bytes.
+
+    Example:
+        >>> same_value({"lr": 1e-3, "betas": (0.9, 0.95)}, {"lr": 1e-3, "betas": (0.9, 0.95)})
+        True
+    """
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(same_value(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(same_value(p, q) for p, q in zip(x, y))
+    if isinstance(x, float):
+        return struct.pack("<d", x) == struct.pack("<d", y)
+    if type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "shape"):
+        return x.dtype == y.dtype and tuple(x.shape) == tuple(y.shape) and tensor_bytes(x) == tensor_bytes(y)
+    try:
+        return bool(x == y)
+    except Exception:  # a type whose == is elementwise or refuses: not provably equal
+        return False
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

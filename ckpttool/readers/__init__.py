@@ -1,0 +1,102 @@
+"""Readers: one per on-disk layout, all yielding our `Checkpoint` types.
+
+`detect(path)` names the layout (and, for a run directory, the checkpoints inside and the
+newest); `open_checkpoint(path)` reads it. torch DCP and the frameworks built on it
+(torchtitan, accelerate's model folder, Lightning, Megatron torch_dist) read as DCP;
+torch's HuggingFaceStorageWriter output (`dcp-hf`), single `.safetensors` files and Hub
+folders read from their safetensors headers. No torch is imported.
+
+Example:
+    >>> detection, checkpoint = read("runs/x")      # a run directory: its newest checkpoint
+    >>> detection.describe()
+    'dcp: step-20, newest of 3 checkpoints in runs/x (by latest)'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from ckpttool.dcp.metadata import METADATA_FILENAME, Checkpoint, read_checkpoint
+from ckpttool.errors import CorruptMetadata, UnsupportedFormat
+from ckpttool.readers.dcp_hf import read_dcp_hf
+from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, SAFETENSORS, TORCHTITAN, VERL,
+                                     Detection, _detect, detect)
+from ckpttool.readers.hub_folder import read_hub_folder
+from ckpttool.readers.safetensors import read_safetensors
+from ckpttool.readers.verl import read_verl
+
+
+# layouts whose top-level keys are the model's own fqns (torchtitan too, unless it nests `model`)
+TOP_LEVEL_MODEL = frozenset({DCP_HF, HUB_FOLDER, SAFETENSORS, VERL})
+
+
+def read(path: str | os.PathLike, follow_symlinks: bool = False) -> tuple[Detection, Checkpoint]:
+    """Return what `detect` found at `path` and the checkpoint it names, read as our types.
+
+    Raises NotACheckpoint (listing what was looked for) when nothing matches, and
+    UnsupportedFormat for layouts this build detects but cannot read yet (torch-pt).
+    """
+    detection, checkpoint = _detect(Path(path))
+    if checkpoint is None:
+        checkpoint = _read(detection, follow_symlinks)
+    if detection.layout == ACCELERATE:
+        checkpoint = _with_accelerate_optimizer(checkpoint)
+    tops = {fqn.split(".", 1)[0] for fqn in (*checkpoint.tensors, *checkpoint.objects)}
+    if detection.layout in TOP_LEVEL_MODEL or (detection.layout == TORCHTITAN and "model" not in tops):
+        checkpoint = dataclasses.replace(checkpoint, model_subtree=None)
+    return detection, checkpoint
+
+
+def _with_accelerate_optimizer(model: Checkpoint) -> Checkpoint:
+    """accelerate's save_state folder as one checkpoint: the model DCP dir and, beside it, the
+    optimizer's (`{"model": ...}` and `{"optimizer": ...}`), with blob paths relative to the
+    folder. Without an optimizer dir, the model dir alone."""
+    folder = model.path.parent
+    optimizer_dir = folder / model.path.name.replace(ACCELERATE_MODEL_DIR.rsplit("_", 1)[0], "optimizer", 1)
+    if not (optimizer_dir / METADATA_FILENAME).is_file():
+        return model
+    parts = [(model, model.path.name), (read_checkpoint(optimizer_dir), optimizer_dir.name)]
+    tensors, objects, nesting, orphans, notes = {}, {}, {}, [], []
+    for part, sub in parts:
+        def moved(blob):
+            return blob._replace(file=f"{sub}/{blob.file}") if blob is not None else None
+
+        for fqn, tensor in part.tensors.items():
+            chunks = tuple(chunk._replace(blob=moved(chunk.blob)) for chunk in tensor.chunks)
+            tensors[fqn] = dataclasses.replace(tensor, chunks=chunks)
+        for fqn, entry in part.objects.items():
+            objects[fqn] = dataclasses.replace(entry, blob=moved(entry.blob))
+        nesting.update(part.nesting)
+        orphans += [(fqn, moved(blob)) for fqn, blob in part.orphan_blobs]
+        notes += part.notes
+    if len(tensors) + len(objects) != sum(len(p.tensors) + len(p.objects) for p, _ in parts):
+        raise CorruptMetadata(f"{folder}: {model.path.name} and {optimizer_dir.name} name the same entries")
+    return Checkpoint(path=folder, metadata_file=f"{model.path.name}/{model.metadata_file}", version=model.version,
+                      tensors=dict(sorted(tensors.items())), objects=dict(sorted(objects.items())), nesting=nesting,
+                      orphan_blobs=tuple(orphans), save_id=model.save_id, notes=tuple(notes))
+
+
+def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
+    if detection.layout in DCP_LAYOUTS:
+        return read_checkpoint(detection.path)
+    if detection.layout == DCP_HF:
+        return read_dcp_hf(detection.path, follow_symlinks)
+    if detection.layout == HUB_FOLDER:
+        return read_hub_folder(detection.path, follow_symlinks)
+    if detection.layout == SAFETENSORS:
+        return read_safetensors(detection.path, follow_symlinks)
+    if detection.layout == VERL:
+        return read_verl(detection.path, follow_symlinks)
+    raise UnsupportedFormat(f"{detection.path}: a {detection.layout} checkpoint, which this build detects but "
+                            "cannot read yet; convert it with the framework's own tool first")
+
+
+def open_checkpoint(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
+    """Return the checkpoint at `path` as our types, whatever its layout (for a run
+    directory, its newest checkpoint; `detect` says which)."""
+    return read(path, follow_symlinks)[1]
+
+
+__all__ = ["Detection", "LAYOUTS", "detect", "open_checkpoint", "read"]

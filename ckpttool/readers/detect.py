@@ -1,0 +1,262 @@
+"""Which on-disk layout a path holds, from file names and small files only.
+
+Layouts (one name each, as `inspect` shows them):
+
+- `dcp`: torch.distributed.checkpoint (`.metadata` + `__R_N.distcp`).
+- `torchtitan`: DCP whose top-level keys are model fqns beside `optimizer`, `lr_scheduler`,
+  `dataloader`, `train_state` (torchtitan/components/checkpoint.py: MODEL, OPTIMIZER, ...);
+  older torchtitan nests the model under `model`. Needs the metadata read to tell.
+- `accelerate`: a folder with `pytorch_model_fsdp_0/` (and `optimizer_0/`) DCP dirs
+  (accelerate/utils/constants.py FSDP_MODEL_NAME, fsdp_utils.py save_fsdp_model).
+- `lightning`: DCP + `meta.pt` (lightning/fabric/strategies/fsdp.py _METADATA_FILENAME).
+- `megatron-torch-dist`: DCP + `common.pt` + `metadata.json` whose `sharded_backend` is
+  `torch_dist` (megatron/core/dist_checkpointing/core.py CONFIG_FNAME).
+- `verl`: `model_world_size_W_rank_R.pt` per rank, in the folder or its `actor/`
+  (verl/utils/checkpoint/fsdp_checkpoint_manager.py).
+- `dcp-hf`: torch's HuggingFaceStorageWriter (see readers/dcp_hf.py), sharded or consolidated.
+- `safetensors`: one `.safetensors` file.  `hub-folder`: `model.safetensors`, or shards plus
+  `model.safetensors.index.json`.  `torch-pt`: one torch.save file (`.pt`, `.pth`, `.bin`)
+  or a folder with `pytorch_model.bin`.
+
+A run directory holds checkpoints (`step-*`, `iter_*`, `global_step_*`, `checkpoint-*`,
+`checkpoint_*`); the newest is the one a `latest` link or file, or
+`latest_checkpointed_iteration.txt` (Megatron `iter_%07d`, verl `global_step_N`), names,
+else the highest number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.dcp.metadata import METADATA_FILENAME, RANK_METADATA_PATTERN
+from ckpttool.errors import CheckpointError, NotACheckpoint
+from ckpttool.formats.safetensors import SUFFIX
+from ckpttool.readers import dcp_hf, hub_folder
+from ckpttool.readers.safetensors import read_header
+
+DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
+MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
+LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT)
+DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON})  # read as torch DCP
+
+TORCHTITAN_KEYS = frozenset({"lr_scheduler", "dataloader", "train_state"})  # beside "optimizer"
+ACCELERATE_MODEL_DIR = "pytorch_model_fsdp_0"  # f"{FSDP_MODEL_NAME}_{model_index}"
+ACCELERATE_OPTIMIZER_DIR = "optimizer_0"  # f"{OPTIMIZER_NAME}_{optimizer_index}"
+LIGHTNING_METADATA = "meta.pt"
+MEGATRON_CONFIG = "metadata.json"
+MEGATRON_COMMON = "common.pt"
+MEGATRON_BACKEND = "torch_dist"
+MAX_CONFIG_BYTES = 1 << 20  # metadata.json is ~100 bytes
+VERL_MODEL_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+VERL_SUBDIRS = ("", "actor")
+TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin")
+HUB_TORCH_FILE = "pytorch_model.bin"  # transformers WEIGHTS_NAME
+
+RUN_ENTRY_PATTERN = re.compile(r"^(step-|iter_|global_step_|checkpoint-|checkpoint_)(\d+)$")
+LATEST_POINTER = "latest"  # train_minimal, DeepSpeed, many trainers: a link or a small text file
+ITERATION_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, verl
+MAX_POINTER_BYTES = 4096
+LOOKED_FOR = (
+    ".metadata (dcp), shard-*.safetensors with DCP_SHARDING_INFO (dcp-hf), model.safetensors or "
+    "model.safetensors.index.json (hub-folder), pytorch_model_fsdp_0/ (accelerate), "
+    "model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
+    "step-*, iter_*, global_step_*, checkpoint-* (run directory)"
+)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What `detect` found: the layout, the path that holds it, and for a run directory the
+    checkpoints inside (oldest first) and which is the newest (the one `path` points at)."""
+
+    layout: str
+    path: Path
+    requested: Path
+    checkpoints: tuple[str, ...] = ()
+    newest: str | None = None
+    newest_by: str | None = None  # what named the newest: a pointer file, or "highest number"
+
+    @property
+    def run_directory(self) -> bool:
+        return bool(self.checkpoints)
+
+    def describe(self) -> str:
+        """Return one line, e.g. `dcp-hf` or `dcp: step-20, newest of 3 checkpoints (by latest)`."""
+        if not self.run_directory:
+            return self.layout
+        return (f"{self.layout}: {self.newest}, newest of {len(self.checkpoints)} checkpoints in "
+                f"{self.requested} (by {self.newest_by})")
+
+
+def detect(path: str | os.PathLike) -> Detection:
+    """Return the layout at `path`, or raise NotACheckpoint listing what was looked for.
+
+    DCP directories are told apart (torchtitan vs plain dcp) by their top-level keys, which
+    reads `.metadata`; `readers.open_checkpoint` reuses that read.
+    """
+    return _detect(Path(path))[0]
+
+
+def _detect(requested: Path) -> tuple[Detection, object]:
+    """Return the detection and, when deciding needed it, the already-read Checkpoint."""
+    if not os.path.lexists(requested):
+        raise NotACheckpoint(f"{requested}: no such file or directory")
+    if requested.is_file():
+        layout = _file_layout(requested)
+        if layout is None:
+            raise NotACheckpoint(f"{requested}: not a checkpoint file ckpttool knows (.safetensors, "
+                                 f"{', '.join(TORCH_PT_SUFFIXES)}) or a checkpoint directory")
+        return Detection(layout, requested, requested), None
+    if not requested.is_dir():
+        raise NotACheckpoint(f"{requested}: not a regular file or directory")
+    layout, checkpoint = _directory_layout(requested)
+    if layout is not None:
+        return Detection(layout, _read_path(layout, requested), requested), checkpoint
+    found = run_checkpoints(requested)
+    if found:
+        newest, by = newest_checkpoint(requested, found)
+        inner, checkpoint = _directory_layout(requested / newest)
+        if inner is None:
+            raise NotACheckpoint(f"{requested / newest}: the newest checkpoint of {requested} (by {by}) holds "
+                                 f"no checkpoint; looked for {LOOKED_FOR}")
+        return Detection(inner, _read_path(inner, requested / newest), requested, tuple(found), newest, by), checkpoint
+    raise NotACheckpoint(f"{requested}: no checkpoint found; looked for {LOOKED_FOR}")
+
+
+def _read_path(layout: str, path: Path) -> Path:
+    return path / ACCELERATE_MODEL_DIR if layout == ACCELERATE else path
+
+
+def _file_layout(path: Path) -> str | None:
+    if path.name.endswith(SUFFIX):
+        return SAFETENSORS
+    if path.name.endswith(TORCH_PT_SUFFIXES):
+        return TORCH_PT
+    return None
+
+
+def _is_dcp(path: Path) -> bool:
+    if os.path.lexists(path / METADATA_FILENAME):
+        return True
+    try:
+        return any(RANK_METADATA_PATTERN.match(name) for name in os.listdir(path))
+    except OSError:
+        return False
+
+
+def _directory_layout(path: Path) -> tuple[str | None, object]:
+    """Return (layout or None, the Checkpoint if it had to be read to decide)."""
+    if _is_dcp(path):
+        if _is_megatron(path):
+            return MEGATRON, None
+        if (path / LIGHTNING_METADATA).is_file():
+            return LIGHTNING, None
+        from ckpttool.dcp.metadata import read_checkpoint
+
+        checkpoint = read_checkpoint(path)
+        return (TORCHTITAN if is_torchtitan(checkpoint.tensors.keys() | checkpoint.objects.keys()) else DCP), checkpoint
+    if _is_dcp(path / ACCELERATE_MODEL_DIR):
+        return ACCELERATE, None
+    if any(verl_files(path / sub) for sub in VERL_SUBDIRS):
+        return VERL, None
+    layout = _safetensors_layout(path)
+    if layout is not None:
+        return layout, None
+    if (path / HUB_TORCH_FILE).is_file():
+        return TORCH_PT, None
+    return None, None
+
+
+def is_torchtitan(fqns) -> bool:
+    """True for torchtitan's state dict: `optimizer` beside one of `lr_scheduler`,
+    `dataloader`, `train_state` at the top level."""
+    tops = {fqn.split(".", 1)[0] for fqn in fqns}
+    return "optimizer" in tops and bool(tops & TORCHTITAN_KEYS)
+
+
+def _is_megatron(path: Path) -> bool:
+    config = path / MEGATRON_CONFIG
+    try:
+        if not (config.is_file() and (path / MEGATRON_COMMON).is_file()) or config.stat().st_size > MAX_CONFIG_BYTES:
+            return False
+        document = json.loads(config.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(document, dict) and document.get("sharded_backend") == MEGATRON_BACKEND
+
+
+def verl_files(path: Path) -> list[str]:
+    """Return verl's per-rank model files in a folder, sorted."""
+    try:
+        return sorted(name for name in os.listdir(path) if VERL_MODEL_PATTERN.match(name))
+    except OSError:
+        return []
+
+
+def _safetensors_layout(path: Path) -> str | None:
+    if dcp_hf.shard_files(path):
+        return DCP_HF
+    files = hub_folder.safetensors_files(path)
+    if not files:
+        return None
+    if (path / dcp_hf.INDEX_FILENAME).is_file() and all(dcp_hf.MODEL_FILE_PATTERN.match(f) for f in files):
+        # torch's rank-0 writer (DCP_SHARDING_INFO in each header) or its consolidator (no
+        # __metadata__ at all, next to a `sharded/` folder when enable_consolidation)
+        try:
+            header = read_header(path, files[0], None)
+        except CheckpointError:  # unreadable: the reader reports it
+            return HUB_FOLDER
+        if dcp_hf.SHARDING_INFO_KEY in header.metadata or not header.metadata:
+            return DCP_HF
+        return HUB_FOLDER
+    if hub_folder.index_files(path) or len(files) == 1 or hub_folder.SINGLE_FILENAME in files:
+        return HUB_FOLDER
+    return None
+
+
+def run_checkpoints(path: Path) -> list[str]:
+    """Return the checkpoint folders of a run directory (those holding a layout we know by
+    its file names), oldest first."""
+    try:
+        names = [entry.name for entry in os.scandir(path) if entry.is_dir() and RUN_ENTRY_PATTERN.match(entry.name)]
+    except OSError:
+        return []
+    names = [name for name in names if _looks_like_checkpoint(path / name)]
+    return sorted(names, key=lambda name: (int(RUN_ENTRY_PATTERN.match(name).group(2)), name))
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    return (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or any(verl_files(path / s) for s in VERL_SUBDIRS)
+            or bool(hub_folder.safetensors_files(path)) or (path / HUB_TORCH_FILE).is_file())
+
+
+def newest_checkpoint(path: Path, found: list[str]) -> tuple[str, str]:
+    """Return the newest of `found` and what said so: the `latest` link or file, Megatron's
+    and verl's iteration tracker, or else the highest number."""
+    pointer = path / LATEST_POINTER
+    named = None
+    if pointer.is_symlink():
+        named = Path(os.readlink(pointer)).name
+    elif pointer.is_file():
+        named = Path(_small_text(pointer)).name
+    if named in found:
+        return named, LATEST_POINTER
+    iteration = _small_text(path / ITERATION_TRACKER)
+    if iteration.isdigit():
+        for name in (f"iter_{int(iteration):07d}", f"global_step_{int(iteration)}"):
+            if name in found:
+                return name, ITERATION_TRACKER
+    return found[-1], "highest number"
+
+
+def _small_text(path: Path) -> str:
+    try:
+        if path.is_file() and path.stat().st_size <= MAX_POINTER_BYTES:
+            return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        pass
+    return ""
