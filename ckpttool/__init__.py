@@ -22,8 +22,11 @@ _API = {
     "consolidate": ("ckpttool.commands.consolidate", "consolidate"),
     "reshard": ("ckpttool.commands.reshard", "reshard"),
     "diff": ("ckpttool.commands.diff", "diff"),
+    "push": ("ckpttool.commands.push", "push"),
     "read_checkpoint": ("ckpttool.dcp.metadata", "read_checkpoint"),
     "CheckpointError": ("ckpttool.errors", "CheckpointError"),
+    "export": ("ckpttool.commands.export", "export"),
+    "import_checkpoint": ("ckpttool.commands.import_", "import_checkpoint"),
 }
 
 __all__ = ["__version__", *_API]

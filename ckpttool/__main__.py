@@ -1,5 +1,9 @@
-"""`python -m ckpttool` runs the command line."""
+"""`python -m ckpttool` runs the command line (under torchrun: see `distributed.run_main`)."""
 
+from ckpttool import distributed
 from ckpttool.cli import main
 
-main()
+if distributed.environment() is None:
+    main()
+else:
+    distributed.run_main(main)

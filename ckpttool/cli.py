@@ -50,7 +50,31 @@ def main() -> None:
     """See inside, validate, reshard and consolidate PyTorch Distributed Checkpoints."""
 
 
-checkpoint_dir = click.Path(file_okay=True, dir_okay=True, exists=True)  # a directory, or one .safetensors file
+class CheckpointLocation(click.Path):
+    """click.Path(exists=True) for local paths (`file://` URLs too); object-storage URLs
+    (s3://, gs://, az://) pass as they are: reading them says what is missing."""
+
+    def convert(self, value, param, ctx):
+        from ckpttool import storage
+
+        if isinstance(value, str) and storage.is_remote(value):
+            return value
+        return super().convert(str(storage.location(value)), param, ctx)
+
+
+checkpoint_dir = CheckpointLocation(file_okay=True, dir_okay=True, exists=True)  # a directory, one file, or a URL
+
+
+def _set_storage_options(ctx, param, values):
+    from ckpttool import storage
+
+    storage.configure(dict(storage.parse_option(value) for value in values))
+
+
+storage_option = click.option(
+    "--storage-option", multiple=True, metavar="KEY=VALUE", expose_value=False, callback=_set_storage_options,
+    help="fsspec storage option for s3://, gs://, az:// paths (repeatable), e.g. endpoint_url=http://host:9000; "
+         "credentials also come from the backend's usual configuration (AWS_* variables).")
 
 
 def byte_progress(quiet: bool):
@@ -84,6 +108,7 @@ def write_options(command):
         click.option("--verify", is_flag=True, help="Read the output back and compare it with the source before keeping it."),
         click.option("--quiet", "-q", is_flag=True, help="No progress bar."),
         follow_symlinks_option,
+        storage_option,
     )):
         command = option(command)
     return command
@@ -107,6 +132,7 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
 @click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn matches (repeatable), e.g. 'model.layers.0.*'.")
 @click.option("--chunks", is_flag=True, help="List every chunk: offsets, sizes, file, byte offset and length.")
 @click.option("--by-file", is_flag=True, help="Bytes per data file (rank), split into model/optimizer/other.")
+@storage_option
 @reports_errors
 def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool) -> None:
     """Show what is in a checkpoint, reading only its metadata (no tensor bytes)."""
@@ -124,6 +150,7 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
 @click.argument("src", type=checkpoint_dir)
 @click.option("--deep", is_flag=True, help="Also read every byte: decode each blob, check CRC-32, dtype and shape, count NaN/Inf.")
 @follow_symlinks_option
+@storage_option
 @json_option("ckpttool.validate/1")
 @reports_errors
 def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None:
@@ -211,8 +238,9 @@ def cannot_compare_exits_2(command):
 
 
 @main.command()
-@click.argument("a", type=click.Path(exists=True))
-@click.argument("b", type=click.Path(exists=True))
+@click.argument("a", type=CheckpointLocation(exists=True))
+@click.argument("b", type=CheckpointLocation(exists=True))
+@storage_option
 @click.option("--normalize", is_flag=True, help="Match entries by model key, as consolidate names them: the model. subtree and wrapper names (_orig_mod., _fsdp_wrapped_module., module.) stripped on both sides.")
 @click.option("--only", type=click.Choice(["model", "optimizer", "other"]), multiple=True, help="Compare only this group of entries (repeatable); a bare weights file is all model.  [default: all]")
 @click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn or key, on either side, matches (repeatable), e.g. '*.layers.0.*'.")
@@ -239,3 +267,74 @@ def diff(a: str, b: str, as_json: bool, limit: int, quiet: bool, **options) -> N
     show(render.diff_document(report) if as_json else None, render.diff_text(report, limit=limit),
          render.diff_notes(report))
     sys.exit(0 if report.same else EXIT_DIFFERENT)
+
+
+@main.command()
+@click.argument("src", type=checkpoint_dir)
+@click.argument("repo_id")
+@click.option("--revision", metavar="BRANCH", help="Branch to commit to; created from main when missing.  [default: main]")
+@click.option("--private", is_flag=True, help="Create the repository private (an existing one keeps its visibility).")
+@click.option("--commit-message", metavar="TEXT", help="Commit message.  [default: Upload SRC with ckpttool]")
+@click.option("--dry-run", is_flag=True, help="List the files and sizes that would be uploaded; contact no Hub, upload nothing.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@follow_symlinks_option
+@json_option("ckpttool.push/1")
+@reports_errors
+def push(src: str, repo_id: str, quiet: bool, as_json: bool, **options) -> None:
+    """Upload a checkpoint to a Hugging Face Hub model repository (created if missing): a
+    Hub-style folder as it is, any other checkpoint exported to a temporary folder first.
+
+    Token and endpoint as huggingface_hub reads them: HF_TOKEN or `hf auth login`; HF_ENDPOINT."""
+    from ckpttool import render
+    from ckpttool.commands.push import push as push_checkpoint
+
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    # every other option is a keyword of the library function, under the same name
+    report = push_checkpoint(src, repo_id, progress=byte_progress(quiet), **options)
+    show(render.push_document(report) if as_json else None, render.push_text(report), render.push_notes(report))
+
+
+@main.command()
+@click.argument("src", type=checkpoint_dir)
+@click.argument("outdir", type=click.Path(file_okay=False, dir_okay=True))
+@click.option("--assets", type=click.Path(exists=True, file_okay=False), metavar="DIR", help="Folder whose config.json, generation_config.json, tokenizer and chat-template files are copied; the weights are checked against its config (and model.safetensors.index.json).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), help="Cast floating tensors to this dtype; config.json's torch_dtype says what was written.  [default: keep]")
+@click.option("--max-shard-size", metavar="SIZE", help="Largest shard, decimal like huggingface_hub, at most 50GB (the Hub's per-file limit).  [default: 5GB]")
+@click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights even when no config says tie_word_embeddings (a tied config always does).")
+@click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite output keys with re.sub (repeatable, in order), before the config check.")
+@write_options
+@json_option("ckpttool.export/1")
+@reports_errors
+def export(src: str, outdir: str, quiet: bool, as_json: bool, **options) -> None:
+    """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
+    shards (or model.safetensors), config.json, tokenizer files and a README.md model card."""
+    from ckpttool import render
+    from ckpttool.commands.export import export as export_checkpoint
+
+    # every other option is a keyword of the library function, under the same name
+    report = export_checkpoint(src, outdir, progress=byte_progress(quiet), **options)
+    show(render.export_document(report) if as_json else None, render.export_text(report), render.export_notes(report))
+
+
+@main.command(name="import")
+@click.argument("src", type=checkpoint_dir)
+@click.argument("dst", type=click.Path(file_okay=False, dir_okay=True))
+@click.option("--world", "world_size", type=click.IntRange(1, 1 << 20), metavar="N", help="Target world size (FSDP2 ranks).  [required unless --mesh]")
+@click.option("--mesh", metavar="R,S", help="HSDP target: R replicas x S shards (N = R*S); shards along dim 0 over S.")
+@click.option("--prefix", default="model.", metavar="PREFIX", help="Nest every key under this prefix, as `dcp.save({'model': get_model_state_dict(model)})` does ('' for none).")
+@write_options
+@json_option("ckpttool.import/1")
+@reports_errors
+def import_(src: str, dst: str, quiet: bool, as_json: bool, **options) -> None:
+    """Write full model weights (a .safetensors file, a Hub folder, a .pt) as a DCP checkpoint
+    laid out for N FSDP2 ranks that dcp.load and `train_minimal --resume` read."""
+    from ckpttool import render
+    from ckpttool.commands.import_ import import_checkpoint
+
+    # every other option is a keyword of the library function, under the same name
+    report = import_checkpoint(src, dst, progress=byte_progress(quiet), **options)
+    show(render.import_document(report) if as_json else None, render.import_text(report),
+         render.problem_lines(report.problems))

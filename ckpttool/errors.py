@@ -117,3 +117,27 @@ class VerificationFailed(CheckpointError):
     """`--verify` read back the output and found bytes that differ from the source."""
 
     code = "verify-failed"
+
+
+class HubError(CheckpointError):
+    """The Hugging Face Hub (the endpoint HF_ENDPOINT names) refused a push or could not be
+    reached; `code` says which: `hub-auth` (401/403: no token, a wrong one, or no write
+    access), `hub-not-found` (404: repository or revision), `hub-unreachable` (connection
+    refused, timeout, offline mode), `hub-error` (any other answer)."""
+
+    code = "hub-error"
+
+    def __init__(self, message: str, code: str = "hub-error"):
+        super().__init__(message)
+        self.code = code
+
+
+class StorageError(CheckpointError):
+    """Object storage refused or failed a request (credentials, permissions, network), or its
+    fsspec backend is not installed."""
+
+    code = "storage"
+
+    def __init__(self, message: str, code: str = "storage"):
+        super().__init__(message)
+        self.code = code

@@ -103,7 +103,7 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
 
 def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Callable[[], int]:
     fd = outputs[op.dst]
-    if isinstance(op, Copy):
+    if isinstance(op, Copy) and files.local:  # a remote source streams through `write` below
         def copy() -> int:
             try:
                 copy_range(files.fd(op.src), op.src_offset, fd, op.dst_offset, op.length)

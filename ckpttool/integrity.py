@@ -176,7 +176,7 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrit
         if any(a[0] == b[0] and a[3] and b[3] for a, b in zip(ranges, ranges[1:])):
             ranges = _resolve_safetensors_blobs(checkpoint, name, ranges, sizes[name], report)
         for (start, end, fqn, _), (next_start, next_end, next_fqn, _) in zip(ranges, ranges[1:]):
-            if next_start < end and not ((start, end) == (next_start, next_end) and (name, start, end) in shared):
+            if next_start < end and not ((name, start, end) in shared and (name, next_start, next_end) in shared):
                 report.add(ERROR, "blob-overlap", f"{name}: bytes {next_start}..{end} are claimed by both {fqn} and {next_fqn}", name, next_fqn)
     for fqn, blob in checkpoint.orphan_blobs:
         report.add(WARNING, "orphan-storage", f"{checkpoint.metadata_file}: storage entry for {fqn} in {blob.file} matches no tensor chunk", blob.file, fqn)

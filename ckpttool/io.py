@@ -261,6 +261,10 @@ def check_destination(path: str | os.PathLike, force: bool) -> None:
     First removes what killed runs left beside `path` (`remove_stale_temps`, reported to
     `reporting_stale_temps` callbacks): a run about to write `path` calls this.
     """
+    if _remote(path):
+        from ckpttool import storage
+
+        return storage.check_destination(storage.location(path), force)
     path = Path(path)
     for stale in remove_stale_temps(path):
         for listener in _stale_listeners:
@@ -278,8 +282,13 @@ def refuse_overlap(output: str | os.PathLike, source: str | os.PathLike) -> None
         >>> refuse_overlap("ckpt/model.safetensors", "ckpt")
         UsageError: ckpt/model.safetensors: lies inside the source checkpoint ckpt; ...
     """
-    out, src = Path(os.path.realpath(output)), Path(os.path.realpath(source))
-    where = "is" if out == src else "lies inside" if src in out.parents else "contains" if out in src.parents else None
+    if _remote(output) or _remote(source):
+        from ckpttool import storage
+
+        where = storage.overlaps(output, source)
+    else:
+        out, src = Path(os.path.realpath(output)), Path(os.path.realpath(source))
+        where = "is" if out == src else "lies inside" if src in out.parents else "contains" if out in src.parents else None
     if where:
         raise UsageError(f"{output}: {where} the source checkpoint {source}; write the output elsewhere "
                          "(nothing was touched)")
@@ -360,20 +369,26 @@ def _link_into(fd: int, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, force: bool = True) -> Iterator[BinaryIO]:
+def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = True) -> Iterator[BinaryIO]:
     """Yield a file open for writing (`.write`, `.flush`, `.fileno()`); when the block
     succeeds it is fsynced and renamed to `path`.
 
     The file has no name while it is written (`O_TMPFILE`, so even SIGKILL leaves nothing),
-    or where the filesystem cannot do that, `.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside
-    `path`. On any exception (including `Interrupted`) it is removed and `path` is left as it
-    was. An existing `path` is replaced only with `force`.
+    or where the filesystem cannot do that (or `unnamed` is off: other processes must open
+    it, as under torchrun), `.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside `path`, which is then
+    `handle.name`. On any exception (including `Interrupted`) it is removed and `path` is
+    left as it was. An existing `path` is replaced only with `force`. A storage URL
+    (`s3://...`) is written in a local temporary directory and uploaded when complete
+    (`storage.remote_output`).
     """
+    if _remote(path):
+        yield from _remote_output(path, force, directory=False)
+        return
     target = Path(path)
     created = _prepare(target, force)
     named = _entry(target, "tmp", _new_token())
     with _signals_deferred():
-        handle = _open_unnamed(target.parent, named)
+        handle = _open_unnamed(target.parent, named) if unnamed else None
         unnamed = handle is not None
         handle = handle or open(named, "x+b")
     committed = False
@@ -414,7 +429,13 @@ def atomic_directory(path: str | os.PathLike, force: bool = False) -> Iterator[P
     Example:
         >>> with atomic_directory("ckpt/step-00000100-world8", force=True) as directory:
         ...     (directory / ".metadata").write_bytes(metadata)
+
+    A storage URL (`s3://...`) is built in a local temporary directory and uploaded when
+    complete (`storage.remote_output`).
     """
+    if _remote(path):
+        yield from _remote_output(path, force, directory=True)
+        return
     target = Path(path)
     created = _prepare(target, force)
     temp = _entry(target, "tmp", _new_token())
@@ -437,6 +458,24 @@ def atomic_directory(path: str | os.PathLike, force: bool = False) -> Iterator[P
             _remove_tree(temp)
             _remove_created(created)
         raise
+
+
+def _remote(path: str | os.PathLike) -> bool:
+    from ckpttool import storage
+
+    return storage.is_remote(path)
+
+
+def _remote_output(path: str | os.PathLike, force: bool, directory: bool) -> Iterator[Any]:
+    from ckpttool import storage
+
+    with storage.remote_output(storage.location(path), force, directory) as local:
+        if directory:
+            yield local
+        else:
+            with open(local, "x+b") as handle:
+                yield handle
+                handle.flush()
 
 
 def _put_in_place(temp: Path, target: Path) -> Path | None:
@@ -646,7 +685,8 @@ def _test_pause(phase: str) -> None:
     `ckpttool-test: paused at <phase>` on stderr and sleep, the first time `phase` is reached,
     so a test can send a signal at a known point of a run. Phases: `start` (temporary output
     created), `copy` (first IO task done), `commit` (written and fsynced, before the rename),
-    `remove-old` (a replaced directory partly removed)."""
+    `remove-old` (a replaced directory partly removed), `upload` (a remote output's first
+    file uploaded to its temporary key, `storage.remote_output`)."""
     setting = os.environ.get(PAUSE_ENV)
     if not setting or phase in _paused:
         return

@@ -83,9 +83,10 @@ def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool,
              model_subtree: str | None = MODEL_SUBTREE) -> str | None:
     """Return the key before normalisation, or None when `fqn` is outside the selection.
 
-    The model subtree is `nesting[fqn][0] == "model"` (torch's planner_data), so a model
-    key holding dots stays one key; without nesting the `model.` prefix is cut. With no
-    model subtree (model fqns at the top level) every model-group fqn is its own key.
+    The model subtree is `nesting[fqn][0] == model_subtree` (torch's planner_data; `model`,
+    or e.g. Lightning's `state_dict` in a torch.save file), so a model key holding dots stays
+    one key; without nesting the `model_subtree.` prefix is cut. With no model subtree (model
+    fqns at the top level) every model-group fqn is its own key.
     """
     if everything:
         return fqn
@@ -93,8 +94,8 @@ def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool,
         return fqn if group_of(fqn, None) == "model" else None
     path = nesting.get(fqn)
     if path:
-        return ".".join(str(part) for part in path[1:]) if path[0] == MODEL_SUBTREE and len(path) > 1 else None
-    prefix = MODEL_SUBTREE + "."
+        return ".".join(str(part) for part in path[1:]) if path[0] == model_subtree and len(path) > 1 else None
+    prefix = model_subtree + "."
     return fqn[len(prefix):] if fqn.startswith(prefix) else None
 
 

@@ -143,6 +143,9 @@ COMMANDS = {
     "consolidate-dir": lambda src, out: ["consolidate", src, str(out)],
     "consolidate-pt-all": lambda src, out: ["consolidate", src, f"{out}.pt", "--all"],
     "reshard": lambda src, out: ["reshard", src, str(out), "--world", "2"],
+    "diff": lambda src, out: ["diff", src, src],
+    "export": lambda src, out: ["export", src, str(out)],
+    "push-dry-run": lambda src, out: ["push", src, "me/model", "--dry-run"],
 }
 
 

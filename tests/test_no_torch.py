@@ -33,7 +33,11 @@ def imported_modules(*args: str) -> set[str]:
     ("consolidate", str(SOURCE), "{out}/everything.pt", "--all", "--quiet"),
     ("inspect", str(SOURCE), "--json"),
     ("validate", str(SOURCE), "--deep"),
-], ids=["reshard", "reshard-verify", "safetensors", "hub", "pt", "pt-all", "inspect", "validate-deep"])
+    ("export", str(SOURCE), "{out}/exported", "--quiet"),
+    ("import", str(SOURCE.parent / "dcp_hf_world2_consolidated"), "{out}/imported", "--world", "3", "--quiet"),
+    ("push", str(SOURCE), "me/model", "--dry-run"),
+], ids=["reshard", "reshard-verify", "safetensors", "hub", "pt", "pt-all", "inspect", "validate-deep", "export", "import",
+       "push-dry-run"])
 def test_command_never_imports_torch(tmp_path, command):
     modules = imported_modules(*(part.format(out=tmp_path) for part in command))
     assert "ckpttool.cli" in modules  # the listing is real

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,8 @@ def outputs(source):
         ("reshard", source / "sub"),
         ("reshard", source.parent),
         ("reshard", link / "w3"),
+        ("reshard", source / "sub" / ".." / ".."),  # the parent, spelled through a missing folder
+        ("export", source / "hub"),
     ]
 
 
@@ -57,3 +60,18 @@ def test_every_output_that_overlaps_the_source_is_refused_and_the_source_survive
 def test_an_output_beside_the_source_is_fine(cli, source):
     result = cli("reshard", source, source.parent / "step-2-world3", "--world", "3", "--quiet")
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("where", ["parent-is-a-file", "cannot-be-created"])
+@pytest.mark.parametrize("command", ["consolidate", "reshard", "export"])
+def test_an_output_that_cannot_be_created_is_one_line_and_nothing_is_left(cli, source, tmp_path, command, where):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way")
+    parent = blocker if where == "parent-is-a-file" else Path("/proc/ckpttool-test")  # not even root can mkdir
+    out = parent / ("m.safetensors" if command == "consolidate" else "out")
+    args = [command, source, out] + (["--world", "2"] if command == "reshard" else [])
+    before = snapshot(tmp_path)
+    result = cli(*args, "--quiet")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: [write-failed]") and len(result.output.strip().splitlines()) == 1
+    assert "Traceback" not in result.output and snapshot(tmp_path) == before

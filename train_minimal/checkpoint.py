@@ -12,6 +12,10 @@ top-level keys are:
     train.step, train.data_position, train.world_size, train.config (TrainConfig JSON)
     rng.rank_<r>.torch (and .cuda)       rank r's RNG state, written by rank r only
 
+A checkpoint with `model.*` entries only (what `ckpttool import` writes from Hub weights,
+or `dcp.save({"model": get_model_state_dict(model)})`) also resumes: its weights are
+loaded and the run starts at step 0 with a fresh optimizer and LR schedule.
+
 Layout on disk: `DIR/step-00000010/` is written as `DIR/step-00000010.tmp/` and renamed
 once every rank has finished and `.metadata` exists; then `DIR/latest` (a one-line text
 file naming the step directory) is replaced atomically, and step directories beyond
@@ -51,6 +55,9 @@ from train_minimal.parallel import Runtime
 
 STEP_DIRECTORY = re.compile(r"^step-(\d{8})$")
 LATEST_POINTER = "latest"
+MODEL_PREFIX = "model."  # AppState's top-level entries, as flattened DCP keys
+OPTIMIZER_PREFIX = "optim."
+CONFIG_KEY = "train.config"
 TEMPORARY_SUFFIX = ".tmp"
 # Mixed into the seed when a rank has no stored RNG state (world size changed on resume).
 RNG_RESEED_SALT = 0x5EED
@@ -271,11 +278,48 @@ def load_checkpoint(app: AppState, checkpoint: Path) -> None:
     app.load_state_dict(state)
 
 
+def has_training_state(checkpoint: Path) -> bool:
+    """Return True when `checkpoint` holds optimizer state (a run to continue), False when it
+    holds model weights only (e.g. written by `ckpttool import`)."""
+    return any(key.startswith(OPTIMIZER_PREFIX) for key in checkpoint_keys(checkpoint))
+
+
 def check_resumable(checkpoint: Path, config: TrainConfig) -> None:
-    """Raise ConfigError when the checkpoint's model or data stream differ from `config`."""
+    """Raise ConfigError when the checkpoint's model or data stream differ from `config`
+    (a checkpoint without a stored config is checked key by key when its weights load)."""
+    if CONFIG_KEY not in checkpoint_keys(checkpoint):
+        return
     differences = incompatible_fields(read_saved_config(checkpoint), config)
     if differences:
         raise ConfigError(f"cannot resume from {checkpoint}: " + "; ".join(differences))
+
+
+def load_model_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Load the `model.*` entries of a DCP checkpoint into the sharded model, at any world
+    size, and nothing else (the optimizer and schedule stay fresh, the step 0); collective.
+    Raise ConfigError when its keys or shapes differ from the model's."""
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    stored = {key[len(MODEL_PREFIX):]: entry for key, entry in metadata.items() if key.startswith(MODEL_PREFIX)}
+    expected = get_model_state_dict(model)
+    _check_keys(f"--resume {checkpoint}", sorted(stored), sorted(expected))
+    for key, target in sorted(expected.items()):
+        shape = tuple(getattr(stored[key], "size", ()))
+        if shape != tuple(target.shape):
+            raise ConfigError(f"--resume {checkpoint}: {MODEL_PREFIX}{key} has shape {shape}, "
+                              f"the model has {tuple(target.shape)}")
+    state = {"model": expected}
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    set_model_state_dict(model, state["model"])
+
+
+def _check_keys(where: str, found: list[str], expected: list[str]) -> None:
+    """Raise ConfigError naming the first few missing and unexpected keys, if any."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(f"{where}: keys do not match the model (missing: {missing[:5]}"
+                          f"{' ...' if len(missing) > 5 else ''}; unexpected: {unexpected[:5]}"
+                          f"{' ...' if len(unexpected) > 5 else ''}); check --arch, --size and the model flags")
 
 
 def load_full_weights(model: nn.Module, source: Path) -> list[str]:
@@ -288,15 +332,12 @@ def load_full_weights(model: nn.Module, source: Path) -> list[str]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         state.update(load_file(str(path)))
-    if state and all(key.startswith("model.") for key in state):
-        state = {key[len("model."):]: value for key, value in state.items()}
     expected = get_model_state_dict(model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ConfigError(f"--init-from {source}: keys do not match the model (missing: {missing[:5]}"
-                          f"{' ...' if len(missing) > 5 else ''}; unexpected: {unexpected[:5]}"
-                          f"{' ...' if len(unexpected) > 5 else ''}); check --size and the model flags")
+    # Llama's own keys start with `model.` (model.embed_tokens.weight): strip only a prefix
+    # the model does not have.
+    if set(state) != set(expected) and state and all(key.startswith(MODEL_PREFIX) for key in state):
+        state = {key[len(MODEL_PREFIX):]: value for key, value in state.items()}
+    _check_keys(f"--init-from {source}", sorted(state), sorted(expected))
     notes = []
     for key, value in sorted(state.items()):
         target = expected[key]

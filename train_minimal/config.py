@@ -37,8 +37,18 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"
 HYBRID_STRATEGIES = ("HYBRID_SHARD",)
 # FSDP1 size-based wrapping: wrap a module once it holds this many parameters.
 DEFAULT_WRAP_MIN_PARAMS = 100_000
+ARCHITECTURES = ("gpt", "llama")
+# Settings only the Llama-shaped model has (None in a GPT run's config).
+LLAMA_FIELDS = ("kv_heads", "intermediate_size", "norm_eps", "rope_theta")
+# transformers' LlamaConfig defaults (models/llama/configuration_llama.py): rms_norm_eps 1e-6,
+# rope_theta 10000.0; written to config.json by `ckpttool export` as rms_norm_eps, rope_theta.
+DEFAULT_NORM_EPS = 1e-6
+DEFAULT_ROPE_THETA = 10000.0
+# The Llama MLP width when not given: 8/3 x dim (the parameter count of a 4x GELU MLP in
+# three matrices, as Llama chose) rounded up to a multiple of this.
+INTERMEDIATE_MULTIPLE = 16
 # Fields that decide the shapes of the model: a checkpoint only resumes into the same ones.
-ARCHITECTURE_FIELDS = ("dim", "layers", "heads", "vocab", "seq_len", "tie_embeddings")
+ARCHITECTURE_FIELDS = ("arch", "dim", "layers", "heads", "vocab", "seq_len", "tie_embeddings") + LLAMA_FIELDS
 # Fields that decide which tokens step k sees: resuming with other values would silently
 # continue on another data stream.
 DATA_FIELDS = ("seed", "data")
@@ -73,8 +83,12 @@ class TrainConfig:
     """Every setting of a run, after presets and defaults are resolved; each field is also a
     flag of `python -m train_minimal` (see `setting`)."""
 
+    arch: str = setting("gpt", "gpt: learned positions, LayerNorm, GELU MLP; llama: transformers' LlamaForCausalLM "
+                               "(names and weight layout; RMSNorm, rotary attention, SwiGLU MLP), which "
+                               "`ckpttool export` writes with a LlamaConfig config.json",
+                        section="model", choices=ARCHITECTURES)
     size: str = setting(DEFAULT_SIZE, "preset for --dim --layers --heads --vocab --seq-len (explicit flags win)",
-                        section="model", choices=sorted(PRESETS))
+                        choices=sorted(PRESETS))
     dim: int = setting(32, "embedding width (default: from --size)", flag_default=None)
     layers: int = setting(2, "number of transformer blocks (default: from --size)", flag_default=None)
     heads: int = setting(2, "attention heads; must divide --dim (default: from --size)", flag_default=None)
@@ -83,7 +97,16 @@ class TrainConfig:
     seq_len: int = setting(32, "tokens per sample (default: from --size)", flag_default=None)
     tie_embeddings: bool = setting(False, "compute logits with the token embedding matrix "
                                           "instead of a separate lm_head", action=argparse.BooleanOptionalAction)
-    dropout: float = setting(0.0, "dropout probability (uses the per-rank RNG that checkpoints store)")
+    kv_heads: int | None = setting(None, "llama: key/value heads (grouped-query attention); must divide --heads "
+                                         "(default: --heads)")
+    intermediate_size: int | None = setting(None, "llama: SwiGLU MLP width (default: 8/3 x --dim, rounded up to a "
+                                                  f"multiple of {INTERMEDIATE_MULTIPLE})")
+    norm_eps: float | None = setting(None, f"llama: RMSNorm epsilon, config.json's rms_norm_eps "
+                                           f"(default {DEFAULT_NORM_EPS})")
+    rope_theta: float | None = setting(None, f"llama: rotary base, config.json's rope_theta "
+                                             f"(default {DEFAULT_ROPE_THETA})")
+    dropout: float = setting(0.0, "dropout probability (uses the per-rank RNG that checkpoints store); "
+                                  "llama: on the attention weights only, as LlamaConfig's attention_dropout")
 
     data: str | None = setting(None, "train on this file's bytes instead of the built-in synthetic arithmetic corpus",
                                section="data", metavar="FILE")
@@ -181,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argparse parser of `python -m train_minimal`: one flag per TrainConfig field."""
     parser = argparse.ArgumentParser(
         prog="python -m train_minimal",
-        description="Train a small GPT with FSDP and save sharded torch.distributed.checkpoint (DCP) checkpoints.",
+        description="Train a small GPT (or a Llama-shaped model, --arch llama) with FSDP and save sharded "
+                    "torch.distributed.checkpoint (DCP) checkpoints.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     annotations = typing.get_type_hints(TrainConfig)
@@ -222,6 +246,7 @@ def resolve(values: dict) -> TrainConfig:
     _check_positive(values, ("nproc", "threads", "save_every", "keep", "stop_at", "wrap_min_params"), optional=True)
     if values["dim"] % values["heads"]:
         raise ConfigError(f"--heads {values['heads']} does not divide --dim {values['dim']}")
+    _resolve_architecture(values)
     if not 0.0 <= values["dropout"] < 1.0:
         raise ConfigError(f"--dropout must be in [0, 1), got {values['dropout']}")
     if values["warmup_steps"] is None:
@@ -244,6 +269,33 @@ def resolve(values: dict) -> TrainConfig:
     if values["export"] and not values["export"].endswith(".safetensors"):
         raise ConfigError(f"--export writes safetensors: the name must end in .safetensors, got {values['export']}")
     return TrainConfig(**{name: value for name, value in values.items() if value is not None})
+
+
+def _resolve_architecture(values: dict) -> None:
+    """Fill in the Llama settings (stored resolved, so `ckpttool export` reads them from the
+    checkpoint) or reject them on a GPT run."""
+    if values["arch"] != "llama":
+        given = [name for name in LLAMA_FIELDS if values.get(name) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(map(_flag, given))}: settings of the Llama-shaped model, add --arch llama")
+        return
+    _check_positive(values, ("kv_heads", "intermediate_size"), optional=True)
+    if values["kv_heads"] is None:
+        values["kv_heads"] = values["heads"]
+    if values["heads"] % values["kv_heads"]:
+        raise ConfigError(f"--kv-heads {values['kv_heads']} does not divide --heads {values['heads']}")
+    if (values["dim"] // values["heads"]) % 2:
+        raise ConfigError(f"--dim {values['dim']} / --heads {values['heads']} = {values['dim'] // values['heads']}: "
+                          "rotary attention needs an even head width")
+    if values["intermediate_size"] is None:
+        multiple = INTERMEDIATE_MULTIPLE
+        values["intermediate_size"] = -(-8 * values["dim"] // (3 * multiple)) * multiple
+    if values["norm_eps"] is None:
+        values["norm_eps"] = DEFAULT_NORM_EPS
+    if values["rope_theta"] is None:
+        values["rope_theta"] = DEFAULT_ROPE_THETA
+    if not values["norm_eps"] > 0 or not values["rope_theta"] > 0:
+        raise ConfigError("--norm-eps and --rope-theta must be positive")
 
 
 def _resolve_parallelism(values: dict) -> None:

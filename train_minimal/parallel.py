@@ -3,7 +3,7 @@
 
 Example (inside an initialised process group):
     >>> runtime = start_runtime(config)
-    >>> model = shard_model(GPT(...), config, runtime)
+    >>> model = shard_model(build_model(config), config, runtime)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from train_minimal.config import ConfigError, TrainConfig
-from train_minimal.model import Block
+from train_minimal.model import BLOCK_TYPES, LlamaTrunk
 
 
 @dataclass(frozen=True)
@@ -107,11 +107,12 @@ def _fsdp1(model: nn.Module, config: TrainConfig, runtime: Runtime) -> nn.Module
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     if config.wrap == "transformer":
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(BLOCK_TYPES))
     else:
-        # Embeddings stay in the root unit: with tied embeddings the root reads their weight.
+        # Embeddings stay in the root unit: with tied embeddings the root reads their weight
+        # (so does Llama's trunk, which holds embed_tokens: it is never a unit of its own).
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=config.wrap_min_params,
-                                   exclude_wrap_modules={nn.ModuleList, nn.ModuleDict, nn.Embedding})
+                                   exclude_wrap_modules={nn.ModuleList, nn.ModuleDict, nn.Embedding, LlamaTrunk})
     prefetch = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
     on_accelerator = runtime.device.type != "cpu"
     if not on_accelerator:

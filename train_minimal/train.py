@@ -31,15 +31,17 @@ from train_minimal.checkpoint import (
     TrainProgress,
     check_resumable,
     export_full_weights,
+    has_training_state,
     load_checkpoint,
     load_full_weights,
+    load_model_weights,
     rank_seed,
     resolve_resume,
     step_directories,
 )
 from train_minimal.config import ConfigError, TrainConfig
 from train_minimal.data import TokenStream, file_corpus, synthetic_corpus
-from train_minimal.model import GPT, parameter_count
+from train_minimal.model import build_model, parameter_count
 from train_minimal.parallel import Runtime, clip_gradients, local_bytes, shard_model, start_runtime
 
 
@@ -77,8 +79,7 @@ def train(config: TrainConfig) -> None:
 
     # The same full model on every rank, whatever the world size; FSDP then shards it.
     torch.manual_seed(config.seed)
-    model = GPT(config.dim, config.layers, config.heads, config.vocab, config.seq_len,
-                tie_embeddings=config.tie_embeddings, dropout=config.dropout)
+    model = build_model(config)
     total_parameters = parameter_count(model)
     model = shard_model(model, config, runtime)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -92,14 +93,18 @@ def train(config: TrainConfig) -> None:
     if config.init_from:
         for note in load_full_weights(model, Path(config.init_from)):
             log(f"--init-from: {note}")
-    if checkpoint_to_resume is not None:
+    if checkpoint_to_resume is not None and not has_training_state(checkpoint_to_resume):
+        load_model_weights(model, checkpoint_to_resume)
+        log(f"resumed from {checkpoint_to_resume}: model weights only, no optimizer state (e.g. written by "
+            "`ckpttool import`): fresh optimizer and LR schedule, starting at step 0")
+    elif checkpoint_to_resume is not None:
         load_checkpoint(app, checkpoint_to_resume)
         log(f"resumed from {checkpoint_to_resume} at step {progress.step} (data position "
             f"{progress.data_position}{'' if app.restored_rng else ', RNG reseeded: world size changed'})")
 
     corpus = file_corpus(config.data, config.vocab, config.seq_len) if config.data else synthetic_corpus(config.seed)
     stream = TokenStream(corpus, config.seq_len, config.seed)
-    log(f"{total_parameters:,} parameters, FSDP{config.fsdp}, world size {runtime.world_size}, "
+    log(f"{total_parameters:,} parameters ({config.arch}), FSDP{config.fsdp}, world size {runtime.world_size}, "
         f"device {runtime.device}, steps {progress.step + 1}..{config.last_step} of {config.steps}")
     log_file = None
     if config.log_file and runtime.is_main:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ckpttool import dtypes, execute, integrity, readers
+from ckpttool import distributed, dtypes, execute, integrity, readers, storage
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.dcp.metadata import Checkpoint, Tensor
+from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
 from ckpttool.integrity import Problem
@@ -57,6 +58,7 @@ class ConsolidateReport:
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
     layout: str = "dcp"  # what readers.detect found
     selected: str = "everything"  # which entries were exported: see `selection_text`
+    processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
 
     @property
     def throughput(self) -> float:
@@ -137,7 +139,7 @@ def consolidate(
         1048576
     """
     started = time.perf_counter()
-    target = Path(out)
+    target = storage.location(out)
     kind = output_format(target, max_shard_size)
     budget = parse_size(max_memory)
     rules = KeyRules(everything, not keep_keys, tuple(Rename.parse(r) for r in renames), tuple(filters))
@@ -158,14 +160,15 @@ def consolidate(
             dtype_map=per_key_dtype, ties=find_ties(files, tensors, located), drop_tied=drop_tied, objects=objects,
         )
         written: tuple[Path, ...] = ()
+        processes: tuple[ProcessStats, ...] = ()
         if not dry_run:
-            written = _write(plan, files, target, force, kind, budget, threads, verify, progress or no_progress)
+            written, processes = _write(plan, files, target, force, kind, budget, threads, verify, progress or no_progress)
     return ConsolidateReport(
         source=checkpoint.path, output=target, format=plan.format, files=written, tensors=len(plan.tensors),
         objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=time.perf_counter() - started,
         plan=plan, ties=plan.ties, dropped=plan.dropped, dry_run=dry_run, verified=verify and not dry_run,
         layout=detection.describe(), selected=selection_text(checkpoint, rules),
-        problems=warnings,
+        problems=warnings, processes=processes,
     )
 
 
@@ -224,32 +227,67 @@ def load_objects(checkpoint: Checkpoint, files: DataFiles, keys: dict[str, str])
 
 
 def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, kind: OutputFormat, budget: int,
-           threads: int, verify: bool, progress: ProgressFactory) -> tuple[Path, ...]:
+           threads: int, verify: bool, progress: ProgressFactory) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
+    started = time.perf_counter()
+    names = [f.name for f in plan.files]
+    written = tuple(target / name for name in names + ([plan.index_name] if plan.index_name else []))
     try:
+        if distributed.active() is not None:  # under torchrun: every process writes a share
+            processes = distributed.write(
+                sorted(plan.operations, key=execute.first_offset), target, names, directory=kind.sharded, force=force,
+                prepare=lambda fds: _prepare_outputs(plan, fds),
+                run_share=lambda operations, fds: _run(plan, operations, files, fds, budget, threads, verify, progress),
+                finish=lambda temp, fds: _finish(plan, fds, temp if kind.sharded else None),
+            )
+            return (written if kind.sharded else (target,)), processes
         if not kind.sharded:
             with atomic_output(target, force=force) as handle:
                 _fill(plan, files, {plan.files[0].name: handle.fileno()}, budget, threads, verify, progress)
-            return (target,)
-        with atomic_directory(target, force=force) as directory:
-            with execute.opened_outputs(directory, [f.name for f in plan.files]) as fds:
-                _fill(plan, files, fds, budget, threads, verify, progress)
-            if plan.index is not None:
-                execute.write_file(directory / plan.index_name, plan.index)
-        names = [f.name for f in plan.files] + ([plan.index_name] if plan.index_name else [])
-        return tuple(target / name for name in names)
+        else:
+            with atomic_directory(target, force=force) as directory:
+                with execute.opened_outputs(directory, names) as fds:
+                    _fill(plan, files, fds, budget, threads, verify, progress)
+                if plan.index is not None:
+                    execute.write_file(directory / plan.index_name, plan.index)
+        moved = sum(op.output_length for op in plan.operations)
+        return (written if kind.sharded else (target,)), (ProcessStats(0, moved, time.perf_counter() - started),)
     except OSError as error:
         raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left at the destination") from None
 
 
 def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], budget: int, threads: int, verify: bool,
           progress: ProgressFactory) -> None:
+    _prepare_outputs(plan, fds)
+    _run(plan, sorted(plan.operations, key=execute.first_offset), files, fds, budget, threads, verify, progress)
+    _finish(plan, fds, None)
+
+
+def _prepare_outputs(plan: ConsolidatePlan, fds: dict[str, int]) -> None:
     for output in plan.files:
         execute.reserve(fds[output.name], output.size)
         if output.head:
             write_at(fds[output.name], output.head, 0)
-    operations = sorted(plan.operations, key=execute.first_offset)
-    with progress("consolidate", plan.tensor_bytes) as bar:
+
+
+def _run(plan: ConsolidatePlan, operations: list, files: DataFiles, fds: dict[str, int], budget: int, threads: int,
+         verify: bool, progress: ProgressFactory) -> None:
+    """Write `operations` (all of the plan's, or this process's share) and optionally verify them."""
+    total = sum(op.output_length for op in operations)
+    with progress("consolidate", total) as bar:
         execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update)
+    if verify:
+        def describe(op) -> str:  # by output position: a process's share holds parts of operations
+            at = execute.first_offset(op)
+            where = next((t for t in plan.tensors if t.file == op.dst and t.offset <= at < t.offset + max(1, t.nbytes)), None)
+            return f"{where.file}: {where.key} (from {where.fqn})" if where else f"{op.dst}: byte {at}"
+
+        with progress("verify", total) as bar:
+            execute.verify(operations, files, fds, threads=threads, max_memory=budget, describe=describe,
+                           on_done=bar.update)
+
+
+def _finish(plan: ConsolidatePlan, fds: dict[str, int], directory: Path | None) -> None:
+    """Write what depends on all the data (.pt zip records; the index into `directory`), fsync."""
     for name, layout in plan.zip_layouts.items():
         crcs = {
             f"{ptfile.ARCHIVE}/data/{position}": execute.output_crc(fds[name], t.offset, t.nbytes, t.operations)
@@ -257,10 +295,7 @@ def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], budget: 
         }
         for offset, data in ptfile.zip_records(layout, crcs):
             write_at(fds[name], data, offset)
-    if verify:
-        labels = {id(op): f"{t.file}: {t.key} (from {t.fqn})" for t in plan.tensors for op in t.operations}
-        with progress("verify", plan.tensor_bytes) as bar:
-            execute.verify(plan.operations, files, fds, threads=threads, max_memory=budget,
-                           describe=lambda op: labels[id(op)], on_done=bar.update)
     for fd in fds.values():
         os.fsync(fd)
+    if directory is not None and plan.index is not None:
+        execute.write_file(directory / plan.index_name, plan.index)

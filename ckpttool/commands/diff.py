@@ -329,8 +329,11 @@ class _Side:
         self.files = files
         self._decoded: tuple[tuple, bytes] | None = None  # the last chunk that had to be decoded
 
-    def identity(self, raw: RawData) -> tuple[int, int, int]:
-        """(device, inode, offset): equal on both sides only for the very same bytes on disk."""
+    def identity(self, raw: RawData) -> tuple:
+        """(device, inode, offset): equal on both sides only for the very same bytes on disk
+        (for object storage: the object's URL and the offset)."""
+        if not self.files.local:
+            return str(self.files.path(raw.file)), raw.offset
         status = os.fstat(self.files.fd(raw.file))
         return status.st_dev, status.st_ino, raw.offset
 

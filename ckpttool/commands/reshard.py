@@ -24,15 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ckpttool import execute, integrity, readers
+from ckpttool import distributed, execute, integrity, readers, storage
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import METADATA_FILENAME, read_checkpoint
+from ckpttool.dcp.metadata import METADATA_FILENAME, Checkpoint, read_checkpoint
 from ckpttool.dcp.writer import metadata_bytes
+from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CheckpointError, UsageError, VerificationFailed, WriteFailed
 from ckpttool.integrity import Problem
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, no_progress, parse_size, refuse_overlap
 from ckpttool.plan.operations import Record
-from ckpttool.plan.reshard import Mesh, ReshardPlan, parse_mesh, plan_reshard, plan_writes
+from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
 
 _SAVE_ID_NAMESPACE = uuid.UUID("5b1c1e0e-8a4f-4f37-9a55-3b0f9d6f2c11")
 
@@ -50,6 +51,7 @@ class ReshardReport:
     dry_run: bool = False
     verified: bool = False
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
+    processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
 
     @property
     def world_size(self) -> int:
@@ -90,14 +92,14 @@ def reshard(
         8
     """
     started = time.perf_counter()
-    source = Path(src)
+    source = storage.location(src)
     target_mesh = parse_mesh(world_size, mesh)
     budget = parse_size(max_memory)
     if budget <= 0:
         raise UsageError("--max-memory must be positive")
     if threads < 1:
         raise UsageError("--threads must be at least 1")
-    destination = Path(dst) if dst is not None else default_destination(source, target_mesh)
+    destination = storage.location(dst) if dst is not None else default_destination(source, target_mesh)
     refuse_overlap(destination, source)
     checkpoint = readers.open_checkpoint(source, follow_symlinks)
     warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
@@ -106,30 +108,58 @@ def reshard(
         return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
                              dry_run=True, problems=warnings)
     check_destination(destination, force)
-    progress = progress or no_progress
+    save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
     with DataFiles(checkpoint.path, follow_symlinks) as files:
-        writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values(), threads))
-        try:
-            with atomic_directory(destination, force=force) as temp:
-                with execute.opened_outputs(temp, [name for name, _ in writes.files]) as fds:
-                    for name, size in writes.files:
-                        execute.reserve(fds[name], size)
-                    with progress("reshard", plan.nbytes) as bar:
-                        execute.run(writes.operations, files, fds, threads=threads, max_memory=budget,
-                                    on_done=bar.update)
-                    if verify:
-                        _verify(writes.operations, files, fds, threads, budget)
-                    for fd in fds.values():
-                        os.fsync(fd)
-                save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
-                metadata = metadata_bytes(writes.tensors, writes.objects, plan.planner_data, destination, save_id)
-                execute.write_file(temp / METADATA_FILENAME, metadata)
-                if verify:
-                    _verify_metadata(temp)
-        except OSError as error:
-            raise WriteFailed(f"{destination}: writing failed ({error.strerror or error}); nothing was left there") from None
+        writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, force=force,
+                                      verify=verify, threads=threads, budget=budget, progress=progress)
     return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,
-                         verified=verify, problems=warnings)
+                         verified=verify, problems=warnings, processes=processes)
+
+
+def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, destination: Path, *, save_id: str,
+              force: bool, verify: bool, threads: int, budget: int, progress: ProgressFactory | None,
+              label: str = "reshard") -> tuple[ReshardWrites, tuple[ProcessStats, ...]]:
+    """Write `plan` of `checkpoint` as a DCP checkpoint at `destination`, atomically: rank
+    files preallocated, filled (under torchrun, each process its share), verified if asked,
+    fsynced, then `.metadata`. Returns what was written and the work of each process."""
+    progress = progress or no_progress
+    writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values(), threads))
+    metadata = metadata_bytes(writes.tensors, writes.objects, plan.planner_data, destination, save_id)
+
+    def prepare(fds: dict[str, int]) -> None:
+        for name, size in writes.files:
+            execute.reserve(fds[name], size)
+
+    def run_share(operations, fds: dict[str, int]) -> None:
+        with progress(label, sum(op.output_length for op in operations)) as bar:
+            execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update)
+        if verify:
+            _verify(operations, files, fds, threads, budget)
+
+    def finish(temp: Path, fds: dict[str, int]) -> None:
+        for fd in fds.values():
+            os.fsync(fd)
+        execute.write_file(temp / METADATA_FILENAME, metadata)
+        if verify:
+            _verify_metadata(temp)
+
+    names = [name for name, _ in writes.files]
+    try:
+        if distributed.active() is not None:  # under torchrun: every process writes a share
+            processes = distributed.write(writes.operations, destination, names, directory=True, force=force,
+                                          prepare=prepare, run_share=run_share, finish=finish)
+        else:
+            written = time.perf_counter()
+            with atomic_directory(destination, force=force) as temp:
+                with execute.opened_outputs(temp, names) as fds:
+                    prepare(fds)
+                    run_share(writes.operations, fds)
+                    finish(temp, fds)
+            processes = (ProcessStats(0, sum(op.output_length for op in writes.operations),
+                                      time.perf_counter() - written),)
+    except OSError as error:
+        raise WriteFailed(f"{destination}: writing failed ({error.strerror or error}); nothing was left there") from None
+    return writes, processes
 
 
 def _verify(operations, files: DataFiles, fds: dict[str, int], threads: int, budget: int) -> None:

@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool import dtypes, integrity, readers
+from ckpttool import dtypes, integrity, readers, storage
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk
 from ckpttool.dcp.metadata import METADATA_FILENAME, Blob, Checkpoint
 from ckpttool.errors import CheckpointError, NotACheckpoint
@@ -72,7 +72,7 @@ def validate(src: str | os.PathLike, deep: bool = False, follow_symlinks: bool =
     Raises NotACheckpoint only when `src` does not exist (a usage error).
     """
     started = time.perf_counter()
-    root = Path(src)
+    root = storage.location(src)
     if not root.exists():
         raise NotACheckpoint(f"{root}: no such file or directory")
     report = ValidationReport(path=root, deep=deep)

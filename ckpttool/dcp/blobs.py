@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ckpttool import dtypes
+from ckpttool import dtypes, storage
 from ckpttool.dcp.metadata import Blob, Chunk, PickleRefused, Tensor, file_kind
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsafeDataFile, UnsupportedFormat
 from ckpttool.torchsave.record import read_plain_object, read_tensor_record
@@ -66,10 +66,12 @@ def safe_relative_path(relative: str, source: str = "") -> PurePosixPath:
     return path
 
 
-def containment_root(root: str | os.PathLike) -> Path:
+def containment_root(root: str | os.PathLike) -> Path | None:
     """The directory a checkpoint's data files must stay inside once symlinks are resolved:
     the checkpoint itself or, for a Hub cache snapshot (`models--x/snapshots/REV/`, whose files
     link to `../../blobs/`), the cached repository."""
+    if storage.is_remote(root):
+        return None  # object storage has no symlinks
     real = Path(os.path.realpath(root))
     if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
         return real.parent.parent
@@ -93,13 +95,16 @@ class DataFiles:
     """Open data files of one checkpoint by relative path; positional reads, thread-safe.
 
     Only regular files are opened (non-blocking, so a FIFO cannot hang the open), and only
-    inside the checkpoint directory unless `follow_symlinks`."""
+    inside the checkpoint directory unless `follow_symlinks`. A remote root (`storage`) has
+    no fds (`local` is False): its reads are ranged GETs through `storage.RangeReader`."""
 
     def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False):
-        self.root = Path(root)
-        self._inside = None if follow_symlinks else containment_root(root)
+        self.root = storage.location(root)
+        self.local = not storage.is_remote(self.root)
+        self._inside = None if follow_symlinks else containment_root(self.root)
         self._fds: dict[str, int] = {}
         self._sizes: dict[str, int] = {}
+        self._readers: dict[str, storage.RangeReader] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> "DataFiles":
@@ -117,7 +122,24 @@ class DataFiles:
     def path(self, relative: str) -> Path:
         return self.root / safe_relative_path(relative)
 
+    def _reader(self, relative: str) -> "storage.RangeReader":
+        with self._lock:
+            found = self._readers.get(relative)
+            if found is None:
+                path = self.path(relative)
+                try:
+                    found = self._readers[relative] = storage.reader(path)
+                except FileNotFoundError:
+                    raise MissingFile(f"{path}: referenced by the metadata but missing (was the upload "
+                                      "interrupted or partial? run `ckpttool validate`)") from None
+                except OSError as error:
+                    raise CorruptBlob(f"{path}: cannot open data file ({error.strerror or error})") from None
+                self._sizes[relative] = found.size
+            return found
+
     def fd(self, relative: str) -> int:
+        if not self.local:
+            raise TypeError(f"{self.path(relative)}: a remote file has no fd (check DataFiles.local)")
         with self._lock:
             fd = self._fds.get(relative)
             if fd is None:
@@ -145,11 +167,15 @@ class DataFiles:
             return fd
 
     def size(self, relative: str) -> int:
-        self.fd(relative)
+        self.fd(relative) if self.local else self._reader(relative)
         return self._sizes[relative]
 
-    def _checked_fd(self, relative: str, offset: int, length: int) -> int:
-        fd = self.fd(relative)
+    def _checked_fd(self, relative: str, offset: int, length: int) -> int | None:
+        fd = None
+        if self.local:
+            fd = self.fd(relative)
+        else:
+            self._reader(relative)
         if offset < 0 or length < 0 or offset + length > self._sizes[relative]:
             raise CorruptBlob(
                 f"{self.path(relative)}: byte range {offset}..{offset + length} is beyond the "
@@ -164,6 +190,9 @@ class DataFiles:
         (fresh multi-MiB `bytes` per block fragment the allocator's per-thread arenas).
         """
         fd = self._checked_fd(relative, offset, len(buffer))
+        if fd is None:
+            buffer[:] = self._readers[relative].read(offset, len(buffer))
+            return
         got = 0
         while got < len(buffer):  # preadv may return short reads on some filesystems
             try:
@@ -177,6 +206,8 @@ class DataFiles:
     def read(self, relative: str, offset: int, length: int) -> bytes:
         """Return exactly `length` bytes at `offset`, or raise CorruptBlob naming the file."""
         fd = self._checked_fd(relative, offset, length)
+        if fd is None:
+            return self._readers[relative].read(offset, length)
         try:
             data = os.pread(fd, length, offset)
         except OSError as error:  # EISDIR, EIO, ...

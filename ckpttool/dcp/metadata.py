@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Callable, Iterator, NamedTuple
 
-from ckpttool import dtypes
+from ckpttool import dtypes, storage
 from ckpttool.errors import BadName, CorruptMetadata, NotACheckpoint, UnsafeMetadata
 
 METADATA_FILENAME = ".metadata"  # torch/distributed/checkpoint/filesystem.py `_metadata_fn`
@@ -69,7 +69,7 @@ READ_CHUNK_BYTES = 64 << 20
 
 # Top-level state-dict keys and the group they belong to.
 MODEL_KEYS = ("model",)
-OPTIMIZER_KEYS = ("optim", "optimizer", "optimizers")
+OPTIMIZER_KEYS = ("optim", "optimizer", "optimizers", "optimizer_states")  # + Lightning .ckpt
 # Beside model fqns at the top level (torchtitan): what is training state, not model.
 TRAINING_STATE_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "extra_state",
                        "rng", "rng_state", "step", "epoch")
@@ -1679,6 +1679,8 @@ def read_metadata_bytes(path: Path) -> bytearray:
     """Return the bytes of a `.metadata` file: a regular file of at most MAX_METADATA_BYTES,
     read in pieces of READ_CHUNK_BYTES into one buffer (a FIFO or device is refused without
     blocking on it)."""
+    if storage.is_remote(path):
+        return _read_remote_metadata(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
@@ -1713,6 +1715,21 @@ def read_metadata_bytes(path: Path) -> bytearray:
     return data
 
 
+def _read_remote_metadata(path: "storage.RemotePath") -> bytearray:
+    """`read_metadata_bytes` of an object: the same size checks, ranged GETs of READ_CHUNK_BYTES."""
+    size = path.stat().st_size
+    if size > MAX_METADATA_BYTES:
+        raise CorruptMetadata(f"{path}: {size} bytes is implausibly large for DCP metadata (at most "
+                              f"{MAX_METADATA_BYTES} are read); the file is corrupt or not a .metadata file")
+    if size == 0:
+        raise CorruptMetadata(f"{path}: empty file (the save was interrupted?)")
+    objects = storage.reader(path)
+    data = bytearray(size)
+    for start in range(0, size, READ_CHUNK_BYTES):
+        data[start:start + READ_CHUNK_BYTES] = objects.read(start, min(READ_CHUNK_BYTES, size - start))
+    return data
+
+
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Return the checkpoint's metadata as our types, reading only `.metadata`.
 
@@ -1720,7 +1737,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     file); never runs code from the file, and refuses a pickle over the budgets of
     `scan_pickle` before building anything.
     """
-    root = Path(path)
+    root = storage.location(path)
     metadata_path = find_metadata_file(root)
     raw = read_metadata_bytes(metadata_path)
     with paused_gc():

@@ -146,6 +146,8 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
 
     if checkpoint_id is None or isinstance(checkpoint_id, str):
         checkpoint = checkpoint_id
+    elif isinstance(checkpoint_id, PurePath) and type(checkpoint_id).__module__ != "pathlib":
+        checkpoint = str(checkpoint_id)  # a URL (storage.RemotePath): torch's FsspecWriter stores the string
     elif isinstance(checkpoint_id, PurePath):
         checkpoint = _path_object(checkpoint_id)
     else:

@@ -4,7 +4,8 @@
 newest); `open_checkpoint(path)` reads it. torch DCP and the frameworks built on it
 (torchtitan, accelerate's model folder, Lightning, Megatron torch_dist) read as DCP;
 torch's HuggingFaceStorageWriter output (`dcp-hf`), single `.safetensors` files and Hub
-folders read from their safetensors headers. No torch is imported.
+folders read from their safetensors headers; torch.save files (`torch-pt`) and verl's per-rank
+files from their zip directory and checked data.pkl. No torch is imported.
 
 Example:
     >>> detection, checkpoint = read("runs/x")      # a run directory: its newest checkpoint
@@ -16,15 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
+from ckpttool import storage
 from ckpttool.dcp.metadata import METADATA_FILENAME, Checkpoint, read_checkpoint
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.readers.dcp_hf import read_dcp_hf
-from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, SAFETENSORS, TORCHTITAN, VERL,
-                                     Detection, _detect, detect)
+from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, SAFETENSORS, TORCH_PT,
+                                     TORCHTITAN, VERL, Detection, _detect, detect)
 from ckpttool.readers.hub_folder import read_hub_folder
 from ckpttool.readers.safetensors import read_safetensors
+from ckpttool.readers.torch_pt import read_torch_pt
 from ckpttool.readers.verl import read_verl
 
 
@@ -36,9 +38,9 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False) -> tuple[Detect
     """Return what `detect` found at `path` and the checkpoint it names, read as our types.
 
     Raises NotACheckpoint (listing what was looked for) when nothing matches, and
-    UnsupportedFormat for layouts this build detects but cannot read yet (torch-pt).
+    UnsupportedFormat for what this build detects but cannot read.
     """
-    detection, checkpoint = _detect(Path(path))
+    detection, checkpoint = _detect(storage.location(path))
     if checkpoint is None:
         checkpoint = _read(detection, follow_symlinks)
     if detection.layout == ACCELERATE:
@@ -89,6 +91,8 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
         return read_safetensors(detection.path, follow_symlinks)
     if detection.layout == VERL:
         return read_verl(detection.path, follow_symlinks)
+    if detection.layout == TORCH_PT:
+        return read_torch_pt(detection.path, follow_symlinks)
     raise UnsupportedFormat(f"{detection.path}: a {detection.layout} checkpoint, which this build detects but "
                             "cannot read yet; convert it with the framework's own tool first")
 

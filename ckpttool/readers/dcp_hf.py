@@ -24,6 +24,7 @@ import os
 import re
 from pathlib import Path
 
+from ckpttool import storage
 from ckpttool.dcp.blobs import containment_root
 from ckpttool.errors import CorruptMetadata, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
@@ -76,7 +77,7 @@ def read_dcp_hf(path: str | os.PathLike, follow_symlinks: bool = False):
     """Return the Checkpoint of a HuggingFaceStorageWriter directory: the files its
     `model.safetensors.index.json` maps if there is one, else every `*.safetensors` in it
     (torch's reader takes them all), each shard placed by `DCP_SHARDING_INFO`."""
-    root = Path(path)
+    root = storage.location(path)
     inside = None if follow_symlinks else containment_root(root)
     index = root / INDEX_FILENAME
     if index.is_file():

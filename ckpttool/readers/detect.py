@@ -15,7 +15,7 @@ Layouts (one name each, as `inspect` shows them):
   (verl/utils/checkpoint/fsdp_checkpoint_manager.py).
 - `dcp-hf`: torch's HuggingFaceStorageWriter (see readers/dcp_hf.py), sharded or consolidated.
 - `safetensors`: one `.safetensors` file.  `hub-folder`: `model.safetensors`, or shards plus
-  `model.safetensors.index.json`.  `torch-pt`: one torch.save file (`.pt`, `.pth`, `.bin`)
+  `model.safetensors.index.json`.  `torch-pt`: one torch.save file (`.pt`, `.pth`, `.bin`, `.ckpt`)
   or a folder with `pytorch_model.bin`.
 
 A run directory holds checkpoints (`step-*`, `iter_*`, `global_step_*`, `checkpoint-*`,
@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckpttool import storage
 from ckpttool.dcp.metadata import METADATA_FILENAME, RANK_METADATA_PATTERN
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
@@ -53,7 +54,7 @@ MEGATRON_BACKEND = "torch_dist"
 MAX_CONFIG_BYTES = 1 << 20  # metadata.json is ~100 bytes
 VERL_MODEL_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_SUBDIRS = ("", "actor")
-TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin")
+TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's single-file checkpoints
 HUB_TORCH_FILE = "pytorch_model.bin"  # transformers WEIGHTS_NAME
 
 RUN_ENTRY_PATTERN = re.compile(r"^(step-|iter_|global_step_|checkpoint-|checkpoint_)(\d+)$")
@@ -98,12 +99,12 @@ def detect(path: str | os.PathLike) -> Detection:
     DCP directories are told apart (torchtitan vs plain dcp) by their top-level keys, which
     reads `.metadata`; `readers.open_checkpoint` reuses that read.
     """
-    return _detect(Path(path))[0]
+    return _detect(storage.location(path))[0]
 
 
 def _detect(requested: Path) -> tuple[Detection, object]:
     """Return the detection and, when deciding needed it, the already-read Checkpoint."""
-    if not os.path.lexists(requested):
+    if not _lexists(requested):
         raise NotACheckpoint(f"{requested}: no such file or directory")
     if requested.is_file():
         layout = _file_layout(requested)
@@ -139,11 +140,20 @@ def _file_layout(path: Path) -> str | None:
     return None
 
 
+def _lexists(path: Path) -> bool:
+    return path.exists() if storage.is_remote(path) else os.path.lexists(path)
+
+
+def _names(path: Path) -> list[str]:
+    """os.listdir, for a local or remote (`storage.RemotePath`) folder."""
+    return [entry.name for entry in path.iterdir()] if storage.is_remote(path) else os.listdir(path)
+
+
 def _is_dcp(path: Path) -> bool:
-    if os.path.lexists(path / METADATA_FILENAME):
+    if _lexists(path / METADATA_FILENAME):
         return True
     try:
-        return any(RANK_METADATA_PATTERN.match(name) for name in os.listdir(path))
+        return any(RANK_METADATA_PATTERN.match(name) for name in _names(path))
     except OSError:
         return False
 
@@ -192,7 +202,7 @@ def _is_megatron(path: Path) -> bool:
 def verl_files(path: Path) -> list[str]:
     """Return verl's per-rank model files in a folder, sorted."""
     try:
-        return sorted(name for name in os.listdir(path) if VERL_MODEL_PATTERN.match(name))
+        return sorted(name for name in _names(path) if VERL_MODEL_PATTERN.match(name))
     except OSError:
         return []
 
@@ -222,7 +232,8 @@ def run_checkpoints(path: Path) -> list[str]:
     """Return the checkpoint folders of a run directory (those holding a layout we know by
     its file names), oldest first."""
     try:
-        names = [entry.name for entry in os.scandir(path) if entry.is_dir() and RUN_ENTRY_PATTERN.match(entry.name)]
+        entries = path.iterdir() if storage.is_remote(path) else os.scandir(path)
+        names = [entry.name for entry in entries if entry.is_dir() and RUN_ENTRY_PATTERN.match(entry.name)]
     except OSError:
         return []
     names = [name for name in names if _looks_like_checkpoint(path / name)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ckpttool import storage
 from ckpttool.dcp.blobs import containment_root
 from ckpttool.errors import NotACheckpoint
 from ckpttool.formats.hub import INDEX_SUFFIX
@@ -44,7 +45,7 @@ def safetensors_files(root: Path) -> list[str]:
 def read_hub_folder(path: str | os.PathLike, follow_symlinks: bool = False):
     """Return the Checkpoint of a Hub folder: the index's weight map if there is one, else
     its single `.safetensors` file (`model.safetensors` preferred)."""
-    root = Path(path)
+    root = storage.location(path)
     inside = None if follow_symlinks else containment_root(root)
     indexes = index_files(root)
     if indexes:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from ckpttool import dtypes
+from ckpttool import dtypes, storage
 from ckpttool.dcp.blobs import MAX_SAFETENSORS_HEADER, check_data_file, containment_root, safe_relative_path
 from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.errors import CorruptMetadata, MissingFile
@@ -98,18 +98,30 @@ def read_header(root: Path, name: str, inside: Path | None) -> Header:
     shape or range that does not fit, a range whose size disagrees with dtype and shape.
     """
     path = root / safe_relative_path(name, f"{root}: ")
-    fd = _open_regular(path, inside)
-    try:
+    if storage.is_remote(path):
+        try:
+            objects = storage.reader(path)
+        except (FileNotFoundError, IsADirectoryError):
+            raise MissingFile(f"{path}: listed by the checkpoint but missing, or not a file (was the copy partial?)") from None
+        fd, size = None, objects.size
+    else:
+        fd = _open_regular(path, inside)
         size = os.fstat(fd).st_size
+
+    def read(length: int, offset: int) -> bytes:
+        return objects.read(offset, length) if fd is None else _pread_exact(fd, length, offset, path)
+
+    try:
         if size < HEADER_LENGTH_BYTES:
             raise CorruptMetadata(f"{path}: {size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", _pread_exact(fd, HEADER_LENGTH_BYTES, 0, path))
+        (length,) = struct.unpack("<Q", read(HEADER_LENGTH_BYTES, 0))
         if length > MAX_SAFETENSORS_HEADER or HEADER_LENGTH_BYTES + length > size:
             raise CorruptMetadata(f"{path}: safetensors header of {length} bytes does not fit the file's {size} bytes "
                                   f"(at most {MAX_SAFETENSORS_HEADER}); not a safetensors file or truncated")
-        raw = _pread_exact(fd, length, HEADER_LENGTH_BYTES, path)
+        raw = read(length, HEADER_LENGTH_BYTES)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     try:
         document = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -198,7 +210,7 @@ def _extent(chunks: tuple[Chunk, ...]) -> tuple[int, ...]:
 def read_safetensors(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
     """Return one `.safetensors` file as a Checkpoint rooted at its directory, one chunk per
     tensor (the file's own name is its `metadata_file`)."""
-    file = Path(path)
+    file = storage.location(path)
     root = file.parent
     inside = None if follow_symlinks else containment_root(root)
     header = read_header(root, file.name, inside)
@@ -209,7 +221,7 @@ def read_index(path: Path) -> dict[str, str]:
     """Return the weight map (tensor -> file) of a `*.index.json`, checked: bounded size,
     a JSON object whose `weight_map` maps strings to safe relative `.safetensors` paths."""
     try:
-        status = os.stat(path)
+        status = path.stat() if storage.is_remote(path) else os.stat(path)
     except OSError as error:
         raise CorruptMetadata(f"{path}: cannot stat ({error.strerror or error})") from None
     if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_INDEX_BYTES:

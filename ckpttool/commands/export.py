@@ -1,0 +1,399 @@
+"""`export`: a checkpoint as a folder `transformers` and the Hugging Face Hub accept.
+
+The pipeline: plan the weights with consolidate (a dry run: metadata only) -> read the
+assets' `config.json` (or the trainer's stored `train.config`) -> check the planned keys and
+shapes against what the config's architecture expects (and a reference index's key set) ->
+lay out every other file (config.json with the written dtype, generation and tokenizer
+files, the model card) -> in one temporary directory, consolidate writes the weights (the
+same streaming, byte-exact copy, `{"format": "pt"}` headers, shards + index or one
+`model.safetensors`), the other files join them -> rename into place. A refused check
+writes nothing.
+
+Example:
+    >>> report = export("runs/llama/step-00000200", "hub/llama", assets="base-model/")
+    >>> [name for name, _ in report.files][:3]
+    ['model.safetensors', 'config.json', 'generation_config.json']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ckpttool import __version__, readers
+from ckpttool.commands.consolidate import ConsolidateReport, consolidate, load_objects
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.dcp.metadata import Checkpoint
+from ckpttool.errors import CorruptMetadata, InvalidCheckpoint, UsageError, WriteFailed
+from ckpttool.execute import write_file
+from ckpttool.formats import hub
+from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
+from ckpttool.formats.safetensors import SUFFIX
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, parse_size, refuse_overlap
+from ckpttool.readers.hub_folder import INDEX_FILENAME
+from ckpttool.readers.safetensors import read_index
+from ckpttool.torchsave import ptfile
+
+# The Hub refuses files above 50 GB (huggingface_hub constants.MAX_HTTP_DOWNLOAD_SIZE, and
+# HfApi.upload_file: "up to 50 GB"); a shard is never planned above it.
+HUB_MAX_FILE_SIZE = 50 * 1000**3
+CONFIG_FILENAME = "config.json"  # transformers.utils.CONFIG_NAME
+# What --assets copies: transformers' GENERATION_CONFIG_NAME, the tokenizer files of
+# PreTrainedTokenizerBase (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+# added_tokens.json), the slow tokenizers' vocabularies, and chat templates.
+ASSET_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+)
+MAX_CONFIG_BYTES = 16 << 20
+TRAINER_CONFIG = "train.config"  # train_minimal: TrainConfig JSON (train_minimal/checkpoint.py AppState)
+TRAINER_STEP = "train.step"
+TRAINER_MODEL_TYPE = "train_minimal"  # config.json of the trainer's own GPT: no transformers class loads it
+_STEP_IN_NAME = re.compile(r"(?:step|global_step|iter)[-_]?0*(\d+)$")
+_WEIGHTS_DIRECTORY = "weights"  # where consolidate writes inside the temporary directory
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What export wrote (or, with dry_run, would write)."""
+
+    source: Path
+    output: Path
+    files: tuple[tuple[str, int], ...]  # (name in the output, bytes), weights first
+    weights: ConsolidateReport  # consolidate's plan and report for the weight files
+    dtype: str  # the dtype written (most bytes), as config.json's torch_dtype says
+    parameters: int
+    step: int | None
+    config: str | None  # where config.json came from: the assets' file, `train.config`, or None
+    checked: str  # what the weights were checked against
+    assets: tuple[str, ...] = ()  # files copied from --assets
+    dry_run: bool = False
+    seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def export(
+    src: str | os.PathLike,
+    outdir: str | os.PathLike,
+    *,
+    assets: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | int | None = None,
+    drop_tied: bool = False,
+    renames: Sequence[str] = (),
+    max_memory: str | int = DEFAULT_MAX_MEMORY,
+    threads: int = DEFAULT_THREADS,
+    force: bool = False,
+    dry_run: bool = False,
+    verify: bool = False,
+    follow_symlinks: bool = False,
+    progress: ProgressFactory | None = None,
+) -> ExportReport:
+    """Return a report after writing `src` as a Hub model folder at `outdir`.
+
+    Weights as consolidate writes a directory; `assets` (a folder with config.json,
+    generation_config.json, tokenizer files) are copied, and its config decides the check:
+    a transformers Llama/Mistral/Qwen2 config must match every key and shape, a
+    `model.safetensors.index.json` beside it every key. A tied config writes one copy of
+    the tied pair. Raises InvalidCheckpoint (`config-mismatch`) and writes nothing when the
+    weights disagree.
+
+    Example:
+        >>> export("ckpt/step-00000010", "out/", assets="config/", dtype="bf16").dtype
+        'bfloat16'
+    """
+    started = time.perf_counter()
+    target = Path(outdir)
+    if target.suffix.lower() in (SUFFIX, *ptfile.SUFFIXES):
+        raise UsageError(f"{target}: export writes a folder; give a directory name (or use `ckpttool consolidate`)")
+    shard_size = parse_size(max_shard_size if max_shard_size is not None else hub.DEFAULT_MAX_SHARD_SIZE)
+    if shard_size > HUB_MAX_FILE_SIZE:
+        raise UsageError(f"--max-shard-size {max_shard_size}: the Hub refuses files over 50GB; choose at most 50GB")
+    asset_dir = Path(assets) if assets is not None else None
+    if asset_dir is not None:
+        if not asset_dir.is_dir():
+            raise UsageError(f"--assets {asset_dir}: not a directory")
+        refuse_overlap(target, asset_dir)
+    if not dry_run:
+        check_destination(target, force)
+
+    config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
+    tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
+    options = dict(dtype=dtype, max_shard_size=shard_size, drop_tied=drop_tied or tied, renames=renames,
+                   max_memory=max_memory, threads=threads, follow_symlinks=follow_symlinks)
+    planned = consolidate(src, target, dry_run=True, **options)
+    detection, checkpoint = readers.read(src, follow_symlinks)
+    extras = _trainer_entries(checkpoint, follow_symlinks)
+    shapes = {t.key: t.shape for t in planned.plan.tensors}
+    oversized = [f for f in planned.plan.files if f.size > HUB_MAX_FILE_SIZE]
+    if oversized:
+        raise UsageError(f"{target / oversized[0].name}: {oversized[0].size} bytes, over the Hub's 50GB per-file limit "
+                         f"(one tensor larger than that cannot be uploaded)")
+
+    notes, checked, config_from = [], "nothing (no config)", None
+    if config is not None:
+        config_from = str(asset_dir / CONFIG_FILENAME)
+        _check_tie(config, planned, shapes)
+        checked = check_against_config(config, shapes, asset_dir / CONFIG_FILENAME)
+    elif TRAINER_CONFIG in extras:
+        config = trainer_hf_config(json.loads(extras[TRAINER_CONFIG]), shapes)
+        config_from = f"{checkpoint.path}: {TRAINER_CONFIG}"
+        checked = check_against_config(config, shapes, Path(config_from))
+    else:
+        notes.append("no config.json written: no --assets given and the checkpoint stores no trainer config")
+    if asset_dir is not None and (asset_dir / INDEX_FILENAME).exists():
+        checked += "; " + _check_index_keys(read_index(asset_dir / INDEX_FILENAME), shapes, asset_dir / INDEX_FILENAME)
+
+    written_dtype = _written_dtype(planned)
+    documents: dict[str, bytes] = {}
+    if config is not None:
+        config = {**config, "torch_dtype": written_dtype, "dtype": written_dtype}
+        # transformers' PretrainedConfig.to_json_string: indent 2, sorted keys, a final newline
+        documents[CONFIG_FILENAME] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    copied = [name for name in ASSET_FILES if asset_dir is not None and (asset_dir / name).exists()]
+    step = _step(extras, checkpoint.path)
+    weight_files = tuple((f.name, f.size) for f in planned.plan.files) + (
+        ((planned.plan.index_name, len(planned.plan.index)),) if planned.plan.index_name else ())
+    parameters = sum(_numel(t.shape) for t in planned.plan.tensors)
+    architectures = config.get("architectures") if config else None
+    card = CardFacts(
+        source=str(src), layout=detection.describe(), step=step, dtype=written_dtype, parameters=parameters,
+        tensors=tuple(CardTensor(t.key, t.dtype, t.shape, t.nbytes) for t in planned.plan.tensors),
+        files=weight_files, command=_command_line(src, assets, dtype, max_shard_size, drop_tied, renames),
+        version=__version__, architecture=(architectures or [config.get("model_type") if config else None])[0],
+        library="transformers" if config and config.get("model_type") not in (None, TRAINER_MODEL_TYPE) else None,
+    )
+    documents[CARD_FILENAME] = model_card(card).encode()
+    files = weight_files + tuple((name, _size(asset_dir / name)) for name in copied) + tuple(
+        (name, len(data)) for name, data in documents.items())
+    weights = planned
+    if not dry_run:
+        try:
+            with atomic_directory(target, force=force) as temp:
+                weights = consolidate(src, temp / _WEIGHTS_DIRECTORY, verify=verify, progress=progress, **options)
+                for name, _ in weight_files:
+                    os.rename(temp / _WEIGHTS_DIRECTORY / name, temp / name)
+                os.rmdir(temp / _WEIGHTS_DIRECTORY)
+                for name in copied:
+                    _copy_regular(asset_dir / name, temp / name)
+                for name, data in documents.items():
+                    write_file(temp / name, data)
+        except OSError as error:
+            raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left there") from None
+    return ExportReport(
+        source=checkpoint.path, output=target, files=files, weights=weights, dtype=written_dtype,
+        parameters=parameters, step=step, config=config_from, checked=checked, assets=tuple(copied),
+        dry_run=dry_run, seconds=time.perf_counter() - started, notes=tuple(notes),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# What a config says the weights must be
+
+# model_type -> (q/k/v bias, o_proj bias) when the config does not say (`attention_bias`):
+# transformers' LlamaAttention uses attention_bias for all four, Qwen2Attention has q/k/v
+# biases and none on o_proj, MistralAttention none.
+_ATTENTION_BIAS = {"llama": None, "mistral": (False, False), "qwen2": (True, False)}
+# PretrainedConfig defaults tie_word_embeddings to True; these model types default to False
+_TIE_DEFAULT = {"llama": False, "mistral": False, "qwen2": False}
+_HEADS = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Return key -> shape of the state dict transformers' `<Llama|Mistral|Qwen2>ForCausalLM`
+    builds from `config` (tied: no `lm_head.weight`, as save_pretrained writes it).
+
+    Example:
+        >>> expected_shapes({"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
+        ...     "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10})["lm_head.weight"]
+        (10, 8)
+    """
+    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    vocab = int(config["vocab_size"])
+    model_type = config.get("model_type")
+    qkv_bias, o_bias = _ATTENTION_BIAS.get(model_type) or (bool(config.get("attention_bias")),) * 2
+    mlp_bias = bool(config.get("mlp_bias")) if model_type == "llama" else False
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for layer in range(int(config["num_hidden_layers"])):
+        prefix = f"model.layers.{layer}."
+        projections = {
+            "self_attn.q_proj": ((heads * head_dim, hidden), qkv_bias), "self_attn.k_proj": ((kv_heads * head_dim, hidden), qkv_bias),
+            "self_attn.v_proj": ((kv_heads * head_dim, hidden), qkv_bias), "self_attn.o_proj": ((hidden, heads * head_dim), o_bias),
+            "mlp.gate_proj": ((inter, hidden), mlp_bias), "mlp.up_proj": ((inter, hidden), mlp_bias),
+            "mlp.down_proj": ((hidden, inter), mlp_bias),
+        }
+        for name, (shape, bias) in projections.items():
+            shapes[f"{prefix}{name}.weight"] = shape
+            if bias:
+                shapes[f"{prefix}{name}.bias"] = (shape[0],)
+        shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", _TIE_DEFAULT.get(model_type, False)):
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def check_against_config(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: Path) -> str:
+    """Return what was checked; raise InvalidCheckpoint (`config-mismatch`) on the first key
+    the architecture expects that is missing, has another shape, or is not expected."""
+    architectures = config.get("architectures") or []
+    causal_lm = not architectures or any(a.endswith("ForCausalLM") for a in architectures)
+    if config.get("model_type") not in _ATTENTION_BIAS or not causal_lm:
+        return f"nothing (model_type {config.get('model_type')!r} of {where.name} is not one export knows the shapes of)"
+    try:
+        expected = expected_shapes(config)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+        raise InvalidCheckpoint(f"{where}: cannot tell the expected shapes ({type(error).__name__}: {error})",
+                                code="config-mismatch") from None
+    for key, shape in expected.items():
+        if key not in shapes:
+            raise InvalidCheckpoint(f"{where}: the config expects {key} of shape {list(shape)}, which the weights "
+                                    "do not hold (wrong --assets or --rename?)", code="config-mismatch")
+        if tuple(shapes[key]) != shape:
+            raise InvalidCheckpoint(f"{where}: {key} has shape {list(shapes[key])} in the weights, the config "
+                                    f"expects {list(shape)}", code="config-mismatch")
+    extra = sorted(set(shapes) - set(expected))
+    if extra:
+        raise InvalidCheckpoint(f"{where}: the weights hold {extra[0]} (shape {list(shapes[extra[0]])}), which "
+                                f"{config.get('model_type')} does not have ({len(extra)} such keys; --rename?)",
+                                code="config-mismatch")
+    return f"every key and shape of {(architectures or [config.get('model_type')])[0]} ({len(expected)} tensors)"
+
+
+def _check_index_keys(weight_map: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]], where: Path) -> str:
+    missing = sorted(set(weight_map) - set(shapes))
+    extra = sorted(set(shapes) - set(weight_map))
+    if missing or extra:
+        key, what = (missing[0], "names it, the weights do not hold it") if missing else (
+            extra[0], "does not name it, the weights hold it")
+        raise InvalidCheckpoint(f"{where}: {key}: the index {what} ({len(missing)} missing, {len(extra)} extra)",
+                                code="config-mismatch")
+    return f"the key set of {where.name} ({len(weight_map)} keys)"
+
+
+def _check_tie(config: Mapping[str, Any], planned: ConsolidateReport, shapes: Mapping[str, tuple]) -> None:
+    """A tied config loads lm_head from the embedding: a different lm_head would be lost."""
+    head, embedding = _HEADS
+    tied = config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False))
+    if tied and head in shapes and embedding in shapes and head not in planned.dropped:
+        raise InvalidCheckpoint(f"{head}: config.json says tie_word_embeddings, but the checkpoint's {head} differs "
+                                f"from {embedding}; transformers would replace it (use a config with "
+                                "tie_word_embeddings false)", code="config-mismatch")
+
+
+def trainer_hf_config(saved: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Return config.json for a train_minimal checkpoint from its stored TrainConfig: a
+    `LlamaConfig` for `arch: llama` (widths the TrainConfig does not name are read from the
+    weights), else the TrainConfig itself under `model_type: train_minimal`."""
+    if saved.get("arch") != "llama":
+        return {"model_type": TRAINER_MODEL_TYPE, "architectures": ["train_minimal.GPT"], "train_minimal": dict(saved)}
+    hidden, heads = int(saved["dim"]), int(saved["heads"])
+    head_dim = int(saved.get("head_dim") or hidden // heads)
+    k_proj = shapes.get("model.layers.0.self_attn.k_proj.weight")
+    gate = shapes.get("model.layers.0.mlp.gate_proj.weight")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "num_hidden_layers": int(saved["layers"]), "num_attention_heads": heads,
+        "num_key_value_heads": int(saved.get("kv_heads") or (k_proj[0] // head_dim if k_proj else heads)),
+        "head_dim": head_dim,
+        "intermediate_size": int(saved.get("intermediate_size") or saved.get("hidden") or (gate[0] if gate else 4 * hidden)),
+        "vocab_size": int(saved["vocab"]), "max_position_embeddings": int(saved.get("seq_len", 2048)),
+        "rms_norm_eps": float(saved.get("norm_eps", saved.get("rms_norm_eps", 1e-6))),
+        "rope_theta": float(saved.get("rope_theta", 10000.0)),
+        "tie_word_embeddings": bool(saved.get("tie_embeddings", False)),
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Small reads
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode) or os.stat(path).st_size > MAX_CONFIG_BYTES:
+            raise CorruptMetadata(f"{path}: not a regular file of at most {MAX_CONFIG_BYTES} bytes")
+        document = json.loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise CorruptMetadata(f"{path}: unreadable JSON ({type(error).__name__})") from None
+    if not isinstance(document, dict):
+        raise CorruptMetadata(f"{path}: not a JSON object")
+    return document
+
+
+def _trainer_entries(checkpoint: Checkpoint, follow_symlinks: bool) -> dict[str, Any]:
+    """Return train_minimal's `train.step` and `train.config` values, where the checkpoint has them."""
+    wanted = {fqn: fqn for fqn in (TRAINER_STEP, TRAINER_CONFIG) if fqn in checkpoint.objects}
+    if not wanted:
+        return {}
+    with DataFiles(checkpoint.path, follow_symlinks) as files:
+        values = load_objects(checkpoint, files, wanted)
+    if TRAINER_CONFIG in values and not isinstance(values[TRAINER_CONFIG], str):
+        del values[TRAINER_CONFIG]
+    return values
+
+
+def _step(extras: Mapping[str, Any], path: Path) -> int | None:
+    value = extras.get(TRAINER_STEP)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _STEP_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _written_dtype(report: ConsolidateReport) -> str:
+    by_dtype: Counter = Counter()
+    for tensor in report.plan.tensors:
+        by_dtype[tensor.dtype] += tensor.nbytes
+    return by_dtype.most_common(1)[0][0] if by_dtype else "float32"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _size(path: Path) -> int:
+    return os.stat(path).st_size
+
+
+def _copy_regular(source: Path, destination: Path) -> None:
+    """Copy an asset's bytes (a Hub cache symlink is followed: the folder gets the file)."""
+    if not stat.S_ISREG(os.stat(source).st_mode):
+        raise UsageError(f"{source}: not a regular file")
+    with open(source, "rb") as reader, open(destination, "wb") as writer:
+        shutil.copyfileobj(reader, writer, 16 << 20)
+        writer.flush()
+        os.fsync(writer.fileno())
+
+
+def _command_line(src, assets, dtype, max_shard_size, drop_tied, renames) -> str:
+    parts = ["ckpttool export", str(Path(src).name) or str(src), "OUTDIR"]
+    if assets is not None:
+        parts += ["--assets", Path(assets).name or str(assets)]
+    if dtype:
+        parts += ["--dtype", dtype]
+    if max_shard_size is not None:
+        parts += ["--max-shard-size", str(max_shard_size)]
+    if drop_tied:
+        parts.append("--drop-tied")
+    for rule in renames:
+        parts += ["--rename", repr(rule)]
+    return " ".join(parts)

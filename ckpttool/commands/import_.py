@@ -1,0 +1,130 @@
+"""`import`: full model weights (a `.safetensors` file, a Hub folder, a torch.save `.pt`) as
+a DCP checkpoint for N FSDP2 ranks, every key nested under a prefix (`model.`).
+
+The pipeline: read the weights' headers (`readers`) -> integrity gate -> locate every
+tensor's raw bytes (headers only) -> nest the keys under the prefix (`nest_under`: pure; each
+chunk now names its raw byte range, so nothing looks it up by its old name again) -> reshard's
+plan for the target mesh (`plan_reshard`, `plan_writes`) -> `execute.run` into a temporary
+directory -> `.metadata` -> rename into place. torch is never imported; memory holds only the
+blocks in flight. Stock `dcp.load({"model": model_state_dict})` reads the result, as does
+FSDP2's `set_model_state_dict` after it (train_minimal's `--resume`).
+
+Example:
+    >>> report = import_checkpoint("hub/llama", "ckpt/llama-world3", world_size=3)
+    >>> [f.name for f in report.plan.files]
+    ['__0_0.distcp', '__1_0.distcp', '__2_0.distcp']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool import execute, integrity, readers
+from ckpttool.commands.reshard import ReshardReport, write_dcp
+from ckpttool.dcp.blobs import DataFiles, raw_range_transforms
+from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Object, Tensor
+from ckpttool.errors import UsageError
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, check_destination, parse_size, refuse_overlap
+from ckpttool.plan.reshard import parse_mesh, plan_reshard
+from ckpttool.readers.detect import DCP_HF, HUB_FOLDER, SAFETENSORS, TORCH_PT
+
+DEFAULT_PREFIX = "model."  # train_minimal and `{"model": get_model_state_dict(model)}` saves
+IMPORTABLE = (SAFETENSORS, HUB_FOLDER, DCP_HF, TORCH_PT)  # layouts whose keys are the model's own
+_SAVE_ID_NAMESPACE = uuid.UUID("0b6f7f3e-4f1c-4a55-8f0e-6a1d2c3b4e5f")
+
+
+@dataclass(frozen=True)
+class ImportReport(ReshardReport):
+    """What import wrote (or would write): reshard's report plus the source layout and prefix."""
+
+    layout: str = ""
+    prefix: str = DEFAULT_PREFIX
+
+
+def nest_under(checkpoint: Checkpoint, prefix: str, located: execute.Located) -> Checkpoint:
+    """Return `checkpoint` with every entry renamed `prefix + fqn` and nested under the
+    prefix's parts in the state dict (`model.` -> `{"model": {fqn: ...}}`); each located chunk's
+    blob becomes its raw byte range, so the renamed entry needs no header lookup by name.
+
+    Example:
+        >>> nest_under(checkpoint, "model.", located).nesting["model.lm_head.weight"]
+        ('model', 'lm_head.weight')
+    """
+    parts = tuple(part for part in prefix.split(".") if part)
+
+    def chunk(tensor: Tensor, index: int) -> Chunk:
+        raw, old = located[tensor.fqn].get(index), tensor.chunks[index]
+        if raw is None:
+            return old
+        return Chunk(old.offsets, old.sizes, Blob(raw.file, raw.offset, raw.length, raw_range_transforms(raw.crc32)))
+
+    tensors = {
+        prefix + fqn: Tensor(prefix + fqn, t.dtype, t.shape, tuple(chunk(t, i) for i in range(len(t.chunks))))
+        for fqn, t in checkpoint.tensors.items()
+    }
+    objects = {prefix + fqn: Object(prefix + fqn, o.blob) for fqn, o in checkpoint.objects.items()}
+    nesting = {prefix + fqn: (*parts, *checkpoint.nesting.get(fqn, (fqn,)))
+               for fqn in (*checkpoint.tensors, *checkpoint.objects)}
+    return dataclasses.replace(checkpoint, tensors=tensors, objects=objects, nesting=nesting,
+                               model_subtree=parts[0] if parts else None)
+
+
+def import_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    world_size: int | None = None,
+    mesh: str | tuple[int, int] | None = None,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    max_memory: str | int = DEFAULT_MAX_MEMORY,
+    threads: int = DEFAULT_THREADS,
+    force: bool = False,
+    dry_run: bool = False,
+    verify: bool = False,
+    follow_symlinks: bool = False,
+    progress: ProgressFactory | None = None,
+) -> ImportReport:
+    """Return a report after writing the full weights at `src` as a DCP checkpoint at `dst`
+    laid out for `world_size` FSDP2 ranks (or an HSDP `mesh`), keys under `prefix`.
+
+    Every tensor of one or more dimensions is split along dim 0 like torch.chunk, as
+    `fully_shard` shards parameters (the reshard plan's `every-tensor` rule). Nothing is left
+    at `dst` unless the whole write (and `verify`) succeeded.
+
+    Example:
+        >>> import_checkpoint("model.safetensors", "ckpt/imported", world_size=2).plan.rule
+        'every-tensor'
+    """
+    started = time.perf_counter()
+    source, destination = Path(src), Path(dst)
+    target_mesh = parse_mesh(world_size, mesh)
+    budget = parse_size(max_memory)
+    if budget <= 0 or threads < 1:
+        raise UsageError("--max-memory must be positive and --threads at least 1")
+    if prefix and (not prefix.endswith(".") or any(not part for part in prefix[:-1].split("."))):
+        raise UsageError(f"--prefix {prefix!r}: dotted names ending in a dot, e.g. 'model.' (or '' for none)")
+    refuse_overlap(destination, source)
+    detection, checkpoint = readers.read(source, follow_symlinks)
+    if detection.layout not in IMPORTABLE:
+        raise UsageError(f"{source}: a {detection.layout} checkpoint; import reads full weights (.safetensors, a Hub "
+                         "folder, a .pt); rewrite a DCP checkpoint with `ckpttool reshard`")
+    warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
+    with DataFiles(checkpoint.path, follow_symlinks) as files:
+        located = execute.locate_chunks(files, checkpoint.tensors.values(), threads)
+        nested = nest_under(checkpoint, prefix, located)
+        plan = plan_reshard(nested, target_mesh)
+        report = dict(source=checkpoint.path, destination=destination, plan=plan, tensor_bytes=plan.nbytes,
+                      problems=warnings, layout=detection.describe(), prefix=prefix)
+        if dry_run:
+            return ImportReport(seconds=time.perf_counter() - started, file_bytes=0, dry_run=True, **report)
+        check_destination(destination, force)
+        save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.path}:{target_mesh}:{prefix}"))
+        writes, processes = write_dcp(nested, plan, files, destination, save_id=save_id, force=force, verify=verify,
+                                      threads=threads, budget=budget, progress=progress, label="import")
+    return ImportReport(seconds=time.perf_counter() - started, file_bytes=writes.file_bytes, verified=verify,
+                        processes=processes, **report)

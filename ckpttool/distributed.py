@@ -1,0 +1,400 @@
+"""torchrun: split a plan's byte ranges across processes, commit on rank 0 when all succeed.
+
+Under `torchrun --nnodes H --nproc-per-node P -m ckpttool consolidate|reshard ...` every
+process reads the metadata and makes the same plan (planning is pure and deterministic), then
+`write` runs one protocol over a gloo process group (CPU only):
+
+1. rank 0 creates the temporary output beside OUT under a name (a file, or a directory of
+   files), gives every file its final size and writes the heads; it broadcasts the paths
+   (or why it could not);
+2. every process writes its share (`split`: disjoint byte ranges of about total/world bytes,
+   a large tensor's run cut across processes) with pwrite/copy_file_range at the planned
+   offsets, fsyncs, and all gather (ok, bytes, seconds) from everyone;
+3. only when every process succeeded, rank 0 writes what depends on the whole (safetensors
+   index, .pt zip records, `.metadata`), fsyncs and renames into place; otherwise it removes
+   the temporary output. A last all-reduce (a barrier) tells everyone whether rank 0
+   committed, so no process exits before rank 0 has committed or cleaned up (torchrun stops
+   the others as soon as one exits non-zero).
+
+Any failure on any rank makes every rank raise (and the CLI exit non-zero); nothing is left at
+OUT. OUT must be a path every process sees (local disk for one host, NFS/Lustre for many).
+`import torch` happens only here, and only under torchrun (`active`).
+
+Example:
+    >>> split([Copy("a.distcp", 0, "m.safetensors", 96, 1000)], 2)
+    [[Copy(..., dst_offset=96, length=500)], [Copy(..., src_offset=500, dst_offset=596, length=500)]]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple, NoReturn, Sequence
+
+from ckpttool import dtypes
+from ckpttool.errors import UsageError, WriteFailed
+from ckpttool.io import atomic_directory, atomic_output
+from ckpttool.plan.operations import Convert, Copy, Operation
+
+FAIL_ENV = "CKPTTOOL_TEST_FAIL"  # test-only: `<rank>:error` or `<rank>:kill`, see `_run_share`
+
+
+class World(NamedTuple):
+    """This process's place in a torchrun job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class ProcessStats:
+    """What one process wrote: `bytes` of the plan's operations, in `seconds`."""
+
+    rank: int
+    bytes: int
+    seconds: float
+
+
+def environment() -> World | None:
+    """Return this process's World when torchrun (or any env:// launcher) started it with
+    WORLD_SIZE > 1, else None (a single process: no torch, no process group)."""
+    try:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
+    if world_size <= 1:
+        return None
+    return World(rank, world_size, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+_sharing = False  # set by `run_main` (the CLI under torchrun) and inside `sharing()`
+
+
+def active() -> World | None:
+    """Return this process's World when consolidate/reshard should split their writes across
+    the torchrun job: under `torchrun -m ckpttool` or inside `sharing()`, else None.
+
+    Not merely when WORLD_SIZE > 1: a training script that calls `ckpttool.consolidate` on
+    rank 0 alone must not wait forever for ranks that never join.
+    """
+    return environment() if _sharing else None
+
+
+@contextlib.contextmanager
+def sharing() -> Iterator[World | None]:
+    """Return a context in which library calls of consolidate/reshard, made on every rank of
+    a torchrun job alike, split their writes across the job (a gloo group is created if the
+    job has no process group yet; one that exists must support CPU tensors, e.g. gloo).
+
+    Example:
+        >>> with distributed.sharing():  # on every rank
+        ...     consolidate("ckpt/step-00000100", "model.safetensors")
+    """
+    global _sharing
+    previous, _sharing = _sharing, True
+    try:
+        yield environment()
+    finally:
+        _sharing = previous
+
+
+def init() -> World:
+    """Return this process's World after joining the gloo process group (once)."""
+    world = environment()
+    if world is None:
+        raise RuntimeError("ckpttool.distributed.init: not started by torchrun (WORLD_SIZE <= 1)")
+    import torch.distributed as dist
+
+    global _group
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # env:// rendezvous from MASTER_ADDR/MASTER_PORT, as torchrun sets
+    elif _group is None and "gloo" not in str(dist.get_backend()):
+        _group = dist.new_group(backend="gloo")  # a trainer's NCCL group cannot carry CPU tensors
+    return world
+
+
+_group = None  # a gloo group of every rank, when the job's own group is not gloo
+
+
+def run_main(main: Callable[[], object]) -> NoReturn:
+    """Run the CLI `main` under torchrun and exit through `os._exit`: only rank 0 prints to
+    stdout; stdout and stderr are flushed first. Gloo processes can abort at interpreter exit
+    after finishing (pytorch#190489), which would turn a success into a failure."""
+    world = environment()
+    if world is not None and world.rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    code = 1
+    try:
+        with sharing():
+            main()
+        code = 0
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            code = exit.code or 0
+        else:
+            print(exit.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting a plan
+
+
+def split(operations: Sequence[Operation], world_size: int) -> list[list[Operation]]:
+    """Return `world_size` lists of operations that together write every byte `operations`
+    write, exactly once, each about total/world_size bytes.
+
+    The operations are laid end to end in the given order and cut at k*total/world_size:
+    a Copy is cut at any byte, a Convert between output elements (its source offset follows),
+    so one huge tensor is shared out too. A Gather or a Record (a torch.save record whose
+    tail holds its data's CRC-32) stays whole, on the rank its middle falls in: shares differ
+    by at most the largest of those. Pure: every rank computes the same split.
+
+    Example:
+        >>> [sum(op.length for op in share) for share in split([Copy("a", 0, "b", 0, 10)], 3)]
+        [3, 3, 4]
+    """
+    shares: list[list[Operation]] = [[] for _ in range(world_size)]
+    total = sum(op.output_length for op in operations)
+    start = 0
+    for op in operations:
+        size = op.output_length
+        end = start + size
+        if total == 0:
+            shares[0].append(op)
+        elif isinstance(op, (Copy, Convert)) and size:
+            step = dtypes.ITEMSIZE[op.dtype] if isinstance(op, Convert) else 1
+            cuts = [0] + [
+                min(size, max(0, k * total // world_size - start)) // step * step for k in range(1, world_size)
+            ] + [size]
+            for rank in range(world_size):
+                if cuts[rank + 1] > cuts[rank]:
+                    shares[rank].append(_part(op, cuts[rank], cuts[rank + 1]))
+        else:
+            shares[min(world_size - 1, (start + end) * world_size // (2 * total))].append(op)
+        start = end
+    return shares
+
+
+def _part(op: Copy | Convert, begin: int, end: int) -> Copy | Convert:
+    """Return the operation writing output bytes [begin, end) of `op` (relative to its start)."""
+    if begin == 0 and end == op.output_length:
+        return op
+    if isinstance(op, Copy):
+        return replace(op, src_offset=op.src_offset + begin, dst_offset=op.dst_offset + begin, length=end - begin,
+                       crc32=None)  # the recorded CRC-32 is of the whole run
+    out_size, in_size = dtypes.ITEMSIZE[op.dtype], dtypes.ITEMSIZE[op.source_dtype]
+    return replace(op, src_offset=op.src_offset + begin // out_size * in_size,
+                   length=(end - begin) // out_size * in_size, dst_offset=op.dst_offset + begin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives (gloo, CPU)
+
+
+def _lost(error: BaseException) -> WriteFailed:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:38062: Connection reset by peer. This is typically ..."
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is")[0]
+    return WriteFailed(f"lost contact with the other torchrun processes ({reason}); nothing was committed")
+
+
+def broadcast(value: object) -> object:
+    """Return rank 0's `value` on every rank."""
+    import torch.distributed as dist
+
+    box = [value]
+    try:
+        dist.broadcast_object_list(box, src=0, group=_group)
+    except RuntimeError as error:  # gloo: a peer died (connection closed) or timed out
+        raise _lost(error) from None
+    return box[0]
+
+
+def gather_stats(row: tuple) -> list[tuple]:
+    """Return every rank's `row` (builtins only), in rank order, on every rank."""
+    import torch.distributed as dist
+
+    rows: list = [None] * dist.get_world_size(_group)
+    try:
+        dist.all_gather_object(rows, row, group=_group)
+    except RuntimeError as error:
+        raise _lost(error) from None
+    return rows
+
+
+def all_ok(flag: bool) -> bool:
+    """Return True when `flag` is True on every rank (an all-reduce; also a barrier)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    try:
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=_group)
+    except RuntimeError as error:
+        raise _lost(error) from None
+    return bool(value.item())
+
+
+# ---------------------------------------------------------------------------------------------
+# The commit protocol
+
+
+Prepare = Callable[[dict[str, int]], None]  # rank 0, fresh outputs: sizes and heads
+RunShare = Callable[[list[Operation], dict[str, int]], None]  # every rank: its operations
+Finish = Callable[[Path, dict[str, int]], None]  # rank 0, all shares written: index, records, metadata
+
+
+def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *, directory: bool, force: bool,
+          prepare: Prepare, run_share: RunShare, finish: Finish) -> tuple[ProcessStats, ...]:
+    """Return what each process wrote, after all the processes of this torchrun job wrote
+    `operations` together into files `names` and rank 0 renamed them into place at `target`.
+
+    `directory`: `target` is a directory holding `names`; else `target` is the one file
+    `names[0]`. `prepare(fds)` runs on rank 0 on the new, empty files; `run_share(ops, fds)`
+    on every rank with its share; `finish(temp_path, fds)` on rank 0 once every share is
+    written (fds reopened, so bytes other hosts wrote over NFS are seen). Raises on every
+    rank when any rank failed; nothing is left at `target` then.
+    """
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(target)):  # a URL (Path("s3://b/k") reads "s3:/b/k")
+        raise UsageError(f"{target}: under torchrun the output must be a path every process can open (local disk, "
+                         "NFS); write to object storage from a single process")
+    world = init()
+    shares = split(operations, world.world_size)
+    if world.rank == 0:
+        return _lead(shares, target, names, directory, force, prepare, run_share, finish)
+    paths = broadcast(None)
+    if isinstance(paths, str):
+        raise WriteFailed(f"{target}: rank 0 could not create the output ({paths}); nothing was written")
+    stats, failure = _run_share(world, shares[world.rank], paths, run_share, target)
+    committed = all_ok(failure is None)  # returns once rank 0 has committed or removed the output
+    if failure is not None:
+        raise failure
+    if not committed:
+        raise WriteFailed(f"{target}: rank 0 could not commit the output (see its error); nothing was left there")
+    return stats
+
+
+def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], directory: bool, force: bool,
+          prepare: Prepare, run_share: RunShare, finish: Finish) -> tuple[ProcessStats, ...]:
+    world = environment()
+    assert world is not None
+    gathered = False  # every rank reported: each now waits for the commit-or-cleanup all-reduce
+    root: Path | None = None
+    try:
+        with contextlib.ExitStack() as stack:
+            try:
+                root, paths = stack.enter_context(_temporary(target, names, directory, force))
+                with _opened(paths) as fds:
+                    prepare(fds)
+            except BaseException as error:
+                broadcast(str(error) or type(error).__name__)  # the others stop too
+                raise
+            broadcast({name: str(path) for name, path in paths.items()})
+            stats, failure = _run_share(world, shares[0], paths, run_share, target)
+            gathered = True
+            if failure is not None:
+                raise failure
+            with _opened(paths) as fds:
+                finish(root, fds)
+                for fd in fds.values():
+                    os.fsync(fd)
+    except BaseException:
+        if root is not None:  # atomic_* removed it, unless a second signal cut that short
+            _remove(root)
+        if gathered:
+            all_ok(False)
+        raise
+    all_ok(True)
+    return stats
+
+
+@contextlib.contextmanager
+def _temporary(target: Path, names: Sequence[str], directory: bool,
+               force: bool) -> Iterator[tuple[Path, dict[str, Path]]]:
+    """Yield (temporary path, name -> file path) of a named temporary output beside `target`
+    that other processes can open; renamed to `target` when the block succeeds."""
+    if directory:
+        with atomic_directory(target, force=force) as temp:
+            yield temp, {name: temp / name for name in names}
+    else:
+        with atomic_output(target, force=force, unnamed=False) as handle:
+            yield Path(handle.name), {names[0]: Path(handle.name)}
+
+
+@contextlib.contextmanager
+def _opened(paths: dict[str, Path] | dict[str, str]) -> Iterator[dict[str, int]]:
+    """Yield name -> fd of `paths`, open for reading and writing, created if missing, never
+    truncated (other processes write the same files); closed on exit."""
+    fds: dict[str, int] = {}
+    try:
+        for name, path in paths.items():
+            fds[name] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _run_share(world: World, share: list[Operation], paths: dict, run_share: RunShare,
+               target: Path) -> tuple[tuple[ProcessStats, ...], BaseException | None]:
+    """Write this rank's share, then gather every rank's outcome; return the stats and, when
+    any rank failed, what to raise (this rank's own error, or one naming the rank that failed)."""
+    started = time.perf_counter()
+    failure: BaseException | None = None
+    try:
+        with _opened(paths) as fds:
+            _with_test_failure(world.rank, share, fds, run_share)
+            for fd in fds.values():
+                os.fsync(fd)
+    except BaseException as error:  # noqa: BLE001 - reported to every rank, raised by the caller
+        failure = error
+    written = sum(op.output_length for op in share)
+    reason = None if failure is None else (getattr(failure, "strerror", None) or str(failure) or type(failure).__name__)
+    rows = gather_stats((world.rank, written, time.perf_counter() - started, reason))
+    stats = tuple(ProcessStats(rank, written, round(seconds, 6)) for rank, written, seconds, _ in rows)
+    failed = [(rank, why) for rank, _, _, why in rows if why is not None]
+    if failure is None and failed:
+        rank, why = failed[0]
+        failure = WriteFailed(f"{target}: process {rank} of {world.world_size} failed ({why}); nothing was committed")
+    return stats, failure
+
+
+def _with_test_failure(rank: int, share: list[Operation], fds: dict[str, int], run_share: RunShare) -> None:
+    """Run the share; test-only, with CKPTTOOL_TEST_FAIL=<rank>:error|kill, that rank fails
+    (an EIO, or SIGKILL) half-way through its share."""
+    wanted, _, how = os.environ.get(FAIL_ENV, "").partition(":")
+    if wanted != str(rank):
+        run_share(share, fds)
+        return
+    half = len(share) // 2
+    run_share(share[:half], fds)
+    print(f"ckpttool-test: rank {rank} fails ({how or 'error'})", file=sys.stderr, flush=True)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.EIO, f"test failure on rank {rank} ({FAIL_ENV})")
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            for entry in path.iterdir():
+                entry.unlink()
+            path.rmdir()
+        else:
+            path.unlink()

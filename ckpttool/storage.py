@@ -1,0 +1,422 @@
+"""Local paths and object-storage URLs (`s3://`, `gs://`, `az://`) behind one small interface.
+
+A remote location is a `RemotePath`: a pure path whose `str` is its URL and which answers
+the few `pathlib.Path` questions the readers ask (`exists`, `is_file`, `is_dir`, `stat`,
+`iterdir`, `rglob`, `read_bytes`) from one recursive listing of the prefix, so detection
+and the integrity gate run unchanged. Bytes are read by `RangeReader`: one ranged GET per
+run of bytes, small reads served from a read-ahead block, never a whole-object download.
+Outputs are built in a local temporary directory and uploaded only when complete
+(`remote_output`): to a temporary key `.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside the
+destination, then copied to the final keys (data files first, `.metadata` and indexes last)
+and the temporary keys deleted; any failure or SIGTERM deletes them instead.
+
+Credentials and endpoints come from the backend's own configuration (for s3fs: `AWS_*`
+environment variables, `AWS_ENDPOINT_URL`, `~/.aws`) plus `configure({"key": value})`,
+which the CLI's `--storage-option key=value` sets.
+
+Example:
+    >>> root = location("s3://bucket/runs/x/step-100")
+    >>> is_remote(root), str(root / ".metadata")
+    (True, 's3://bucket/runs/x/step-100/.metadata')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator, Mapping
+
+from ckpttool.errors import OutputExists, StorageError
+
+# protocol -> (package, ckpttool extra); the fsspec protocol names of each backend
+BACKENDS = {
+    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
+    "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"),
+}
+# `s3://b/k`, and `s3:/b/k`: what pathlib makes of a URL (`Path("s3://b/k")`) on its way through code that wraps paths
+_URL = re.compile(r"^(?P<protocol>" + "|".join(BACKENDS) + r"):/{1,2}(?P<key>[^/].*)?$")
+_FILE_URL = re.compile(r"^file:(//)?(?P<path>/.*)$")
+READ_AHEAD = 256 << 10  # a small read (record header, safetensors length) fetches this much, so its neighbours are served from memory
+CACHED_BLOCKS = 16  # read-ahead blocks kept per reader (4 MiB)
+LAST_KEYS = (".metadata", ".index.json")  # copied last: a reader sees the checkpoint only when all else is there
+
+TEXT_OPTIONS = frozenset({"key", "secret", "token", "password", "account_key", "sas_token", "account_name"})  # never decoded: a secret may look like a number
+_options: dict[str, Any] = {}
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """Return (key, value) of a `--storage-option key=value`; JSON values (true, 3, {...}) are decoded.
+
+    Example:
+        >>> parse_option("endpoint_url=http://127.0.0.1:9000"), parse_option("anon=true")
+        (('endpoint_url', 'http://127.0.0.1:9000'), ('anon', True))
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        from ckpttool.errors import UsageError
+
+        raise UsageError(f"--storage-option {text!r}: expected key=value, e.g. endpoint_url=http://127.0.0.1:9000")
+    key = key.strip()
+    if key in TEXT_OPTIONS:
+        return key, value
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        decoded = value
+    return key, decoded if isinstance(decoded, (bool, int, float, dict, list)) else value
+
+
+def configure(options: Mapping[str, Any]) -> None:
+    """Set the storage options every remote location opened from now on is given (fsspec's
+    `storage_options`, e.g. `endpoint_url`, `key`, `secret`, `client_kwargs`)."""
+    _options.clear()
+    _options.update(options)
+
+
+def is_remote(path: Any) -> bool:
+    """True for an object-storage URL (or a `RemotePath`), False for a local path or `file://`."""
+    return isinstance(path, RemotePath) or bool(_URL.match(str(path)))
+
+
+def location(path: str | os.PathLike) -> Path | "RemotePath":
+    """Return `path` as a `RemotePath` for a storage URL, else as a local `Path` (`file://` URLs too)."""
+    if isinstance(path, RemotePath):
+        return path
+    text = os.fspath(path)
+    match = _URL.match(text)
+    if match:
+        fs = open_filesystem(match["protocol"])
+        cls = type(f"{match['protocol'].upper()}Path", (RemotePath,), {"_fs": fs, "_protocol": match["protocol"],
+                                                                       "_listing": _Listing()})
+        return cls(f"{match['protocol']}:", *(match["key"] or "").strip("/").split("/"))
+    match = _FILE_URL.match(text)
+    return Path(match["path"]) if match else Path(path)
+
+
+def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """Return the fsspec filesystem for `protocol`, configured by `configure` and `storage_options`;
+    raise StorageError naming the extra to install when its backend is missing."""
+    import fsspec
+
+    package, extra = BACKENDS[protocol]
+    try:
+        __import__(package)
+    except ImportError:
+        raise StorageError(f"{protocol}:// needs the `{package}` package: pip install 'ckpttool[{extra}]'",
+                           "backend-missing") from None
+    return fsspec.filesystem(protocol, **{**_options, **(storage_options or {})})
+
+
+@contextlib.contextmanager
+def _requests(url: str) -> Iterator[None]:
+    """Turn what a backend raises for refused credentials, permissions or the network into a
+    one-line StorageError; FileNotFoundError passes through (callers say what is missing)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except PermissionError as error:
+        raise StorageError(f"{url}: access denied ({_first_line(error)}); check the credentials (AWS_* environment "
+                           "variables, --storage-option key=... secret=...)", "storage-denied") from None
+    except (OSError, ValueError) as error:
+        raise StorageError(f"{url}: request failed ({type(error).__name__}: {_first_line(error)})") from None
+    except Exception as error:  # botocore/aiohttp errors are not OSErrors; a real bug still names itself
+        if type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            raise StorageError(f"{url}: no credentials ({_first_line(error)}); set AWS_ACCESS_KEY_ID and "
+                               "AWS_SECRET_ACCESS_KEY or pass --storage-option key=... secret=...", "storage-denied") from None
+        if type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "google", "azure"):
+            raise StorageError(f"{url}: request failed ({type(error).__name__}: {_first_line(error)})") from None
+        raise
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+class _Listing:
+    """What one recursive listing of a prefix found: key -> size (None: a directory)."""
+
+    def __init__(self) -> None:
+        self.roots: list[str] = []
+        self.entries: dict[str, int | None] = {}
+        self.lock = threading.Lock()
+
+
+class RemotePath(PurePosixPath):
+    """An object-storage location that answers the questions readers ask of a `Path`.
+
+    Subclassed once per `location()` call, carrying the filesystem and a listing cache:
+    the first question about a prefix lists it whole (one paginated LIST), later ones are
+    answered from that listing. Not for outputs: those go through `remote_output`.
+    """
+
+    _fs: Any = None
+    _protocol = ""
+    _listing: _Listing
+
+    def __str__(self) -> str:
+        return f"{self._protocol}://{self.key}"
+
+    def __fspath__(self) -> str:  # os.* calls on it fail as "no such file" instead of reading a local look-alike
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    @property
+    def key(self) -> str:
+        """The fsspec path: `bucket/key`, without the protocol."""
+        return "/".join(self.parts[1:])
+
+    @property
+    def filesystem(self) -> Any:
+        return self._fs
+
+    def _entry(self, missing_ok: bool = True) -> tuple[bool, int | None]:
+        """Return (exists, size or None for a directory)."""
+        listing = self._listing
+        key = self.key
+        with listing.lock:
+            if not any(key == root or key.startswith(root + "/") for root in listing.roots):
+                self._scan(key)
+            if key in listing.entries:
+                return True, listing.entries[key]
+            return (any(k.startswith(key + "/") for k in listing.entries)), None
+
+    def _scan(self, key: str) -> None:
+        """List everything under `key` once (the key itself, if it is an object)."""
+        listing = self._listing
+        with _requests(str(self)):
+            try:
+                found = self._fs.find(key, detail=True, withdirs=True)
+            except FileNotFoundError:
+                found = {}
+        for name, info in found.items():
+            name = name.rstrip("/")
+            listing.entries[name] = int(info.get("size") or 0) if info.get("type") == "file" else None
+            parent = name.rsplit("/", 1)[0]
+            while parent.startswith(key + "/") and parent not in listing.entries:
+                listing.entries[parent] = None
+                parent = parent.rsplit("/", 1)[0]
+        if found and key not in listing.entries:
+            listing.entries[key] = None
+        listing.roots.append(key)
+
+    def exists(self) -> bool:
+        return self._entry()[0]
+
+    def is_file(self) -> bool:
+        exists, size = self._entry()
+        return exists and size is not None
+
+    def is_dir(self) -> bool:
+        exists, size = self._entry()
+        return exists and size is None
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        exists, size = self._entry()
+        if not exists:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        mode = stat.S_IFDIR | 0o755 if size is None else stat.S_IFREG | 0o644
+        return os.stat_result((mode, 0, 0, 1, 0, 0, size or 0, 0, 0, 0))
+
+    lstat = stat
+
+    def iterdir(self) -> Iterator["RemotePath"]:
+        if not self.is_dir():
+            raise NotADirectoryError(2, "Not a directory", str(self))
+        prefix = self.key + "/"
+        names = {k[len(prefix):].split("/", 1)[0] for k in self._listing.entries if k.startswith(prefix)}
+        for name in sorted(names):
+            yield self / name
+
+    def rglob(self, pattern: str) -> Iterator["RemotePath"]:
+        if pattern != "*":
+            raise NotImplementedError("RemotePath.rglob supports '*' only")
+        self._entry()
+        prefix = self.key + "/"
+        for name in sorted(k for k in self._listing.entries if k.startswith(prefix)):
+            yield self / name[len(prefix):]
+
+    def resolve(self, strict: bool = False) -> "RemotePath":
+        return self
+
+    absolute = resolve
+
+    def read_bytes(self) -> bytes:
+        """The object's bytes, by ranged GETs (callers check the size first)."""
+        size = self.stat().st_size
+        return RangeReader(self._fs, self.key, size, str(self)).read(0, size)
+
+    def read_text(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return self.read_bytes().decode(encoding, errors)
+
+
+class RangeReader:
+    """Ranged reads of one object: a read of at least READ_AHEAD bytes is one GET of exactly
+    that range; a smaller one fetches a READ_AHEAD block, kept (CACHED_BLOCKS per reader) so
+    the neighbouring small reads of a record's header cost no further request."""
+
+    def __init__(self, fs: Any, key: str, size: int, url: str):
+        self.fs, self.key, self.size, self.url = fs, key, size, url
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _get(self, start: int, end: int) -> bytes:
+        with _requests(self.url):
+            try:
+                data = self.fs.cat_file(self.key, start=start, end=end)
+            except FileNotFoundError:
+                from ckpttool.errors import MissingFile
+
+                raise MissingFile(f"{self.url}: vanished while being read") from None
+        if len(data) != end - start:
+            from ckpttool.errors import CorruptBlob
+
+            raise CorruptBlob(f"{self.url}: asked for bytes {start}..{end}, got {len(data)} bytes (object changed?)")
+        return data
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Return exactly `length` bytes at `offset` (the caller checked them against `size`)."""
+        if length == 0:
+            return b""
+        if length >= READ_AHEAD:
+            return self._get(offset, offset + length)
+        start = offset - offset % READ_AHEAD
+        parts = []
+        while start < offset + length:
+            parts.append(self._block(start))
+            start += READ_AHEAD
+        data = b"".join(parts) if len(parts) > 1 else parts[0]
+        skip = offset % READ_AHEAD
+        return data[skip:skip + length]
+
+    def _block(self, start: int) -> bytes:
+        with self._lock:
+            block = self._blocks.get(start)
+            if block is not None:
+                self._blocks.move_to_end(start)
+                return block
+        block = self._get(start, min(start + READ_AHEAD, self.size))
+        with self._lock:
+            self._blocks[start] = block
+            while len(self._blocks) > CACHED_BLOCKS:
+                self._blocks.popitem(last=False)
+        return block
+
+
+def reader(path: RemotePath) -> RangeReader:
+    """Return a RangeReader of the object at `path`; FileNotFoundError when there is none."""
+    size = path.stat().st_size
+    if path.is_dir():
+        raise IsADirectoryError(21, "Is a directory", str(path))
+    return RangeReader(path.filesystem, path.key, size, str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+
+
+def check_destination(path: RemotePath, force: bool) -> None:
+    """Raise OutputExists when something is at `path` (an object or a prefix) and `force` is
+    off, and StorageError when its bucket does not exist: before any work is done."""
+    fs, bucket = path.filesystem, path.key.split("/", 1)[0]
+    with _requests(str(path)):
+        fs.invalidate_cache(path.key)  # an earlier run in this process may have written it
+        exists = fs.exists(path.key)
+        with contextlib.suppress(PermissionError):  # a role that may write but not list buckets: the upload will tell
+            if not exists and not fs.exists(bucket):
+                raise StorageError(f"{path}: the bucket {path._protocol}://{bucket} does not exist (create it "
+                                   "first, or check the endpoint)", "no-bucket")
+    if exists and not force:
+        raise OutputExists(f"{path}: already exists; pass --force to replace it")
+
+
+def _temp_key(target: RemotePath) -> str:
+    from ckpttool import io
+
+    return f"{target.parent.key}/{io._entry(Path(target.name), 'tmp', io._new_token()).name}"
+
+
+@contextlib.contextmanager
+def remote_output(target: RemotePath, force: bool, directory: bool) -> Iterator[Path]:
+    """Yield a local temporary file path (or directory, with `directory`) under $TMPDIR;
+    when the block succeeds, upload it to `target` as described in the module docstring.
+
+    On any exception (SIGTERM and Ctrl-C included) the local files and the temporary keys are
+    removed and `target` is left as it was. After SIGKILL, temporary keys (never the
+    destination key) and the local directory may remain.
+    """
+    from ckpttool import io
+
+    check_destination(target, force)
+    local = Path(tempfile.mkdtemp(prefix=io.WRITING_PREFIX))
+    fs, temp = target.filesystem, _temp_key(target)
+    try:
+        output = local / target.name
+        if directory:
+            output.mkdir()
+        io._test_pause("start")
+        yield output
+        io._test_pause("commit")
+        _upload(output, target, temp, force, directory)
+    except BaseException:
+        with contextlib.suppress(Exception), _requests(str(target)):
+            if fs.exists(temp):
+                fs.rm(temp, recursive=True)
+        raise
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: bool) -> None:
+    from ckpttool import io
+
+    fs = target.filesystem
+    if directory:
+        names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        names.sort(key=lambda name: name.endswith(LAST_KEYS))  # stable: data files first
+    else:
+        names = [""]
+    with _requests(str(target)):
+        for position, name in enumerate(names):
+            fs.put_file(str(local / name) if name else str(local), f"{temp}/{name}" if name else temp)
+            if position == 0:
+                io._test_pause("upload")
+        with io._signals_deferred():  # from here the destination changes: finish before any signal is handled
+            old = set(fs.find(target.key)) if force and directory else set()
+            if force and not directory and fs.isdir(target.key):
+                fs.rm(target.key, recursive=True)
+            for name in names:
+                final = f"{target.key}/{name}" if name else target.key
+                fs.copy(f"{temp}/{name}" if name else temp, final)
+                old.discard(final)
+            for stale in sorted(old):
+                fs.rm_file(stale)
+            fs.rm(temp, recursive=True)
+        fs.invalidate_cache()
+
+
+def overlaps(output: Any, source: Any) -> str | None:
+    """Return how `output` relates to `source` ("is", "lies inside", "contains") when either is
+    remote, compared as URLs; None when they are apart."""
+    out, src = str(location(output)).rstrip("/"), str(location(source)).rstrip("/")
+    if out == src:
+        return "is"
+    if out.startswith(src + "/"):
+        return "lies inside"
+    if src.startswith(out + "/"):
+        return "contains"
+    return None

@@ -1,0 +1,256 @@
+"""Checkpoints on object storage: every command reads `s3://` sources by ranged GETs, and
+consolidate/reshard write `s3://` destinations that appear only when complete.
+
+Against a real S3-protocol server on 127.0.0.1 (moto's server mode, started once per
+module); outputs are compared byte for byte with the same command run on local paths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+from ckpttool import storage  # noqa: E402
+from ckpttool.cli import main  # noqa: E402
+
+BUCKET = "ckpts"
+SOURCE = FIXTURES / "fsdp2_world2"
+TIMEOUT = 30
+MARKER = "ckpttool-test: paused at "
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on a free port, the environment pointing at it, the fixture uploaded;
+    yields an s3fs filesystem for looking at what the commands left."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = dict(os.environ)
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    for folder, prefix in ((SOURCE, "src"), (FIXTURES / "dcp_hf_world2_consolidated", "hub")):
+        for path in sorted(folder.iterdir()):
+            fs.put_file(str(path), f"{BUCKET}/{prefix}/{path.name}")
+    try:
+        yield fs
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        server.stop()
+
+
+def run_cli(*args) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(main, [*map(str, args), "--quiet"] if args[0] in ("consolidate", "reshard") else list(map(str, args)))
+    stderr = result.stderr if hasattr(result, "stderr") else ""
+    return result.exit_code, result.stdout, stderr
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    if root.is_file():
+        return {"": root.read_bytes()}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def remote_files(fs, key: str) -> dict[str, bytes]:
+    fs.invalidate_cache()
+    if fs.isfile(key):
+        return {"": fs.cat_file(key)}
+    return {name[len(key) + 1:]: fs.cat_file(name) for name in sorted(fs.find(key))}
+
+
+class GetLog:
+    """Every GetObject request the process's s3 client sends, with its Range header."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, str | None]] = []
+
+    def __call__(self, request, **kwargs):
+        value = request.headers.get("Range")
+        self.requests.append((request.url.split("?")[0], value.decode() if isinstance(value, bytes) else value))
+
+
+@pytest.fixture
+def get_log(s3):
+    fs = storage.open_filesystem("s3")
+    fs.connect()
+    log = GetLog()
+    fs.s3.meta.events.register("before-send.s3.GetObject", log)
+    yield log
+    fs.s3.meta.events.unregister("before-send.s3.GetObject", log)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading from S3
+
+
+def test_inspect_of_an_s3_checkpoint_matches_the_local_one(s3):
+    local_code, local, _ = run_cli("inspect", SOURCE, "--json")
+    code, remote, err = run_cli("inspect", f"s3://{BUCKET}/src", "--json")
+    assert (code, local_code) == (0, 0), err
+    local_doc, remote_doc = json.loads(local), json.loads(remote)
+    assert json.dumps(remote_doc).replace(f"s3://{BUCKET}/src", str(SOURCE)) == json.dumps(local_doc)
+
+
+def test_validate_deep_reads_an_s3_checkpoint_with_the_endpoint_as_a_storage_option(s3, monkeypatch):
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    code, out, _ = run_cli("validate", f"s3://{BUCKET}/src", "--deep", "--json", "--storage-option", f"endpoint_url={endpoint}")
+    storage.configure({})
+    assert code == 0, out
+    assert json.loads(out)["valid"] is True
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "hub"])
+def test_consolidate_from_s3_is_byte_identical_to_the_local_run(s3, tmp_path, get_log, name):
+    extra = ["--max-shard-size", "20KB"] if name == "hub" else []
+    assert run_cli("consolidate", SOURCE, tmp_path / "local" / name, *extra)[0] == 0
+    code, out, err = run_cli("consolidate", f"s3://{BUCKET}/src", tmp_path / "remote" / name, *extra)
+    assert code == 0, out + err
+    assert files_of(tmp_path / "remote" / name) == files_of(tmp_path / "local" / name)
+    data_reads = [(url, r) for url, r in get_log.requests if url.endswith(".distcp")]
+    assert data_reads and all(r is not None and r.startswith("bytes=") for _, r in data_reads), get_log.requests
+    assert all(r is not None for _, r in get_log.requests), "an object was downloaded whole"
+
+
+def test_consolidate_of_an_s3_hub_folder_reads_safetensors_headers_by_range(s3, tmp_path, get_log):
+    source = FIXTURES / "dcp_hf_world2_consolidated"
+    assert run_cli("consolidate", source, tmp_path / "local.safetensors")[0] == 0
+    code, out, _ = run_cli("consolidate", f"s3://{BUCKET}/hub", tmp_path / "remote.safetensors")
+    assert code == 0, out
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    assert get_log.requests and all(r is not None for _, r in get_log.requests)
+
+
+def test_reshard_from_s3_is_byte_identical_to_the_local_run(s3, tmp_path):
+    assert run_cli("reshard", SOURCE, tmp_path / "out", "--world", "3")[0] == 0
+    local = files_of(tmp_path / "out")
+    os.rename(tmp_path / "out", tmp_path / "local")
+    code, out, _ = run_cli("reshard", f"s3://{BUCKET}/src", tmp_path / "out", "--world", "3")
+    assert code == 0, out
+    assert files_of(tmp_path / "out") == local
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing to S3
+
+
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_consolidate_to_s3_uploads_the_same_bytes(s3, tmp_path, source):
+    src = SOURCE if source == "local" else f"s3://{BUCKET}/src"
+    assert run_cli("consolidate", SOURCE, tmp_path / "model.safetensors")[0] == 0
+    assert run_cli("consolidate", SOURCE, tmp_path / "hub", "--max-shard-size", "20KB")[0] == 0
+    key = f"{BUCKET}/out-{source}"
+    assert run_cli("consolidate", src, f"s3://{key}/model.safetensors")[0] == 0
+    assert run_cli("consolidate", src, f"s3://{key}/hub", "--max-shard-size", "20KB")[0] == 0
+    assert remote_files(s3, f"{key}/model.safetensors") == files_of(tmp_path / "model.safetensors")
+    assert remote_files(s3, f"{key}/hub") == files_of(tmp_path / "hub")
+    assert not [k for k in s3.find(BUCKET) if ".ckpttool-" in k]
+    code, _, err = run_cli("consolidate", src, f"s3://{key}/model.safetensors")
+    assert code == 2 and "already exists" in err
+
+
+def test_reshard_s3_to_s3_writes_the_local_bytes_and_reads_back(s3, tmp_path):
+    assert run_cli("reshard", SOURCE, tmp_path / "out", "--world", "3")[0] == 0
+    code, out, _ = run_cli("reshard", f"s3://{BUCKET}/src", f"s3://{BUCKET}/resharded", "--world", "3")
+    assert code == 0, out
+    uploaded = remote_files(s3, f"{BUCKET}/resharded")
+    assert uploaded.keys() == files_of(tmp_path / "out").keys()
+    assert {k: v for k, v in uploaded.items() if k != ".metadata"} == \
+        {k: v for k, v in files_of(tmp_path / "out").items() if k != ".metadata"}
+    assert run_cli("validate", f"s3://{BUCKET}/resharded", "--deep")[0] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Interrupted uploads
+
+
+def run_until_upload(destination: str) -> subprocess.Popen:
+    env = {**os.environ, "CKPTTOOL_TEST_PAUSE": f"upload:{TIMEOUT}"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ckpttool", "consolidate", str(SOURCE), destination, "--max-shard-size", "20KB", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    )
+    watchdog = threading.Timer(TIMEOUT, process.kill)
+    watchdog.start()
+    early = []
+    while (line := process.stderr.readline()) and line.strip() != MARKER + "upload":
+        early.append(line)
+    watchdog.cancel()
+    assert line, f"exited {process.wait()} before pausing: {''.join(early)}"
+    return process
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_an_interrupted_upload_leaves_nothing_at_the_destination(s3, signum):
+    key = f"{BUCKET}/killed-{signum}/hub"
+    process = run_until_upload(f"s3://{key}")
+    s3.invalidate_cache()
+    assert [k for k in s3.find(BUCKET) if ".ckpttool-tmp-hub" in k]  # the first file is uploaded to its temp key
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    s3.invalidate_cache()
+    assert not s3.exists(key)
+    temps = [k for k in s3.find(f"{BUCKET}/killed-{signum}") if ".ckpttool-tmp-" in k]
+    if signum == signal.SIGTERM:
+        assert process.returncode == 128 + signum, stderr
+        assert temps == []
+    else:
+        assert temps  # SIGKILL: nothing can clean up; the temporary keys remain (never the destination)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures: one line, exit 1
+
+
+def test_a_missing_bucket_exits_1_with_one_line(s3, tmp_path):
+    code, _, err = run_cli("consolidate", "s3://no-such-bucket/src", tmp_path / "m.safetensors")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "no-such-bucket" in err, err
+
+
+def test_a_missing_destination_bucket_fails_before_any_work(s3, tmp_path):
+    code, _, err = run_cli("consolidate", SOURCE, "s3://no-such-bucket/model.safetensors")
+    assert code == 1 and "[no-bucket]" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_missing_key_exits_1_with_one_line(s3, tmp_path):
+    code, _, err = run_cli("inspect", f"s3://{BUCKET}/no-such-checkpoint")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "no-such-checkpoint" in err, err
+
+
+def test_wrong_credentials_exit_1_with_one_line(s3, tmp_path, monkeypatch):
+    from moto import settings
+
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server now checks access keys
+    result = subprocess.run([sys.executable, "-m", "ckpttool", "inspect", f"s3://{BUCKET}/src"],
+                            capture_output=True, text=True, timeout=TIMEOUT,
+                            env={**os.environ, "AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong"})
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "access denied" in result.stderr
+
+
+def test_a_missing_backend_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    with pytest.raises(storage.StorageError, match=r"pip install 'ckpttool\[gcs\]'"):
+        storage.location("gs://bucket/ckpt")
