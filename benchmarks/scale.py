@@ -94,7 +94,7 @@ def local_scaling(src: Path, out: Path, processes: list[int], repeat: int) -> No
         reference, rows = None, {p: [] for p in processes}
         for _ in range(repeat):
             for count in processes:
-                target = out / f"p{count}"
+                target = out / "run"  # one path for all: reshard's .metadata records its destination
                 shutil.rmtree(target, ignore_errors=True)
                 target.mkdir(parents=True)
                 seconds, rss, stdout = measure(command(count, args(target)))
