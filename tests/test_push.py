@@ -254,3 +254,12 @@ def test_a_broken_folder_is_refused_before_the_hub_is_contacted(hub, cli, hub_fo
     assert result.exit_code == 1 and result.stderr.startswith("error: [") and result.stderr.count("\n") == 1
     assert "model-00002-of-00002.safetensors" in result.stderr
     assert len(hub.requests) == requests and "tester/broken" not in hub.repos
+
+
+def test_a_repository_the_hub_does_not_know_exits_1_with_one_line(hub, cli, hub_folder):
+    hub.refuse_commits = 404  # the Hub answers "Repository not found", as for a repo deleted meanwhile
+
+    result = cli("push", hub_folder, "tester/vanished")
+
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.startswith("error: [hub-not-found] ") and result.stderr.count("\n") == 1
