@@ -25,29 +25,26 @@ Example:
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
-import pickletools
-from pickle import BUILD, POP, STOP
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool import dtypes
-from ckpttool.dcp.blobs import DataFiles, raw_range_transforms
-from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, PickleRefused, RestrictedUnpickler, Tensor, refuse_bad_names
-from ckpttool.errors import CheckpointError, CorruptMetadata, MissingFile, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.dcp.metadata import Checkpoint, Chunk, RestrictedUnpickler, Tensor, refuse_bad_names
+from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
 from ckpttool.layout import split_dim0
 from ckpttool.readers.detect import VERL_MODEL_PATTERN, VERL_SUBDIRS, verl_files
-from ckpttool.torchsave.archive import contiguous_strides
-from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _persistent_storage, _Rebuilt, _Storage
-from ckpttool.torchsave.zip import Entry, entry_bytes, entry_data_offset, find_entry, read_directory
+from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
+from ckpttool.torchsave.stored import (MAX_PICKLE_BYTES, DTypeName, closing_build_as_pop, device, dtype_global,
+                                      ints, raw_blob, stored_dtype, unpickle)
+from ckpttool.torchsave.zip import Entry, entry_bytes, find_entry, read_directory
 
 FSDP_CONFIG = "fsdp_config.json"  # fsdp_checkpoint_manager.py: {"FSDP_version": 2, "world_size": W}
 MAX_CONFIG_BYTES = 1 << 20
-MAX_PICKLE_BYTES = 256 << 20  # a 70B model's state dict pickles to a few MB
 MODEL_FILE = "model_world_size_{world_size}_rank_{rank}.pt"
 MODEL_FILES_GLOB = "model_world_size_{world_size}_rank_*.pt"  # shown as the metadata file
 
@@ -78,11 +75,6 @@ class _Marker:
 
 
 @dataclass(frozen=True)
-class _DTypeName:
-    name: str
-
-
-@dataclass(frozen=True)
 class _Subclass:
     """`torch._tensor._rebuild_from_type_v2(func, new_type, args, state)`, recorded."""
 
@@ -94,10 +86,6 @@ class _Subclass:
 
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> _Subclass:
     return _Subclass(func, new_type, args, state)
-
-
-def _device(kind: Any, index: Any = None) -> str:
-    return kind if type(kind) is str else "?"
 
 
 def _layout_name(name: Any) -> str:
@@ -118,7 +106,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     **_TENSOR_PICKLE_ALLOWED,  # _rebuild_tensor_v2/v3, typed storages, OrderedDict, torch.Size
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch._utils", "_rebuild_wrapper_subclass"): _WRAPPER_SUBCLASS,
-    ("torch", "device"): _device,
+    ("torch", "device"): device,
     ("torch.serialization", "_get_layout"): _layout_name,
     ("torch.distributed.device_mesh", "DeviceMesh"): _MESH,
     ("torch.distributed._mesh_layout", "_MeshLayout"): _MESH_LAYOUT,
@@ -139,11 +127,8 @@ class _Unpickler(RestrictedUnpickler):
         found = _ALLOWED.get((module, name))
         if found is not None:
             return found
-        if module == "torch" and not name.startswith("_"):
-            try:
-                return _DTypeName(dtypes.canonical(name))
-            except KeyError:
-                pass
+        if (dtype := dtype_global(module, name)) is not None:
+            return dtype
         if module.startswith("torch.distributed._shard"):
             raise UnsupportedFormat(f"{self._source}: holds FSDP1 ShardedTensors (`{module:.100}.{name:.100}`), "
                                     "which this build does not read; only FSDP2 DTensor state dicts")
@@ -255,7 +240,8 @@ def _read_rank(files: DataFiles, name: str, rank: int, world_size: int) -> list[
     byteorder = find_entry(entries, "byteorder")
     if byteorder is not None and entry_bytes(read, size, byteorder, where, 16) != b"little":
         raise UnsupportedFormat(f"{where}: saved on a big-endian machine; this build reads little-endian files only")
-    state = _unpickle(entry_bytes(read, size, pickle_entry, where, MAX_PICKLE_BYTES), where)
+    state = unpickle(entry_bytes(read, size, pickle_entry, where, MAX_PICKLE_BYTES), where, _Unpickler, _ALLOWED,
+                     closing_build_as_pop)
     if not isinstance(state, dict):
         raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not a state dict")
     starts: dict[str, int] = {}  # storage key -> where its bytes start in the file
@@ -270,61 +256,25 @@ def _read_rank(files: DataFiles, name: str, rank: int, world_size: int) -> list[
     return pieces
 
 
-def _drop_state_dict_attributes(raw: bytes) -> bytes:
-    """Return the pickle with its closing `BUILD` turned into `POP`, when it ends so.
-
-    `module.state_dict()` is an OrderedDict carrying a `_metadata` attribute (each module's
-    version), which pickles as a BUILD of the dict after its items. The checking loader admits
-    BUILD of objects only; as POP the attribute dict is still scanned like the rest, then dropped.
-    """
-    if raw[-2:] != BUILD + STOP:
-        return raw
-    try:  # parses only (the argument of another opcode may look like BUILD)
-        positions = [position for _, _, position in pickletools.genops(raw)][-2:]
-    except Exception:  # malformed: the loader words it
-        return raw
-    if positions != [len(raw) - 2, len(raw) - 1]:
-        return raw
-    return raw[:-2] + POP + STOP
-
-
-def _unpickle(raw: bytes, where: str) -> Any:
-    try:
-        raw = _drop_state_dict_attributes(raw)
-        return _Unpickler(io.BytesIO(raw), _ALLOWED, where, persistent=_persistent_storage).load()
-    except CheckpointError:
-        raise
-    except PickleRefused as error:
-        raise CorruptMetadata(f"{where}: data.pkl refused: {error}; nothing was built from it") from None
-    except Exception as error:  # pickle raises many kinds on truncated or garbage input
-        raise CorruptMetadata(f"{where}: cannot decode data.pkl ({type(error).__name__}: {str(error)[:200]})") from None
-
-
 def _fields(obj: Any) -> dict:
     return obj.__dict__ if isinstance(obj, _Stub) else {}
-
-
-def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
-        raise CorruptMetadata(f"{what} is not a sequence of non-negative integers")
-    return tuple(value)
 
 
 def _piece(entries: dict[str, Entry], starts: dict[str, int], read: Any, size: int, where: str, name: str,
            rank: int, fqn: str, value: Any) -> tuple[str, str, tuple, Chunk | None]:
     here = f"{where}: {fqn}"
     if isinstance(value, _Rebuilt):  # a plain tensor: the same on every rank, taken from rank 0
-        dtype = _local_dtype(value, here)
-        shape = _ints(value.shape, f"{here}: shape")
-        chunk = Chunk((0,) * len(shape), shape, _blob(entries, starts, read, size, here, name, value, dtype))
+        dtype = stored_dtype(value, here)
+        shape = ints(value.shape, f"{here}: shape")
+        chunk = Chunk((0,) * len(shape), shape, raw_blob(entries, starts, read, size, here, name, value, dtype))
         return fqn, dtype, shape, chunk if rank == 0 else None
     if not (isinstance(value, _Subclass) and value.func is _WRAPPER_SUBCLASS and value.new_type is _DTENSOR):
         raise UnsupportedFormat(f"{here}: a {type(value).__name__}, not a tensor or DTensor; this build reads "
                                 "verl model state dicts of tensors only")
     args = value.args
-    if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[1], _DTypeName)):
+    if not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[1], DTypeName)):
         raise CorruptMetadata(f"{here}: malformed DTensor arguments")
-    dtype, shape = args[1].name, _ints(args[2], f"{here}: DTensor shape")
+    dtype, shape = args[1].name, ints(args[2], f"{here}: DTensor shape")
     slots: dict = {}
     for part in value.state if isinstance(value.state, tuple) else (value.state,):
         if isinstance(part, dict):
@@ -332,21 +282,14 @@ def _piece(entries: dict[str, Entry], starts: dict[str, int], read: Any, size: i
     local, spec = slots.get("_local_tensor"), _fields(slots.get("_spec"))
     if not isinstance(local, _Rebuilt) or not isinstance(slots.get("_spec"), _SPEC):
         raise CorruptMetadata(f"{here}: DTensor without a local tensor and spec")
-    if _local_dtype(local, here) != dtype:
-        raise CorruptMetadata(f"{here}: local tensor holds {_local_dtype(local, here)}, the DTensor says {dtype}")
+    if stored_dtype(local, here) != dtype:
+        raise CorruptMetadata(f"{here}: local tensor holds {stored_dtype(local, here)}, the DTensor says {dtype}")
     offsets, sizes, primary = _place(here, shape, spec, rank)
     if tuple(local.shape) != sizes:
         raise CorruptMetadata(f"{here}: holds a local shard of shape {list(local.shape)}, but its placements "
                               f"give rank {rank} {list(sizes)} of {list(shape)}")
-    chunk = Chunk(offsets, sizes, _blob(entries, starts, read, size, here, name, local, dtype))
+    chunk = Chunk(offsets, sizes, raw_blob(entries, starts, read, size, here, name, local, dtype))
     return fqn, dtype, shape, chunk if primary else None
-
-
-def _local_dtype(local: _Rebuilt, here: str) -> str:
-    dtype = local.dtype or (local.storage.dtype if isinstance(local.storage, _Storage) else None)
-    if dtype is None:
-        raise CorruptMetadata(f"{here}: the local tensor's dtype is not recorded")
-    return dtype
 
 
 def _place(here: str, shape: tuple[int, ...], spec: dict, rank: int) -> tuple[tuple, tuple, bool]:
@@ -361,7 +304,7 @@ def _place(here: str, shape: tuple[int, ...], spec: dict, rank: int) -> tuple[tu
     coordinate = mesh.get("_coordinate_on_dim")
     if coordinate is None:
         raise CorruptMetadata(f"{here}: the saving rank is not in the DTensor's device mesh")
-    coordinate = _ints(coordinate, f"{here}: mesh coordinate")
+    coordinate = ints(coordinate, f"{here}: mesh coordinate")
     if type(mesh.get("_rank")) is int and mesh["_rank"] != rank:
         raise CorruptMetadata(f"{here}: saved by rank {mesh['_rank']}, but the file is named for rank {rank} "
                               "(renamed files?)")
@@ -398,41 +341,10 @@ def _mesh_shape(here: str, mesh: dict) -> tuple[int, ...]:
         axes = layout.get("axes")
         if not isinstance(axes, tuple) or not all(isinstance(a, _FLAT_LAYOUT) for a in axes):
             raise CorruptMetadata(f"{here}: malformed device mesh layout")
-        return tuple(math.prod(_ints(_fields(a).get("shape"), f"{here}: mesh axis shape")) for a in axes)
+        return tuple(math.prod(ints(_fields(a).get("shape"), f"{here}: mesh axis shape")) for a in axes)
     tensor = mesh.get("mesh")
     if isinstance(tensor, _Rebuilt):
-        return _ints(tensor.shape, f"{here}: mesh shape")
+        return ints(tensor.shape, f"{here}: mesh shape")
     raise CorruptMetadata(f"{here}: device mesh without a layout or mesh tensor")
 
 
-def _blob(entries: dict[str, Entry], starts: dict[str, int], read: Any, size: int, here: str, name: str,
-          local: _Rebuilt, dtype: str) -> Blob:
-    """Return the local tensor's bytes as a raw range of the file; UnsupportedFormat unless
-    it is contiguous."""
-    storage = local.storage
-    if not isinstance(storage, _Storage):
-        raise CorruptMetadata(f"{here}: the local tensor has no storage")
-    shape = _ints(local.shape, f"{here}: local shape")
-    stride = tuple(local.stride)
-    numel = math.prod(shape)
-    if numel and any(n != 1 and s != c for n, s, c in zip(shape, stride, contiguous_strides(shape))):
-        raise UnsupportedFormat(f"{here}: the local tensor is not contiguous (stride {list(stride)} for shape "
-                                f"{list(shape)}); this build reads contiguous shards only")
-    itemsize = dtypes.ITEMSIZE.get(dtype)
-    if itemsize is None:
-        raise UnsupportedFormat(f"{here}: unknown dtype {dtype[:64]!r}")
-    entry = find_entry(entries, f"data/{storage.key}")
-    if entry is None:
-        raise CorruptMetadata(f"{here}: its storage data/{storage.key[:40]} is not in the file")
-    storage_bytes = storage.numel * (itemsize if storage.dtype else 1)
-    offset = local.storage_offset
-    if entry.size != storage_bytes:
-        raise CorruptMetadata(f"{here}: storage data/{storage.key} holds {entry.size} bytes, data.pkl says {storage_bytes}")
-    if type(offset) is not int or offset < 0 or offset * itemsize + numel * itemsize > storage_bytes:
-        raise CorruptMetadata(f"{here}: {numel} elements at storage offset {offset!r:.40} run past the "
-                              f"{storage_bytes}-byte storage data/{storage.key}")
-    start = starts.get(storage.key)
-    if start is None:
-        start = starts[storage.key] = entry_data_offset(read, size, entry, here)
-    whole = offset == 0 and numel * itemsize == entry.size
-    return Blob(name, start + offset * itemsize, numel * itemsize, raw_range_transforms(entry.crc32 if whole else None))
