@@ -110,9 +110,12 @@ def _check_files(checkpoint: Checkpoint, report: Integrity, follow_symlinks: boo
         for blob in blobs:
             if blob is not None:
                 users.setdefault(blob.file, entry.fqn)
+    referenced: set[str] = set()  # safe relative paths, as the unreferenced-file scan names files
     for name, fqn in sorted(users.items()):
         try:
-            path = checkpoint.path / safe_relative_path(name)
+            relative = safe_relative_path(name)
+            referenced.add(str(relative))
+            path = checkpoint.path / relative
         except CheckpointError:
             report.add(ERROR, "path-traversal", f"{name}: path of {fqn} leaves the checkpoint directory (absolute or `..`); not read", name, fqn)
             continue
@@ -127,12 +130,6 @@ def _check_files(checkpoint: Checkpoint, report: Integrity, follow_symlinks: boo
         except OSError as error:
             report.add(ERROR, "unreadable-file", f"{path}: cannot stat ({error})", name, fqn)
     report.files = len(users)
-    referenced = set()
-    for name in users:
-        try:
-            referenced.add(str(safe_relative_path(name)))
-        except CheckpointError:
-            pass
     if checkpoint.metadata_file != METADATA_FILENAME and not RANK_METADATA_PATTERN.match(checkpoint.metadata_file):
         return sizes  # safetensors layouts: the folder also holds configs, tokenizers, indexes
     for path in sorted(checkpoint.path.rglob("*")):

@@ -45,10 +45,14 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False) -> tuple[Detect
         checkpoint = _read(detection, follow_symlinks)
     if detection.layout == ACCELERATE:
         checkpoint = _with_accelerate_optimizer(checkpoint)
-    tops = {fqn.split(".", 1)[0] for fqn in (*checkpoint.tensors, *checkpoint.objects)}
-    if detection.layout in TOP_LEVEL_MODEL or (detection.layout == TORCHTITAN and "model" not in tops):
+    if detection.layout in TOP_LEVEL_MODEL or (detection.layout == TORCHTITAN and not _nests_model(checkpoint)):
         checkpoint = dataclasses.replace(checkpoint, model_subtree=None)
     return detection, checkpoint
+
+
+def _nests_model(checkpoint: Checkpoint) -> bool:
+    """Older torchtitan nests the model under `model.` rather than at the top level."""
+    return any(fqn.startswith("model.") for fqn in (*checkpoint.tensors, *checkpoint.objects))
 
 
 def _with_accelerate_optimizer(model: Checkpoint) -> Checkpoint:

@@ -35,11 +35,11 @@ from typing import Any
 
 from ckpttool import dtypes, storage
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import Checkpoint, Chunk, RestrictedUnpickler, Tensor, refuse_bad_names
-from ckpttool.errors import CorruptBlob, CorruptMetadata, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
+from ckpttool.dcp.metadata import Checkpoint, Chunk, Tensor, refuse_bad_names
+from ckpttool.errors import CorruptBlob, CorruptMetadata, NotACheckpoint, UnsupportedFormat
 from ckpttool.readers.detect import HUB_TORCH_FILE
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
-from ckpttool.torchsave.stored import (MAX_PICKLE_BYTES, device, dtype_global, ints, raw_blob, stored_dtype,
+from ckpttool.torchsave.stored import (MAX_PICKLE_BYTES, StateDictUnpickler, device, ints, raw_blob, stored_dtype,
                                       unpickle)
 from ckpttool.torchsave.zip import LOCAL_MAGIC, entry_bytes, find_entry, read_directory
 
@@ -67,19 +67,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class _Unpickler(RestrictedUnpickler):
+class _Unpickler(StateDictUnpickler):
     """The checking loader with a state dict's allowlist: a refused name is named in one line."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get((module, name))
-        if found is not None:
-            return found
-        if (dtype := dtype_global(module, name)) is not None:
-            return dtype
-        raise UnsafeMetadata(
-            f"{self._source}: refuses to load `{module:.200}.{name:.200}`, which a state dict of tensors and "
-            "plain values never holds; nothing from the file was executed (the file is corrupt or was "
-            "crafted to run code)")
 
 
 # ---------------------------------------------------------------------------------------------

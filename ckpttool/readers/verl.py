@@ -34,12 +34,12 @@ from typing import Any
 
 from ckpttool import dtypes
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import Checkpoint, Chunk, RestrictedUnpickler, Tensor, refuse_bad_names
-from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
+from ckpttool.dcp.metadata import Checkpoint, Chunk, Tensor, refuse_bad_names
+from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.layout import split_dim0
 from ckpttool.readers.detect import VERL_MODEL_PATTERN, VERL_SUBDIRS, verl_files
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
-from ckpttool.torchsave.stored import (MAX_PICKLE_BYTES, DTypeName, closing_build_as_pop, device, dtype_global,
+from ckpttool.torchsave.stored import (MAX_PICKLE_BYTES, DTypeName, StateDictUnpickler, closing_build_as_pop, device,
                                       ints, raw_blob, stored_dtype, unpickle)
 from ckpttool.torchsave.zip import Entry, entry_bytes, find_entry, read_directory
 
@@ -120,21 +120,15 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class _Unpickler(RestrictedUnpickler):
+class _Unpickler(StateDictUnpickler):
     """The checking loader with verl's allowlist: a refused name is named in one line."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get((module, name))
-        if found is not None:
-            return found
-        if (dtype := dtype_global(module, name)) is not None:
-            return dtype
+    holds = "a verl model state dict"
+
+    def refuse(self, module: str, name: str) -> None:
         if module.startswith("torch.distributed._shard"):
             raise UnsupportedFormat(f"{self._source}: holds FSDP1 ShardedTensors (`{module:.100}.{name:.100}`), "
                                     "which this build does not read; only FSDP2 DTensor state dicts")
-        raise UnsafeMetadata(
-            f"{self._source}: refuses to load `{module:.200}.{name:.200}`, which a verl model state dict never "
-            "holds; nothing from the file was executed (the file is corrupt or was crafted to run code)")
 
 
 # ---------------------------------------------------------------------------------------------

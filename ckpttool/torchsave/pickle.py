@@ -7,12 +7,14 @@ pickling the real objects would import torch (~1.7 s, ~270 MB). We pickle stand-
 (torch.save's storages). Stock `pickle` and torch's weights_only unpickler load what we
 write. The only memo is for strings and globals, by value; no frames, no batching.
 
-Example:
-    >>> import pickle
-    >>> pickle.loads(dumps({"lr": 0.1, "betas": (0.9, 0.999), "name": b"adam"}))
-    {'lr': 0.1, 'betas': (0.9, 0.999), 'name': b'adam'}
-    >>> pickle.loads(dumps(Reduce(Global("collections", "OrderedDict"), ())))
-    OrderedDict()
+Example (read back through our allowlist loader, as ckpttool reads every pickle):
+    >>> import io
+    >>> from ckpttool.dcp.metadata import RestrictedUnpickler
+    >>> RestrictedUnpickler(io.BytesIO(dumps({"lr": 0.1, "betas": (0.9, 0.999)})), {}, "example").load()
+    {'lr': 0.1, 'betas': (0.9, 0.999)}
+    >>> allowed = {("collections", "OrderedDict"): dict}
+    >>> RestrictedUnpickler(io.BytesIO(dumps(Reduce(Global("collections", "OrderedDict"), ()))), allowed, "example").load()
+    {}
 """
 
 from __future__ import annotations

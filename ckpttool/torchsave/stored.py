@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ckpttool import dtypes
 from ckpttool.dcp.blobs import raw_range_transforms
 from ckpttool.dcp.metadata import Blob, PickleRefused, RestrictedUnpickler
-from ckpttool.errors import CheckpointError, CorruptMetadata, UnsupportedFormat
+from ckpttool.errors import CheckpointError, CorruptMetadata, UnsafeMetadata, UnsupportedFormat
 from ckpttool.torchsave.archive import contiguous_strides
 from ckpttool.torchsave.record import _persistent_storage, _Rebuilt, _Storage
 from ckpttool.torchsave.zip import Entry, entry_data_offset, find_entry
@@ -42,6 +42,27 @@ def dtype_global(module: str, name: str) -> DTypeName | None:
         except KeyError:
             return None
     return None
+
+
+class StateDictUnpickler(RestrictedUnpickler):
+    """The checking loader for a state dict's data.pkl: its allowlist, torch dtypes, and for
+    anything else a one-line refusal saying what kind of file never holds the name."""
+
+    holds = "a state dict of tensors and plain values"
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get((module, name))
+        if found is not None:
+            return found
+        if (dtype := dtype_global(module, name)) is not None:
+            return dtype
+        self.refuse(module, name)
+        raise UnsafeMetadata(
+            f"{self._source}: refuses to load `{module:.200}.{name:.200}`, which {self.holds} never holds; nothing "
+            "from the file was executed (the file is corrupt or was crafted to run code)")
+
+    def refuse(self, module: str, name: str) -> None:
+        """Raise a more specific error for a name this reader knows but does not read."""
 
 
 def device(kind: Any, index: Any = None) -> str:
