@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from ckpttool import dtypes
+from ckpttool import dtypes, storage
 from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
 from ckpttool.dcp.metadata import Tensor
 from ckpttool.errors import CorruptBlob, VerificationFailed
@@ -151,12 +151,13 @@ def output_blocks(op: Convert | Gather | Copy, files: DataFiles, decoded: dict) 
     """Yield (output offset, bytes) that `op` writes, in output order; a block is valid only
     until the next is asked for (they share this thread's buffers). `decoded` caches decoded
     chunks across the parts of one record."""
-    if isinstance(op, Copy):
-        buffer = memoryview(thread_buffer(STREAM_BLOCK))
-        for done in range(0, op.length, STREAM_BLOCK):
-            block = buffer[:min(STREAM_BLOCK, op.length - done)]
-            files.read_into(op.src, op.src_offset + done, block)
-            yield op.dst_offset + done, block
+    if isinstance(op, Copy):  # remote: one GET streamed through a small buffer; local: block by block
+        size = STREAM_BLOCK if files.local else storage.PIECE
+        buffer = memoryview(thread_buffer(size))[:size]
+        at = op.dst_offset
+        for block in files.pieces(op.src, op.src_offset, op.length, buffer):
+            yield at, block
+            at += len(block)
     elif isinstance(op, Convert):
         buffer = thread_buffer(op.length)
         files.read_into(op.src, op.src_offset, memoryview(buffer)[:op.length])

@@ -45,6 +45,7 @@ BACKENDS = {
 # `s3://b/k`, and `s3:/b/k`: what pathlib makes of a URL (`Path("s3://b/k")`) on its way through code that wraps paths
 _URL = re.compile(r"^(?P<protocol>" + "|".join(BACKENDS) + r"):/{1,2}(?P<key>[^/].*)?$")
 _FILE_URL = re.compile(r"^file:(//)?(?P<path>/.*)$")
+PIECE = 1 << 20  # bytes of a streamed GET's body held at once (`RangeReader.pieces`)
 READ_AHEAD = 256 << 10  # a small read (record header, safetensors length) fetches this much, so its neighbours are served from memory
 CACHED_BLOCKS = 16  # read-ahead blocks kept per reader (4 MiB)
 LAST_KEYS = (".metadata", ".index.json")  # copied last: a reader sees the checkpoint only when all else is there
@@ -275,13 +276,8 @@ class RangeReader:
         self._lock = threading.Lock()
 
     def _get(self, start: int, end: int) -> bytes:
-        with _requests(self.url):
-            try:
-                data = self.fs.cat_file(self.key, start=start, end=end)
-            except FileNotFoundError:
-                from ckpttool.errors import MissingFile
-
-                raise MissingFile(f"{self.url}: vanished while being read") from None
+        with _requests(self.url), _vanished(self.url):
+            data = self.fs.cat_file(self.key, start=start, end=end)
         if len(data) != end - start:
             from ckpttool.errors import CorruptBlob
 
@@ -303,6 +299,43 @@ class RangeReader:
         skip = offset % READ_AHEAD
         return data[skip:skip + length]
 
+    def pieces(self, offset: int, length: int, buffer: memoryview) -> Iterator[memoryview]:
+        """Yield the `length` bytes at `offset` from ONE ranged GET, as consecutive fills of
+        `buffer` (each view valid until the next is asked for).
+
+        With s3fs the response body is read into `buffer` as it arrives, so a copy of any
+        size holds `len(buffer)` bytes (a whole-range `cat_file` would hold the range twice:
+        the body's chunks and their join). Other backends get a `cat_file` per buffer.
+        """
+        if not hasattr(self.fs, "_call_s3"):
+            for done in range(0, length, len(buffer)):
+                view = buffer[:min(len(buffer), length - done)]
+                view[:] = self.read(offset + done, len(view))
+                yield view
+            return
+        from fsspec.asyn import sync
+
+        bucket, key, version = self.fs.split_path(self.key)
+        with _requests(self.url), _vanished(self.url):
+            response = sync(self.fs.loop, self.fs._call_s3, "get_object", Bucket=bucket, Key=key,
+                            Range=f"bytes={offset}-{offset + length - 1}", **({"VersionId": version} if version else {}))
+        body = response["Body"]
+        try:
+            done = 0
+            while done < length:
+                view = buffer[:min(len(buffer), length - done)]
+                with _requests(self.url):
+                    got = sync(self.fs.loop, _fill, body, view)
+                if got < len(view):
+                    from ckpttool.errors import CorruptBlob
+
+                    raise CorruptBlob(f"{self.url}: the server ended bytes {offset}..{offset + length} after "
+                                      f"{done + got} bytes (object changed?)")
+                done += got
+                yield view
+        finally:
+            body.close()
+
     def _block(self, start: int) -> bytes:
         with self._lock:
             block = self._blocks.get(start)
@@ -315,6 +348,28 @@ class RangeReader:
             while len(self._blocks) > CACHED_BLOCKS:
                 self._blocks.popitem(last=False)
         return block
+
+
+async def _fill(body: Any, view: memoryview) -> int:
+    """Read a streaming response body into `view` until it is full or the body ends."""
+    got = 0
+    while got < len(view):
+        chunk = await body.read(len(view) - got)
+        if not chunk:
+            break
+        view[got:got + len(chunk)] = chunk
+        got += len(chunk)
+    return got
+
+
+@contextlib.contextmanager
+def _vanished(url: str) -> Iterator[None]:
+    try:
+        yield
+    except FileNotFoundError:
+        from ckpttool.errors import MissingFile
+
+        raise MissingFile(f"{url}: vanished while being read") from None
 
 
 def reader(path: RemotePath) -> RangeReader:

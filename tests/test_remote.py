@@ -133,6 +133,27 @@ def test_consolidate_from_s3_is_byte_identical_to_the_local_run(s3, tmp_path, ge
     assert all(r is not None for _, r in get_log.requests), "an object was downloaded whole"
 
 
+def test_a_copy_from_s3_is_one_get_streamed_through_a_small_buffer(s3, tmp_path, get_log, monkeypatch):
+    """Memory per copy is the piece buffer, whatever the tensor's size: the response body
+    is read into it piece by piece (here 64 bytes, so a tensor takes several pieces)."""
+    monkeypatch.setattr(storage, "PIECE", 64)
+    fills = []
+    real_fill = storage._fill
+
+    async def fill(body, view):
+        fills.append(len(view))
+        return await real_fill(body, view)
+
+    monkeypatch.setattr(storage, "_fill", fill)
+    assert run_cli("consolidate", SOURCE, tmp_path / "local.safetensors", "--threads", "1")[0] == 0
+    code, out, err = run_cli("consolidate", f"s3://{BUCKET}/src", tmp_path / "remote.safetensors", "--threads", "1")
+    assert code == 0, out + err
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    gets = [r for url, r in get_log.requests if url.endswith(".distcp")]
+    assert max(fills) == 64, "read into the piece buffer, never the whole range at once"
+    assert len(fills) > 2 * len(gets), "one GET per copy, read in several pieces"
+
+
 def test_consolidate_of_an_s3_hub_folder_reads_safetensors_headers_by_range(s3, tmp_path, get_log):
     source = FIXTURES / "dcp_hf_world2_consolidated"
     assert run_cli("consolidate", source, tmp_path / "local.safetensors")[0] == 0

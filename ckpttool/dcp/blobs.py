@@ -24,7 +24,7 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Iterator
 
 from ckpttool import dtypes, storage
 from ckpttool.dcp.metadata import Blob, Chunk, PickleRefused, Tensor, file_kind
@@ -202,6 +202,18 @@ class DataFiles:
             if count == 0:
                 raise CorruptBlob(f"{self.path(relative)}: unexpected end of file at {offset + got}")
             got += count
+
+    def pieces(self, relative: str, offset: int, length: int, buffer: memoryview) -> Iterator[memoryview]:
+        """Yield the `length` bytes at `offset` as consecutive fills of `buffer` (each view valid
+        until the next): from a remote file one ranged GET streamed through the buffer."""
+        self._checked_fd(relative, offset, length)
+        if not self.local:
+            yield from self._readers[relative].pieces(offset, length, buffer)
+            return
+        for done in range(0, length, len(buffer)):
+            view = buffer[:min(len(buffer), length - done)]
+            self.read_into(relative, offset + done, view)
+            yield view
 
     def read(self, relative: str, offset: int, length: int) -> bytes:
         """Return exactly `length` bytes at `offset`, or raise CorruptBlob naming the file."""
