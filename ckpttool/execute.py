@@ -26,7 +26,7 @@ from ckpttool import dtypes, storage
 from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
 from ckpttool.dcp.metadata import Tensor
 from ckpttool.errors import CorruptBlob, VerificationFailed
-from ckpttool.io import Task, copy_range, run_tasks, thread_buffer, write_at
+from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record
 from ckpttool.torchsave.ptfile import crc32_combine
@@ -62,8 +62,13 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
 
 
 @contextlib.contextmanager
-def opened_outputs(directory: Path, names: Iterable[str]) -> Iterator[dict[str, int]]:
-    """Yield name -> fd of new files `names` in `directory`, open for writing; closed on exit."""
+def opened_outputs(directory: Path, names: Iterable[str]) -> Iterator[dict[str, Output]]:
+    """Yield name -> fd of new files `names` in `directory`, open for writing; closed on exit.
+    In the stand-in directory of a streamed remote output they are its uploads instead."""
+    streams = storage.streamed_outputs(directory)
+    if streams is not None:
+        yield {name: streams.sink(name) for name in names}
+        return
     fds: dict[str, int] = {}
     try:
         for name in names:
@@ -82,8 +87,11 @@ def write_file(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def reserve(fd: int, size: int) -> None:
+def reserve(fd: Output, size: int) -> None:
     """Give an output file its final size up front; allocating it makes a full disk fail now."""
+    if not isinstance(fd, int):
+        fd.reserve(size)
+        return
     os.ftruncate(fd, size)
     if size and hasattr(os, "posix_fallocate"):
         try:
@@ -103,7 +111,7 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
 
 def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Callable[[], int]:
     fd = outputs[op.dst]
-    if isinstance(op, Copy) and files.local:  # a remote source streams through `write` below
+    if isinstance(op, Copy) and files.local and isinstance(fd, int):  # else it streams through `write` below
         def copy() -> int:
             try:
                 copy_range(files.fd(op.src), op.src_offset, fd, op.dst_offset, op.length)
@@ -112,19 +120,21 @@ def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Call
             return op.length
         return copy
 
+    size = STREAM_BLOCK if files.local and isinstance(fd, int) else storage.PIECE  # remote: small pieces
+
     def write() -> int:
-        for offset, block in _blocks(op, files):
+        for offset, block in _blocks(op, files, size):
             write_at(fd, block, offset)
         return op.output_length
 
     return write
 
 
-def _blocks(op: Operation, files: DataFiles) -> Iterator[tuple[int, bytes | memoryview]]:
+def _blocks(op: Operation, files: DataFiles, block: int = STREAM_BLOCK) -> Iterator[tuple[int, bytes | memoryview]]:
     """Yield (output offset, bytes) of all that `op` writes: for a record its head, the data
     of its parts in output order (so the CRC-32 runs over the data as it lies), then its tail."""
     if not isinstance(op, Record):
-        yield from output_blocks(op, files, {})
+        yield from output_blocks(op, files, {}, block)
         return
     layout = record_layout(op.dtype, op.shape)
     yield op.offset, layout.head
@@ -137,9 +147,9 @@ def _blocks(op: Operation, files: DataFiles) -> Iterator[tuple[int, bytes | memo
     for _, part, index in pieces:
         if isinstance(part, Gather):
             part = replace(part, pieces=(part.pieces[index],))
-        for offset, block in output_blocks(part, files, decoded):
-            crc = zlib.crc32(block, crc)
-            yield offset, block
+        for offset, data in output_blocks(part, files, decoded, block):
+            crc = zlib.crc32(data, crc)
+            yield offset, data
     yield op.offset + layout.data_offset + layout.data_length, layout.tail(crc)
 
 
@@ -147,12 +157,14 @@ def _piece_offsets(part: Copy | Gather) -> list[int]:
     return [part.dst_offset] if isinstance(part, Copy) else [offset for _, offset, _ in part.pieces]
 
 
-def output_blocks(op: Convert | Gather | Copy, files: DataFiles, decoded: dict) -> Iterator[tuple[int, bytes | memoryview]]:
+def output_blocks(op: Convert | Gather | Copy, files: DataFiles, decoded: dict,
+                  block: int = STREAM_BLOCK) -> Iterator[tuple[int, bytes | memoryview]]:
     """Yield (output offset, bytes) that `op` writes, in output order; a block is valid only
     until the next is asked for (they share this thread's buffers). `decoded` caches decoded
-    chunks across the parts of one record."""
-    if isinstance(op, Copy):  # remote: one GET streamed through a small buffer; local: block by block
-        size = STREAM_BLOCK if files.local else storage.PIECE
+    chunks across the parts of one record. A copy moves `block` bytes at a time (from a
+    remote source: one GET read in pieces of at most `storage.PIECE`)."""
+    if isinstance(op, Copy):
+        size = block if files.local else min(block, storage.PIECE)
         buffer = memoryview(thread_buffer(size))[:size]
         at = op.dst_offset
         for block in files.pieces(op.src, op.src_offset, op.length, buffer):

@@ -369,7 +369,8 @@ def _link_into(fd: int, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = True) -> Iterator[BinaryIO]:
+def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = True,
+                  streamed: bool = False) -> Iterator[BinaryIO]:
     """Yield a file open for writing (`.write`, `.flush`, `.fileno()`); when the block
     succeeds it is fsynced and renamed to `path`.
 
@@ -378,11 +379,13 @@ def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = T
     it, as under torchrun), `.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside `path`, which is then
     `handle.name`. On any exception (including `Interrupted`) it is removed and `path` is
     left as it was. An existing `path` is replaced only with `force`. A storage URL
-    (`s3://...`) is written in a local temporary directory and uploaded when complete
-    (`storage.remote_output`).
+    (`s3://...`) is written in a local temporary directory and uploaded when complete, or
+    with `streamed` (for writers that write every byte once and never read back) uploaded
+    while it is written; then what is yielded is a `storage.MultipartSink`, to be passed
+    where an fd goes (`writable`) (`storage.remote_output`).
     """
     if _remote(path):
-        yield from _remote_output(path, force, directory=False)
+        yield from _remote_output(path, force, directory=False, streamed=streamed)
         return
     target = Path(path)
     created = _prepare(target, force)
@@ -416,7 +419,7 @@ def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = T
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, force: bool = False, streamed: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory (`.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside `path`)
     that becomes `path` when the block succeeds.
 
@@ -431,10 +434,11 @@ def atomic_directory(path: str | os.PathLike, force: bool = False) -> Iterator[P
         ...     (directory / ".metadata").write_bytes(metadata)
 
     A storage URL (`s3://...`) is built in a local temporary directory and uploaded when
-    complete (`storage.remote_output`).
+    complete, or with `streamed` its data files (opened by `execute.opened_outputs`) are
+    uploaded while they are written (`storage.remote_output`).
     """
     if _remote(path):
-        yield from _remote_output(path, force, directory=True)
+        yield from _remote_output(path, force, directory=True, streamed=streamed)
         return
     target = Path(path)
     created = _prepare(target, force)
@@ -466,11 +470,11 @@ def _remote(path: str | os.PathLike) -> bool:
     return storage.is_remote(path)
 
 
-def _remote_output(path: str | os.PathLike, force: bool, directory: bool) -> Iterator[Any]:
+def _remote_output(path: str | os.PathLike, force: bool, directory: bool, streamed: bool) -> Iterator[Any]:
     from ckpttool import storage
 
-    with storage.remote_output(storage.location(path), force, directory) as local:
-        if directory:
+    with storage.remote_output(storage.location(path), force, directory, streamed) as local:
+        if directory or not isinstance(local, Path):
             yield local
         else:
             with open(local, "x+b") as handle:
@@ -572,10 +576,27 @@ def thread_buffer(size: int, role: str = "read") -> bytearray:
     return buffer
 
 
-def write_at(fd: int, data: bytes | memoryview, offset: int) -> None:
+Output = Any  # an fd (int), or an object with `write_at(data, offset)`, `reserve(size)` (storage.MultipartSink)
+
+
+def writable(handle: Any) -> Output:
+    """What `write_at` takes for a handle `atomic_output` yielded: its fd, or the sink itself."""
+    return handle.fileno() if hasattr(handle, "fileno") else handle
+
+
+def sync(output: Output) -> None:
+    """fsync an fd; a streamed output has nothing to flush before its commit."""
+    if isinstance(output, int):
+        os.fsync(output)
+
+
+def write_at(fd: Output, data: bytes | memoryview, offset: int) -> None:
     """Write all of `data` at `offset` (pwrite may write less than asked). Inside a
     `run_tasks` task it first stops if the run is failing or interrupted."""
     _stop_if_asked()
+    if not isinstance(fd, int):
+        fd.write_at(data, offset)
+        return
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)
@@ -686,7 +707,8 @@ def _test_pause(phase: str) -> None:
     so a test can send a signal at a known point of a run. Phases: `start` (temporary output
     created), `copy` (first IO task done), `commit` (written and fsynced, before the rename),
     `remove-old` (a replaced directory partly removed), `upload` (a remote output's first
-    file uploaded to its temporary key, `storage.remote_output`)."""
+    file uploaded to its temporary key, or all parts of a streamed one's first file sent,
+    `storage.remote_output`)."""
     setting = os.environ.get(PAUSE_ENV)
     if not setting or phase in _paused:
         return

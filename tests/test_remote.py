@@ -191,6 +191,65 @@ def test_consolidate_to_s3_uploads_the_same_bytes(s3, tmp_path, source):
     assert code == 2 and "already exists" in err
 
 
+class PartLog:
+    """(key, part number, bytes) of every UploadPart the process's s3 client sends."""
+
+    def __init__(self):
+        self.parts: list[tuple[str, int, int]] = []
+
+    def __call__(self, params, **kwargs):
+        self.parts.append((params["Key"], params["PartNumber"], len(params["Body"])))
+
+
+@pytest.mark.parametrize("command", ["safetensors", "hub", "reshard"])
+def test_streamed_outputs_are_sent_in_parts_as_they_fill_and_equal_the_local_bytes(s3, tmp_path, monkeypatch, command):
+    """With 64-byte parts (S3 allows 5 MiB; the server is told 64), every output file is many
+    parts, cut anywhere in a tensor, filled by 4 threads at once; the object is the local bytes."""
+    import moto.s3.models
+
+    monkeypatch.setattr(storage, "PART", 64)
+    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 64)
+    args = {"safetensors": ["consolidate", SOURCE, "{out}/model.safetensors"],
+            "hub": ["consolidate", SOURCE, "{out}/hub", "--max-shard-size", "20KB"],
+            "reshard": ["reshard", SOURCE, "{out}/world3", "--world", "3"]}[command]
+    local, key = tmp_path, f"{BUCKET}/parts-{command}"
+    assert run_cli(*[str(a).format(out=local) for a in args])[0] == 0
+    fs = storage.open_filesystem("s3")
+    fs.connect()
+    log = PartLog()
+    fs.s3.meta.events.register("provide-client-params.s3.UploadPart", log)
+    try:
+        code, out, err = run_cli(*[str(a).format(out=f"s3://{key}") for a in args], "--threads", "4")
+    finally:
+        fs.s3.meta.events.unregister("provide-client-params.s3.UploadPart", log)
+    assert code == 0, out + err
+    name = Path(args[2]).name
+    written, uploaded = files_of(local / name), remote_files(s3, f"{key}/{name}")
+    if command == "reshard":  # .metadata names where it was written
+        assert uploaded.pop(".metadata")[:2] == written.pop(".metadata")[:2]
+        assert run_cli("validate", f"s3://{key}/{name}", "--deep")[0] == 0
+    assert uploaded == written
+    by_key: dict[str, dict[int, int]] = {}
+    for part_key, number, size in log.parts:
+        by_key.setdefault(part_key, {})[number] = size
+    assert len(log.parts) > 10
+    for sizes in by_key.values():  # every part but the last is whole
+        assert sorted(sizes) == list(range(1, len(sizes) + 1))
+        assert all(size == 64 for number, size in sizes.items() if number < len(sizes))
+    assert unfinished_uploads(s3, key) == []
+
+
+def test_force_replaces_a_remote_checkpoint_leaving_none_of_the_old_keys(s3, tmp_path):
+    key = f"{BUCKET}/replaced"
+    assert run_cli("reshard", SOURCE, f"s3://{key}", "--world", "3")[0] == 0
+    assert run_cli("reshard", SOURCE, tmp_path / "world2", "--world", "2")[0] == 0
+    code, out, err = run_cli("reshard", SOURCE, f"s3://{key}", "--world", "2", "--force")
+    assert code == 0, out + err
+    uploaded = remote_files(s3, key)
+    assert sorted(uploaded) == sorted(files_of(tmp_path / "world2"))  # __2_0.distcp of world 3 is gone
+    assert run_cli("validate", f"s3://{key}", "--deep")[0] == 0
+
+
 def test_reshard_s3_to_s3_writes_the_local_bytes_and_reads_back(s3, tmp_path):
     assert run_cli("reshard", SOURCE, tmp_path / "out", "--world", "3")[0] == 0
     code, out, _ = run_cli("reshard", f"s3://{BUCKET}/src", f"s3://{BUCKET}/resharded", "--world", "3")
@@ -206,10 +265,11 @@ def test_reshard_s3_to_s3_writes_the_local_bytes_and_reads_back(s3, tmp_path):
 # Interrupted uploads
 
 
-def run_until_upload(destination: str) -> subprocess.Popen:
+def run_until_upload(destination: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "CKPTTOOL_TEST_PAUSE": f"upload:{TIMEOUT}"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "ckpttool", "consolidate", str(SOURCE), destination, "--max-shard-size", "20KB", "--quiet"],
+        [sys.executable, "-m", "ckpttool", "consolidate", str(SOURCE), destination, "--max-shard-size", "20KB",
+         "--quiet", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
     )
@@ -223,10 +283,43 @@ def run_until_upload(destination: str) -> subprocess.Popen:
     return process
 
 
+def unfinished_uploads(fs, prefix: str) -> list[str]:
+    """Keys of multipart uploads begun under `prefix` and neither completed nor aborted."""
+    listing = fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix=prefix[len(BUCKET) + 1:])
+    return [upload["Key"] for upload in listing.get("Uploads", [])]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_an_interrupted_upload_leaves_nothing_at_the_destination(s3, signum):
-    key = f"{BUCKET}/killed-{signum}/hub"
+def test_an_interrupted_streamed_upload_leaves_nothing_at_the_destination(s3, signum):
+    """A Hub folder streams: each shard is a multipart upload to its final key, invisible
+    until the commit completes it; SIGTERM aborts them, SIGKILL leaves them unfinished
+    (invisible) beside an empty key naming the run, and the next run aborts them."""
+    key = f"{BUCKET}/streamed-{signum}/hub"
     process = run_until_upload(f"s3://{key}")
+    assert unfinished_uploads(s3, key)  # the first part of the first shard is sent
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=TIMEOUT)
+    s3.invalidate_cache()
+    assert not s3.exists(key)
+    marker = [k for k in s3.find(f"{BUCKET}/streamed-{signum}") if ".ckpttool-tmp-" in k]
+    if signum == signal.SIGTERM:
+        assert process.returncode == 128 + signum, stderr
+        assert unfinished_uploads(s3, key) == [] and marker == []
+    else:  # the next run to write there aborts the uploads and removes the marker the killed run left
+        assert unfinished_uploads(s3, key) and len(marker) == 1
+        code, _, err = run_cli("consolidate", SOURCE, f"s3://{key}", "--max-shard-size", "20KB")
+        assert code == 0 and "removed stale temp s3://" in err, err
+        s3.invalidate_cache()
+        assert unfinished_uploads(s3, key) == []
+        assert not [k for k in s3.find(f"{BUCKET}/streamed-{signum}") if ".ckpttool-tmp-" in k]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_an_interrupted_staged_upload_leaves_nothing_at_the_destination(s3, signum):
+    """With --verify the output is built and checked locally, then uploaded to a temporary
+    key: SIGTERM deletes it, SIGKILL leaves it (never an object at the destination)."""
+    key = f"{BUCKET}/killed-{signum}/hub"
+    process = run_until_upload(f"s3://{key}", "--verify")
     s3.invalidate_cache()
     assert [k for k in s3.find(BUCKET) if ".ckpttool-tmp-hub" in k]  # the first file is uploaded to its temp key
     process.send_signal(signum)
@@ -239,6 +332,10 @@ def test_an_interrupted_upload_leaves_nothing_at_the_destination(s3, signum):
         assert temps == []
     else:
         assert temps  # SIGKILL: nothing can clean up; the temporary keys remain (never the destination)
+        code, _, err = run_cli("consolidate", SOURCE, f"s3://{key}", "--max-shard-size", "20KB")
+        assert code == 0 and "removed stale temp s3://" in err and f"pid {process.pid}" in err, err
+        s3.invalidate_cache()
+        assert not [k for k in s3.find(f"{BUCKET}/killed-{signum}") if ".ckpttool-tmp-" in k]
 
 
 # ---------------------------------------------------------------------------------------------

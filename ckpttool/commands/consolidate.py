@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ckpttool import distributed, dtypes, execute, integrity, readers, storage
+from ckpttool import distributed, dtypes, execute, integrity, io, readers, storage
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.dcp.metadata import Checkpoint, Tensor
 from ckpttool.distributed import ProcessStats
@@ -240,11 +240,12 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, k
                 finish=lambda temp, fds: _finish(plan, fds, temp if kind.sharded else None),
             )
             return (written if kind.sharded else (target,)), processes
+        streamed = not verify and not plan.zip_layouts  # written in order, never read back
         if not kind.sharded:
-            with atomic_output(target, force=force) as handle:
-                _fill(plan, files, {plan.files[0].name: handle.fileno()}, budget, threads, verify, progress)
+            with atomic_output(target, force=force, streamed=streamed) as handle:
+                _fill(plan, files, {plan.files[0].name: io.writable(handle)}, budget, threads, verify, progress)
         else:
-            with atomic_directory(target, force=force) as directory:
+            with atomic_directory(target, force=force, streamed=streamed) as directory:
                 with execute.opened_outputs(directory, names) as fds:
                     _fill(plan, files, fds, budget, threads, verify, progress)
                 if plan.index is not None:
@@ -296,6 +297,6 @@ def _finish(plan: ConsolidatePlan, fds: dict[str, int], directory: Path | None) 
         for offset, data in ptfile.zip_records(layout, crcs):
             write_at(fds[name], data, offset)
     for fd in fds.values():
-        os.fsync(fd)
+        io.sync(fd)
     if directory is not None and plan.index is not None:
         execute.write_file(directory / plan.index_name, plan.index)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ckpttool import distributed, execute, integrity, readers, storage
+from ckpttool import distributed, execute, integrity, io, readers, storage
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.dcp.metadata import METADATA_FILENAME, Checkpoint, read_checkpoint
 from ckpttool.dcp.writer import metadata_bytes
@@ -138,7 +138,7 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
 
     def finish(temp: Path, fds: dict[str, int]) -> None:
         for fd in fds.values():
-            os.fsync(fd)
+            io.sync(fd)
         execute.write_file(temp / METADATA_FILENAME, metadata)
         if verify:
             _verify_metadata(temp)
@@ -150,7 +150,7 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
                                           prepare=prepare, run_share=run_share, finish=finish)
         else:
             written = time.perf_counter()
-            with atomic_directory(destination, force=force) as temp:
+            with atomic_directory(destination, force=force, streamed=not verify) as temp:
                 with execute.opened_outputs(temp, names) as fds:
                     prepare(fds)
                     run_share(writes.operations, fds)
