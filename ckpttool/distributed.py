@@ -17,7 +17,8 @@ process reads the metadata and makes the same plan (planning is pure and determi
    the others as soon as one exits non-zero).
 
 Any failure on any rank makes every rank raise (and the CLI exit non-zero); nothing is left at
-OUT. OUT must be a path every process sees (local disk for one host, NFS/Lustre for many).
+OUT. OUT must be a path every process sees (local disk for one host, NFS/Lustre for many), or
+an S3 URL: then the same steps run over multipart uploads (`_write_remote`).
 `import torch` happens only here, and only under torchrun (`active`).
 
 Example:
@@ -39,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, NoReturn, Sequence
 
-from ckpttool import dtypes
+from ckpttool import dtypes, io
 from ckpttool.errors import UsageError, WriteFailed
 from ckpttool.io import atomic_directory, atomic_output
 from ckpttool.plan.operations import Convert, Copy, Operation
@@ -261,7 +262,7 @@ Finish = Callable[[Path, dict[str, int]], None]  # rank 0, all shares written: i
 
 
 def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *, directory: bool, force: bool,
-          prepare: Prepare, run_share: RunShare, finish: Finish) -> tuple[ProcessStats, ...]:
+          prepare: Prepare, run_share: RunShare, finish: Finish, streamed: bool = True) -> tuple[ProcessStats, ...]:
     """Return what each process wrote, after all the processes of this torchrun job wrote
     `operations` together into files `names` and rank 0 renamed them into place at `target`.
 
@@ -270,10 +271,24 @@ def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *
     on every rank with its share; `finish(temp_path, fds)` on rank 0 once every share is
     written (fds reopened, so bytes other hosts wrote over NFS are seen). Raises on every
     rank when any rank failed; nothing is left at `target` then.
+
+    An object-storage `target` (`s3://`) is written as multipart uploads every process sends
+    parts of (`_write_remote`); that needs an output written in order (`streamed`: not a
+    .pt file, no --verify).
     """
+    from ckpttool import storage
+
+    if storage.is_remote(target):
+        if not streamed or not hasattr(target.filesystem, "call_s3"):
+            raise UsageError(f"{target}: under torchrun, object storage takes .safetensors, Hub folders and reshard "
+                             "outputs on S3, without --verify; write a .pt or verified output to a shared path, or "
+                             "from a single process")
+        world = init()
+        return _write_remote(world, split(operations, world.world_size), target, names, directory, force,
+                             prepare, run_share, finish)
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(target)):  # a URL (Path("s3://b/k") reads "s3:/b/k")
         raise UsageError(f"{target}: under torchrun the output must be a path every process can open (local disk, "
-                         "NFS); write to object storage from a single process")
+                         "NFS) or an s3:// URL")
     world = init()
     shares = split(operations, world.world_size)
     if world.rank == 0:
@@ -324,6 +339,90 @@ def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], dir
     return stats
 
 
+def _write_remote(world: World, shares: list[list[Operation]], target, names: Sequence[str], directory: bool,
+                  force: bool, prepare: Prepare, run_share: RunShare, finish: Finish) -> tuple[ProcessStats, ...]:
+    """The commit protocol for an S3 `target`: rank 0 begins one multipart upload per output
+    file (heads written into its first parts) and broadcasts the upload ids; every process
+    sends the parts its share fills whole, numbered by their place in the file; the parts at
+    the edges of shares, filled by two processes, are summed onto rank 0 (each byte written by
+    one process, zeros elsewhere) and sent by it; rank 0 collects every part's ETag and
+    completes the uploads only when every process succeeded, else aborts them
+    (`storage.remote_output`)."""
+    from ckpttool import storage
+
+    if world.rank != 0:
+        uploads = broadcast(None)
+        if isinstance(uploads, str):
+            raise WriteFailed(f"{target}: rank 0 could not begin the upload ({uploads}); nothing was written")
+        sinks = {name: storage.MultipartSink(target.filesystem, key, f"{target}/{name}", upload_id, size, part_size)
+                 for name, (key, upload_id, size, part_size) in uploads.items()}
+        stats, failure = _run_share(world, shares[world.rank], sinks, run_share, target)
+        if failure is None:
+            _merge_edges(world, sinks)
+        committed = all_ok(failure is None)
+        if failure is not None:
+            raise failure
+        if not committed:
+            raise WriteFailed(f"{target}: rank 0 could not commit the output (see its error); nothing was left there")
+        return stats
+    announced = gathered = False
+    try:
+        with storage.remote_output(target, force, directory, streamed=True) as output:
+            if directory:
+                streams = storage.streamed_outputs(output)
+                sinks = {name: streams.sink(name) for name in names}
+            else:
+                sinks = {names[0]: output}
+            prepare(sinks)
+            uploads = {name: (sink.key, sink.begin(), sink.size, sink.part_size) for name, sink in sinks.items()}
+            broadcast(uploads)
+            announced = True
+            stats, failure = _run_share(world, shares[0], sinks, run_share, target)
+            gathered = True
+            if failure is not None:
+                raise failure
+            _merge_edges(world, sinks)
+            finish(output if directory else Path(target.name), sinks)
+    except BaseException as error:
+        if not announced:
+            broadcast(str(error) or type(error).__name__)  # the others stop too
+        elif gathered:
+            all_ok(False)
+        raise
+    all_ok(True)
+    return stats
+
+
+def _merge_edges(world: World, sinks: dict) -> None:
+    """Collective, every rank: sum onto rank 0 the parts several processes wrote pieces of
+    (untouched bytes are zeros, so the sum is the part), rank 0 sends them; then rank 0
+    records the ETags of the parts every other process sent."""
+    import torch
+    import torch.distributed as dist
+
+    unsent = gather_stats({name: sorted(sink.unsent()) for name, sink in sinks.items()})
+    edges = sorted({(name, index) for rows in unsent for name, indexes in rows.items() for index in indexes})
+    failure: BaseException | None = None  # rank 0 raises it only after the last collective: no rank hangs
+    for name, index in edges:
+        buffer = sinks[name].take(index)
+        try:
+            dist.reduce(torch.frombuffer(buffer, dtype=torch.uint8), dst=0, op=dist.ReduceOp.SUM, group=_group)
+        except RuntimeError as error:
+            raise _lost(error) from None
+        if world.rank == 0 and failure is None:
+            try:
+                sinks[name].send(index, buffer)
+            except Exception as error:  # noqa: BLE001 - raised below
+                failure = error
+    sent = gather_stats({name: sink.sent for name, sink in sinks.items()})
+    if failure is not None:
+        raise failure
+    if world.rank == 0:
+        for rows in sent:
+            for name, parts in rows.items():
+                sinks[name].record(parts)
+
+
 @contextlib.contextmanager
 def _temporary(target: Path, names: Sequence[str], directory: bool,
                force: bool) -> Iterator[tuple[Path, dict[str, Path]]]:
@@ -354,14 +453,16 @@ def _opened(paths: dict[str, Path] | dict[str, str]) -> Iterator[dict[str, int]]
 def _run_share(world: World, share: list[Operation], paths: dict, run_share: RunShare,
                target: Path) -> tuple[tuple[ProcessStats, ...], BaseException | None]:
     """Write this rank's share, then gather every rank's outcome; return the stats and, when
-    any rank failed, what to raise (this rank's own error, or one naming the rank that failed)."""
+    any rank failed, what to raise (this rank's own error, or one naming the rank that failed).
+    `paths`: name -> file path, or name -> `storage.MultipartSink` of a remote output."""
     started = time.perf_counter()
     failure: BaseException | None = None
+    remote = any(not isinstance(path, (str, Path)) for path in paths.values())
     try:
-        with _opened(paths) as fds:
+        with (contextlib.nullcontext(paths) if remote else _opened(paths)) as fds:
             _with_test_failure(world.rank, share, fds, run_share)
             for fd in fds.values():
-                os.fsync(fd)
+                io.sync(fd)
     except BaseException as error:  # noqa: BLE001 - reported to every rank, raised by the caller
         failure = error
     written = sum(op.output_length for op in share)

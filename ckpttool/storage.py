@@ -467,20 +467,61 @@ class MultipartSink:
     partly filled at once (about one per writing thread). Invisible until `complete`;
     `abort` discards it."""
 
-    def __init__(self, fs: Any, key: str, url: str):
+    def __init__(self, fs: Any, key: str, url: str, upload_id: str | None = None, size: int = 0,
+                 part_size: int | None = None):
         self.fs, self.key, self.url = fs, key, url
         self.bucket, self.path, _ = fs.split_path(key)
-        self.size = 0
-        self.part_size = PART
+        self.size = size
+        self.part_size = part_size or _part_size(size)
         self._open: dict[int, list] = {}  # part index -> [buffer, bytes written]
         self._etags: dict[int, str] = {}
-        self._upload_id: str | None = None
+        self._upload_id = upload_id  # given: a process joining an upload another one began
         self._lock = threading.Lock()
 
     def reserve(self, size: int) -> None:
         """Set the object's final size (before any write); parts grow to stay under MAX_PARTS."""
         self.size = size
-        self.part_size = max(PART, -(-size // MAX_PARTS + (1 << 20) - 1) >> 20 << 20)
+        self.part_size = _part_size(size)
+
+    def begin(self) -> str:
+        """Begin the upload now and return its id (for other processes to join: `MultipartSink(...,
+        upload_id, size, part_size)`); otherwise it begins with the first part sent."""
+        with self._lock, _requests(self.url):
+            if self._upload_id is None:
+                self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.path)["UploadId"]
+            return self._upload_id
+
+    def part_range(self, index: int) -> tuple[int, int]:
+        """The object's bytes [start, end) that part `index` (numbered index + 1) holds."""
+        return self._part(index)
+
+    def unsent(self) -> dict[int, int]:
+        """Part index -> bytes written, of the parts written in part and not sent: where other
+        processes wrote the rest (`take` them to merge)."""
+        with self._lock:
+            return {index: part[1] for index, part in self._open.items()}
+
+    def take(self, index: int) -> bytearray:
+        """Remove part `index` from those being filled and return its buffer (zeros where
+        this process wrote nothing); a zeroed buffer when it wrote nothing there."""
+        with self._lock:
+            part = self._open.pop(index, None)
+        return part[0] if part else _part_buffer(self._part(index)[1] - self._part(index)[0])
+
+    def send(self, index: int, data: bytearray) -> None:
+        """Send part `index` whole (merged from the pieces several processes wrote)."""
+        self._send(index, data)
+
+    @property
+    def sent(self) -> dict[int, str]:
+        """Part index -> ETag of the parts this process sent."""
+        with self._lock:
+            return dict(self._etags)
+
+    def record(self, sent: dict[int, str]) -> None:
+        """Count parts other processes sent into this upload (so `complete` lists them)."""
+        with self._lock:
+            self._etags.update(sent)
 
     def _part(self, index: int) -> tuple[int, int]:
         start = index * self.part_size
@@ -509,9 +550,7 @@ class MultipartSink:
             view, offset = view[count:], offset + count
 
     def _send(self, index: int, data: bytearray) -> None:
-        with self._lock, _requests(self.url):
-            if self._upload_id is None:
-                self._upload_id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.path)["UploadId"]
+        self.begin()
         with _requests(self.url):
             response = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.path, UploadId=self._upload_id,
                                        PartNumber=index + 1, Body=data)
@@ -543,6 +582,13 @@ class MultipartSink:
             with contextlib.suppress(Exception), _requests(self.url):
                 self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.path, UploadId=self._upload_id)
             self._upload_id = None
+
+
+def _part_size(size: int) -> int:
+    """PART (or CKPTTOOL_PART_SIZE), grown in MiB steps so `size` needs at most MAX_PARTS parts."""
+    smallest = int(os.environ.get("CKPTTOOL_PART_SIZE") or PART)
+    needed = -(-size // MAX_PARTS)
+    return smallest if needed <= smallest else (needed + (1 << 20) - 1) >> 20 << 20
 
 
 _free_parts: list[bytearray] = []  # sent parts' buffers, for the next parts (list.append/pop are atomic)
@@ -659,11 +705,13 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
         else:
             _upload(output, target, temp, force, directory)
     except BaseException:
-        if streams is not None:
-            streams.abort()
-        with contextlib.suppress(Exception), _requests(str(target)):
-            if fs.exists(temp):
-                fs.rm(temp, recursive=True)
+        with io._signals_deferred():  # network calls: a signal now (torchrun stopping us) must not cut them short
+            if streams is not None:
+                streams.abort()
+            with contextlib.suppress(Exception), _requests(str(target)):
+                fs.invalidate_cache(target.parent.key)
+                if fs.exists(temp):
+                    fs.rm(temp, recursive=True)
         raise
     finally:
         _streams.pop(output, None)

@@ -372,3 +372,48 @@ def test_a_missing_backend_names_the_extra_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "gcsfs", None)
     with pytest.raises(storage.StorageError, match=r"pip install 'ckpttool\[gcs\]'"):
         storage.location("gs://bucket/ckpt")
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: every process sends parts of the same uploads
+
+
+def test_torchrun_processes_upload_parts_of_one_output_and_commit_only_together(s3, tmp_path, monkeypatch):
+    """2 and 3 real torchrun processes (gloo) write one S3 output: each sends the 64-byte
+    parts its share fills, the parts at the edges of shares are summed onto rank 0, rank 0
+    completes the uploads. The objects equal a single local process's bytes; a rank killed
+    mid-copy leaves no object, no marker and no unfinished upload."""
+    import moto.s3.models
+
+    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 64)
+    source = FIXTURES / "fsdp2_world2_adamw"
+    cases = {  # name: (processes, ckpttool args with {out}, env)
+        "safetensors": (2, ["consolidate", source, "{out}/model.safetensors"], {}),
+        "reshard": (3, ["reshard", source, "{out}/world3", "--world", "3"], {}),
+        "killed": (2, ["reshard", source, "{out}/world3", "--world", "3"], {"CKPTTOOL_TEST_FAIL": "1:kill"}),
+    }
+    processes = {}
+    for name, (count, args, extra) in cases.items():
+        env = {**os.environ, "CKPTTOOL_PART_SIZE": "64", "OMP_NUM_THREADS": "1", **extra}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(count),
+                   "-m", "ckpttool", *[str(a).format(out=f"s3://{BUCKET}/torchrun-{name}") for a in args], "--json"]
+        processes[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    results = {name: (p.wait(timeout=180), p.stdout.read(), p.stderr.read()) for name, p in processes.items()}
+    for name in ("safetensors", "reshard"):
+        code, out, err = results[name]
+        assert code == 0, err[-3000:]
+        count, args, _ = cases[name]
+        assert [p["rank"] for p in json.loads(out)["processes"]] == list(range(count))
+        local = tmp_path / name
+        assert run_cli(*[str(a).format(out=local) for a in args])[0] == 0
+        output = Path(args[2]).name
+        written, uploaded = files_of(local / output), remote_files(s3, f"{BUCKET}/torchrun-{name}/{output}")
+        if name == "reshard":  # .metadata names where it was written
+            uploaded.pop(".metadata"), written.pop(".metadata")
+            assert run_cli("validate", f"s3://{BUCKET}/torchrun-{name}/{output}", "--deep")[0] == 0
+        assert uploaded == written
+    code, out, err = results["killed"]
+    assert code != 0 and "ckpttool-test: rank 1 fails" in err
+    s3.invalidate_cache()
+    assert not s3.exists(f"{BUCKET}/torchrun-killed")
+    assert unfinished_uploads(s3, f"{BUCKET}/torchrun-killed") == []

@@ -231,16 +231,16 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, k
     started = time.perf_counter()
     names = [f.name for f in plan.files]
     written = tuple(target / name for name in names + ([plan.index_name] if plan.index_name else []))
+    streamed = not verify and not plan.zip_layouts  # written in order, never read back
     try:
         if distributed.active() is not None:  # under torchrun: every process writes a share
             processes = distributed.write(
                 sorted(plan.operations, key=execute.first_offset), target, names, directory=kind.sharded, force=force,
                 prepare=lambda fds: _prepare_outputs(plan, fds),
                 run_share=lambda operations, fds: _run(plan, operations, files, fds, budget, threads, verify, progress),
-                finish=lambda temp, fds: _finish(plan, fds, temp if kind.sharded else None),
+                finish=lambda temp, fds: _finish(plan, fds, temp if kind.sharded else None), streamed=streamed,
             )
             return (written if kind.sharded else (target,)), processes
-        streamed = not verify and not plan.zip_layouts  # written in order, never read back
         if not kind.sharded:
             with atomic_output(target, force=force, streamed=streamed) as handle:
                 _fill(plan, files, {plan.files[0].name: io.writable(handle)}, budget, threads, verify, progress)

@@ -147,7 +147,7 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
     try:
         if distributed.active() is not None:  # under torchrun: every process writes a share
             processes = distributed.write(writes.operations, destination, names, directory=True, force=force,
-                                          prepare=prepare, run_share=run_share, finish=finish)
+                                          prepare=prepare, run_share=run_share, finish=finish, streamed=not verify)
         else:
             written = time.perf_counter()
             with atomic_directory(destination, force=force, streamed=not verify) as temp:
