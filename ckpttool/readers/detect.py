@@ -212,7 +212,9 @@ def _safetensors_layout(path: Path) -> str | None:
         return DCP_HF
     files = hub_folder.safetensors_files(path)
     if not files:
-        return None
+        if not hub_folder.index_files(path):
+            return None
+        return DCP_HF if (path / dcp_hf.INDEX_FILENAME).is_file() else HUB_FOLDER  # the reader names the missing file
     if (path / dcp_hf.INDEX_FILENAME).is_file() and all(dcp_hf.MODEL_FILE_PATTERN.match(f) for f in files):
         # torch's rank-0 writer (DCP_SHARDING_INFO in each header) or its consolidator (no
         # __metadata__ at all, next to a `sharded/` folder when enable_consolidation)
@@ -242,7 +244,8 @@ def run_checkpoints(path: Path) -> list[str]:
 
 def _looks_like_checkpoint(path: Path) -> bool:
     return (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or any(verl_files(path / s) for s in VERL_SUBDIRS)
-            or bool(hub_folder.safetensors_files(path)) or (path / HUB_TORCH_FILE).is_file())
+            or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
+            or (path / HUB_TORCH_FILE).is_file())  # an index alone: a save whose data went missing, not "no checkpoint"
 
 
 def newest_checkpoint(path: Path, found: list[str]) -> tuple[str, str]:
