@@ -205,10 +205,13 @@ def megatron_cases() -> list[Case]:
             last_start[chunk.blob.file] = max(last_start.get(chunk.blob.file, 0), chunk.blob.offset)
     lie = next((t.fqn, i) for t in tensors for i, c in enumerate(t.chunks) if c.blob.offset < last_start[c.blob.file])
     gap = next(((t.fqn, i, d) for t in tensors for i, c in enumerate(t.chunks) for d in range(len(c.offsets))
-                if c.offsets[d] == 0 and c.sizes[d] > 0 and any(
+                if c.offsets[d] == 0 and c.sizes[d] > 1 and any(
                     o.offsets[d] == c.sizes[d] and o.offsets[:d] + o.offsets[d + 1:] == c.offsets[:d] + c.offsets[d + 1:]
                     for o in t.chunks)), None)
     cases = _dcp("megatron", dcp_dir, "", sorted(last_start)[-1], lie, gap or ("", 0, 0))
+    # consolidate and validate read the model view, one tensor per layer (decoder.layers.0.X for
+    # the stacked decoder.layers.X): the line names the layer's tensor; reshard keeps the stacked name
+    cases = [replace(case, names=case.names + tuple(n.rsplit("layers.", 1)[-1] for n in case.names)) for case in cases]
     if gap is None:
         cases[2] = replace(cases[2], damage=lambda root: pytest.skip("no tensor of the megatron fixture is split"))
     return cases

@@ -1,7 +1,7 @@
 """Regenerate the framework fixtures with the frameworks themselves and cross-check them.
 
 Optional (marker `frameworks`): runs only when CKPTTOOL_FRAMEWORKS_PYTHON names a Python
-that has torchtitan, accelerate, Lightning and verl installed (the versions each
+that has torchtitan, accelerate, Lightning, verl and megatron-core installed (the versions each
 `fixtures/frameworks/generate_*.py` names), e.g.
 
     CKPTTOOL_FRAMEWORKS_PYTHON=/work/fwvenv/bin/python python -m pytest -m frameworks
@@ -31,6 +31,7 @@ CASES = {
     "torchtitan": ("checkpoint/step-20", []),
     "accelerate": ("checkpoints/checkpoint_0", []),
     "lightning": ("checkpoints/epoch=0-step=2.ckpt", []),
+    "megatron": ("checkpoints", []),
     "verl": ("checkpoints/global_step_2/actor", ["--dtype", "bf16"]),
 }
 

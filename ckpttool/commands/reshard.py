@@ -101,7 +101,7 @@ def reshard(
         raise UsageError("--threads must be at least 1")
     destination = storage.location(dst) if dst is not None else default_destination(source, target_mesh)
     refuse_overlap(destination, source)
-    checkpoint = readers.open_checkpoint(source, follow_symlinks)
+    checkpoint = readers.open_checkpoint(source, follow_symlinks, as_saved=True)  # DCP keys kept as the framework saved them
     warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
     plan = plan_reshard(checkpoint, target_mesh, keep_whole)
     if dry_run:

@@ -312,6 +312,21 @@ for _module in _METADATA_MODULES:
         _ALLOWED[(_module, _name)] = _cls
     _ALLOWED[(_module, "_MEM_FORMAT_ENCODING")] = _memory_format_encoding
 
+# Megatron-Core keeps every rank's SavePlan on the Metadata it writes, as `all_local_plans`
+# (megatron/core/dist_checkpointing/strategies/state_dict_saver.py:144, to reuse the plan on the
+# next save); read as records and never looked at.
+_PLANNER_MODULE = "torch.distributed.checkpoint.planner"
+for _name in ("SavePlan", "WriteItem", "TensorWriteData"):
+    _ALLOWED[(_PLANNER_MODULE, _name)] = _record_class(_name)
+
+
+def _write_item_type(value: int) -> int:
+    """Stand-in for the `WriteItemType` enum (SHARD, TENSOR, BYTE_IO), called with its value."""
+    return value
+
+
+_ALLOWED[(_PLANNER_MODULE, "WriteItemType")] = _write_item_type
+
 
 def _find_allowed(allowed: dict[tuple[str, str], Any], source: str, module: str, name: str) -> Any:
     """Return the stand-in `allowed` maps (module, name) to, or a torch dtype's name; raise
@@ -602,6 +617,7 @@ _CALLS: dict[Any, Callable[[_Node], Any]] = {
     _layout: _call_one_string,
     _memory_format_encoding: _call_one_int,
     _enum_member: _call_enum_member,
+    _write_item_type: _call_one_int,
 }
 
 

@@ -2,7 +2,8 @@
 
 `detect(path)` names the layout (and, for a run directory, the checkpoints inside and the
 newest); `open_checkpoint(path)` reads it. torch DCP and the frameworks built on it
-(torchtitan, accelerate's model folder, Lightning, Megatron torch_dist) read as DCP;
+(torchtitan, accelerate's model folder, Lightning, Megatron torch_dist) read as DCP (Megatron's
+stacked layers taken apart, readers/megatron.py);
 torch's HuggingFaceStorageWriter output (`dcp-hf`), single `.safetensors` files and Hub
 folders read from their safetensors headers; torch.save files (`torch-pt`) and verl's per-rank
 files from their zip directory and checked data.pkl. No torch is imported.
@@ -22,9 +23,10 @@ from ckpttool import storage
 from ckpttool.dcp.metadata import METADATA_FILENAME, Checkpoint, read_checkpoint
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.readers.dcp_hf import read_dcp_hf
-from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, SAFETENSORS, TORCH_PT,
-                                     TORCHTITAN, VERL, Detection, _detect, detect)
+from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, MEGATRON, SAFETENSORS,
+                                     TORCH_PT, TORCHTITAN, VERL, Detection, _detect, detect)
 from ckpttool.readers.hub_folder import read_hub_folder
+from ckpttool.readers.megatron import model_view as megatron_model_view
 from ckpttool.readers.safetensors import read_safetensors
 from ckpttool.readers.torch_pt import read_torch_pt
 from ckpttool.readers.verl import read_verl
@@ -34,8 +36,10 @@ from ckpttool.readers.verl import read_verl
 TOP_LEVEL_MODEL = frozenset({DCP_HF, HUB_FOLDER, SAFETENSORS, VERL})
 
 
-def read(path: str | os.PathLike, follow_symlinks: bool = False) -> tuple[Detection, Checkpoint]:
+def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool = False) -> tuple[Detection, Checkpoint]:
     """Return what `detect` found at `path` and the checkpoint it names, read as our types.
+    `as_saved`: keys exactly as the checkpoint stores them (Megatron's layers left stacked,
+    so a reshard stays loadable by Megatron), not the model view consolidate and diff use.
 
     Raises NotACheckpoint (listing what was looked for) when nothing matches, and
     UnsupportedFormat for what this build detects but cannot read.
@@ -45,6 +49,8 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False) -> tuple[Detect
         checkpoint = _read(detection, follow_symlinks)
     if detection.layout == ACCELERATE:
         checkpoint = _with_accelerate_optimizer(checkpoint)
+    if detection.layout == MEGATRON and not as_saved:  # layers taken apart, model tensors under `model.`
+        checkpoint = megatron_model_view(checkpoint, follow_symlinks)
     if detection.layout in TOP_LEVEL_MODEL or (detection.layout == TORCHTITAN and not _nests_model(checkpoint)):
         checkpoint = dataclasses.replace(checkpoint, model_subtree=None)
     return detection, checkpoint
@@ -101,10 +107,10 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
                             "cannot read yet; convert it with the framework's own tool first")
 
 
-def open_checkpoint(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool = False) -> Checkpoint:
     """Return the checkpoint at `path` as our types, whatever its layout (for a run
-    directory, its newest checkpoint; `detect` says which)."""
-    return read(path, follow_symlinks)[1]
+    directory, its newest checkpoint; `detect` says which; `as_saved` as for `read`)."""
+    return read(path, follow_symlinks, as_saved)[1]
 
 
 __all__ = ["Detection", "LAYOUTS", "detect", "open_checkpoint", "read"]
