@@ -347,15 +347,15 @@ def _write_remote(world: World, shares: list[list[Operation]], target, names: Se
     the edges of shares, filled by two processes, are summed onto rank 0 (each byte written by
     one process, zeros elsewhere) and sent by it; rank 0 collects every part's ETag and
     completes the uploads only when every process succeeded, else aborts them
-    (`storage.remote_output`)."""
-    from ckpttool import storage
+    (`uploads.remote_output`)."""
+    from ckpttool import uploads
 
     if world.rank != 0:
-        uploads = broadcast(None)
-        if isinstance(uploads, str):
-            raise WriteFailed(f"{target}: rank 0 could not begin the upload ({uploads}); nothing was written")
-        sinks = {name: storage.MultipartSink(target.filesystem, key, f"{target}/{name}", upload_id, size, part_size)
-                 for name, (key, upload_id, size, part_size) in uploads.items()}
+        begun = broadcast(None)
+        if isinstance(begun, str):
+            raise WriteFailed(f"{target}: rank 0 could not begin the upload ({begun}); nothing was written")
+        sinks = {name: uploads.MultipartSink(target.filesystem, key, f"{target}/{name}", upload_id, size, part_size)
+                 for name, (key, upload_id, size, part_size) in begun.items()}
         stats, failure = _run_share(world, shares[world.rank], sinks, run_share, target)
         if failure is None:
             _merge_edges(world, sinks)
@@ -367,15 +367,15 @@ def _write_remote(world: World, shares: list[list[Operation]], target, names: Se
         return stats
     announced = gathered = False
     try:
-        with storage.remote_output(target, force, directory, streamed=True) as output:
+        with uploads.remote_output(target, force, directory, streamed=True) as output:
             if directory:
-                streams = storage.streamed_outputs(output)
+                streams = uploads.streamed_outputs(output)
                 sinks = {name: streams.sink(name) for name in names}
             else:
                 sinks = {names[0]: output}
             prepare(sinks)
-            uploads = {name: (sink.key, sink.begin(), sink.size, sink.part_size) for name, sink in sinks.items()}
-            broadcast(uploads)
+            begun = {name: (sink.key, sink.begin(), sink.size, sink.part_size) for name, sink in sinks.items()}
+            broadcast(begun)
             announced = True
             stats, failure = _run_share(world, shares[0], sinks, run_share, target)
             gathered = True
@@ -454,7 +454,7 @@ def _run_share(world: World, share: list[Operation], paths: dict, run_share: Run
                target: Path) -> tuple[tuple[ProcessStats, ...], BaseException | None]:
     """Write this rank's share, then gather every rank's outcome; return the stats and, when
     any rank failed, what to raise (this rank's own error, or one naming the rank that failed).
-    `paths`: name -> file path, or name -> `storage.MultipartSink` of a remote output."""
+    `paths`: name -> file path, or name -> `uploads.MultipartSink` of a remote output."""
     started = time.perf_counter()
     failure: BaseException | None = None
     remote = any(not isinstance(path, (str, Path)) for path in paths.values())

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from ckpttool import dtypes, storage
+from ckpttool import dtypes, storage, uploads
 from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
 from ckpttool.dcp.metadata import Tensor
 from ckpttool.errors import CorruptBlob, VerificationFailed
@@ -65,7 +65,7 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
 def opened_outputs(directory: Path, names: Iterable[str]) -> Iterator[dict[str, Output]]:
     """Yield name -> fd of new files `names` in `directory`, open for writing; closed on exit.
     In the stand-in directory of a streamed remote output they are its uploads instead."""
-    streams = storage.streamed_outputs(directory)
+    streams = uploads.streamed_outputs(directory)
     if streams is not None:
         yield {name: streams.sink(name) for name in names}
         return

@@ -264,7 +264,9 @@ def check_destination(path: str | os.PathLike, force: bool) -> None:
     if _remote(path):
         from ckpttool import storage
 
-        return storage.check_destination(storage.location(path), force)
+        from ckpttool import uploads
+
+        return uploads.check_destination(storage.location(path), force)
     path = Path(path)
     for stale in remove_stale_temps(path):
         for listener in _stale_listeners:
@@ -381,8 +383,8 @@ def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = T
     left as it was. An existing `path` is replaced only with `force`. A storage URL
     (`s3://...`) is written in a local temporary directory and uploaded when complete, or
     with `streamed` (for writers that write every byte once and never read back) uploaded
-    while it is written; then what is yielded is a `storage.MultipartSink`, to be passed
-    where an fd goes (`writable`) (`storage.remote_output`).
+    while it is written; then what is yielded is a `uploads.MultipartSink`, to be passed
+    where an fd goes (`writable`) (`uploads.remote_output`).
     """
     if _remote(path):
         yield from _remote_output(path, force, directory=False, streamed=streamed)
@@ -435,7 +437,7 @@ def atomic_directory(path: str | os.PathLike, force: bool = False, streamed: boo
 
     A storage URL (`s3://...`) is built in a local temporary directory and uploaded when
     complete, or with `streamed` its data files (opened by `execute.opened_outputs`) are
-    uploaded while they are written (`storage.remote_output`).
+    uploaded while they are written (`uploads.remote_output`).
     """
     if _remote(path):
         yield from _remote_output(path, force, directory=True, streamed=streamed)
@@ -471,9 +473,9 @@ def _remote(path: str | os.PathLike) -> bool:
 
 
 def _remote_output(path: str | os.PathLike, force: bool, directory: bool, streamed: bool) -> Iterator[Any]:
-    from ckpttool import storage
+    from ckpttool import storage, uploads
 
-    with storage.remote_output(storage.location(path), force, directory, streamed) as local:
+    with uploads.remote_output(storage.location(path), force, directory, streamed) as local:
         if directory or not isinstance(local, Path):
             yield local
         else:
@@ -576,7 +578,7 @@ def thread_buffer(size: int, role: str = "read") -> bytearray:
     return buffer
 
 
-Output = Any  # an fd (int), or an object with `write_at(data, offset)`, `reserve(size)` (storage.MultipartSink)
+Output = Any  # an fd (int), or an object with `write_at(data, offset)`, `reserve(size)` (uploads.MultipartSink)
 
 
 def writable(handle: Any) -> Output:
@@ -708,7 +710,7 @@ def _test_pause(phase: str) -> None:
     created), `copy` (first IO task done), `commit` (written and fsynced, before the rename),
     `remove-old` (a replaced directory partly removed), `upload` (a remote output's first
     file uploaded to its temporary key, or all parts of a streamed one's first file sent,
-    `storage.remote_output`)."""
+    `uploads.remote_output`)."""
     setting = os.environ.get(PAUSE_ENV)
     if not setting or phase in _paused:
         return

@@ -23,7 +23,7 @@ from conftest import FIXTURES
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from ckpttool import storage  # noqa: E402
+from ckpttool import storage, uploads  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
 
 BUCKET = "ckpts"
@@ -80,24 +80,26 @@ def remote_files(fs, key: str) -> dict[str, bytes]:
 
 
 class GetLog:
-    """Every GetObject request the process's s3 client sends, with its Range header."""
+    """Every GetObject request the process's S3 reader sends, with its Range header."""
 
     def __init__(self):
         self.requests: list[tuple[str, str | None]] = []
 
-    def __call__(self, request, **kwargs):
-        value = request.headers.get("Range")
-        self.requests.append((request.url.split("?")[0], value.decode() if isinstance(value, bytes) else value))
-
 
 @pytest.fixture
-def get_log(s3):
-    fs = storage.open_filesystem("s3")
-    fs.connect()
+def get_log(s3, monkeypatch):
+    from ckpttool import s3 as native
+
     log = GetLog()
-    fs.s3.meta.events.register("before-send.s3.GetObject", log)
-    yield log
-    fs.s3.meta.events.unregister("before-send.s3.GetObject", log)
+    real_open = native.S3Client._open
+
+    def logged(self, method, bucket, key, query=None, headers=None):
+        if method == "GET" and key:
+            log.requests.append((self.url(bucket, key), (headers or {}).get("range")))
+        return real_open(self, method, bucket, key, query, headers)
+
+    monkeypatch.setattr(native.S3Client, "_open", logged)
+    return log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,14 +139,17 @@ def test_a_copy_from_s3_is_one_get_streamed_through_a_small_buffer(s3, tmp_path,
     """Memory per copy is the piece buffer, whatever the tensor's size: the response body
     is read into it piece by piece (here 64 bytes, so a tensor takes several pieces)."""
     monkeypatch.setattr(storage, "PIECE", 64)
+    from ckpttool import s3 as native
+
     fills = []
-    real_fill = storage._fill
+    real_pieces = native.S3Client.pieces
 
-    async def fill(body, view):
-        fills.append(len(view))
-        return await real_fill(body, view)
+    def pieces(self, bucket_key, offset, length, buffer):
+        for view in real_pieces(self, bucket_key, offset, length, buffer):
+            fills.append(len(view))
+            yield view
 
-    monkeypatch.setattr(storage, "_fill", fill)
+    monkeypatch.setattr(native.S3Client, "pieces", pieces)
     assert run_cli("consolidate", SOURCE, tmp_path / "local.safetensors", "--threads", "1")[0] == 0
     code, out, err = run_cli("consolidate", f"s3://{BUCKET}/src", tmp_path / "remote.safetensors", "--threads", "1")
     assert code == 0, out + err
@@ -207,7 +212,7 @@ def test_streamed_outputs_are_sent_in_parts_as_they_fill_and_equal_the_local_byt
     parts, cut anywhere in a tensor, filled by 4 threads at once; the object is the local bytes."""
     import moto.s3.models
 
-    monkeypatch.setattr(storage, "PART", 64)
+    monkeypatch.setattr(uploads, "PART", 64)
     monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 64)
     args = {"safetensors": ["consolidate", SOURCE, "{out}/model.safetensors"],
             "hub": ["consolidate", SOURCE, "{out}/hub", "--max-shard-size", "20KB"],
