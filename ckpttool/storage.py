@@ -280,6 +280,11 @@ class RemotePath(PurePosixPath):
         for name in sorted(k for k in self._listing.entries if k.startswith(prefix)):
             yield self / name[len(prefix):]
 
+    def relative_to(self, other: Any, *more: Any) -> PurePosixPath:  # type: ignore[override]
+        """A plain relative path (`.metadata`), not a RemotePath that would print as a URL."""
+        base = other.parts if isinstance(other, PurePosixPath) else location(other).parts
+        return PurePosixPath(*self.parts).relative_to(PurePosixPath(*base), *more)
+
     def resolve(self, strict: bool = False) -> "RemotePath":
         return self
 

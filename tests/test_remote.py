@@ -121,6 +121,7 @@ def test_validate_deep_reads_an_s3_checkpoint_with_the_endpoint_as_a_storage_opt
     storage.configure({})
     assert code == 0, out
     assert json.loads(out)["valid"] is True
+    assert json.loads(out)["problems"] == []  # each file is the one the metadata names (no "unreferenced-file")
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "hub"])
