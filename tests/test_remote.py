@@ -209,12 +209,12 @@ class PartLog:
 
 @pytest.mark.parametrize("command", ["safetensors", "hub", "reshard"])
 def test_streamed_outputs_are_sent_in_parts_as_they_fill_and_equal_the_local_bytes(s3, tmp_path, monkeypatch, command):
-    """With 64-byte parts (S3 allows 5 MiB; the server is told 64), every output file is many
+    """With 256-byte parts (S3 allows 5 MiB; the server is told 256), every output file is many
     parts, cut anywhere in a tensor, filled by 4 threads at once; the object is the local bytes."""
     import moto.s3.models
 
-    monkeypatch.setattr(uploads, "PART", 64)
-    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 64)
+    monkeypatch.setattr(uploads, "PART", 256)
+    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 256)
     args = {"safetensors": ["consolidate", SOURCE, "{out}/model.safetensors"],
             "hub": ["consolidate", SOURCE, "{out}/hub", "--max-shard-size", "20KB"],
             "reshard": ["reshard", SOURCE, "{out}/world3", "--world", "3"]}[command]
@@ -241,7 +241,7 @@ def test_streamed_outputs_are_sent_in_parts_as_they_fill_and_equal_the_local_byt
     assert len(log.parts) > 10
     for sizes in by_key.values():  # every part but the last is whole
         assert sorted(sizes) == list(range(1, len(sizes) + 1))
-        assert all(size == 64 for number, size in sizes.items() if number < len(sizes))
+        assert all(size == 256 for number, size in sizes.items() if number < len(sizes))
     assert unfinished_uploads(s3, key) == []
 
 
@@ -385,41 +385,47 @@ def test_a_missing_backend_names_the_extra_to_install(monkeypatch):
 
 
 def test_torchrun_processes_upload_parts_of_one_output_and_commit_only_together(s3, tmp_path, monkeypatch):
-    """2 and 3 real torchrun processes (gloo) write one S3 output: each sends the 64-byte
-    parts its share fills, the parts at the edges of shares are summed onto rank 0, rank 0
-    completes the uploads. The objects equal a single local process's bytes; a rank killed
-    mid-copy leaves no object, no marker and no unfinished upload."""
+    """3 real torchrun processes (gloo) write S3 outputs: each sends the 1000-byte parts its
+    share fills, the parts at the edges of shares are summed onto rank 0, rank 0 completes the
+    uploads. The objects equal a single local process's bytes; then a rank killed mid-copy
+    leaves no object, no marker and no unfinished upload. One job runs the three cases in
+    turn (tests/torchrun_cases.py): torch starts once per process."""
     import moto.s3.models
 
-    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 64)
+    from torchrun_cases import MARK
+
+    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 1000)
     source = FIXTURES / "fsdp2_world2_adamw"
-    cases = {  # name: (processes, ckpttool args with {out}, env)
-        "safetensors": (2, ["consolidate", source, "{out}/model.safetensors"], {}),
-        "reshard": (3, ["reshard", source, "{out}/world3", "--world", "3"], {}),
-        "killed": (2, ["reshard", source, "{out}/world3", "--world", "3"], {"CKPTTOOL_TEST_FAIL": "1:kill"}),
+    cases = {  # name: (ckpttool args with {out}, env per rank)
+        "safetensors": (["consolidate", source, "{out}/model.safetensors", "--json", "--quiet"], {}),
+        "reshard": (["reshard", source, "{out}/world3", "--world", "3", "--json", "--quiet"], {}),
+        "killed": (["reshard", source, "{out}/world3", "--world", "3", "--quiet"],
+                   {"1": {"CKPTTOOL_TEST_FAIL": "1:kill"}}),
     }
-    processes = {}
-    for name, (count, args, extra) in cases.items():
-        env = {**os.environ, "CKPTTOOL_PART_SIZE": "64", "OMP_NUM_THREADS": "1", **extra}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(count),
-                   "-m", "ckpttool", *[str(a).format(out=f"s3://{BUCKET}/torchrun-{name}") for a in args], "--json"]
-        processes[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    results = {name: (p.wait(timeout=180), p.stdout.read(), p.stderr.read()) for name, p in processes.items()}
+    spec = {"results": str(tmp_path), "cases": [
+        {"name": name, "args": [str(a).format(out=f"s3://{BUCKET}/torchrun-{name}") for a in args], "env": env}
+        for name, (args, env) in cases.items()]}
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                          str(Path(__file__).with_name("torchrun_cases.py")), str(tmp_path / "cases.json")],
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "CKPTTOOL_PART_SIZE": "1000", "OMP_NUM_THREADS": "1"})
+    assert job.returncode != 0, "rank 1 was killed in the last case"
+    outputs = dict(part.split("\n", 1) for part in job.stdout.split(MARK)[1:])
+    codes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     for name in ("safetensors", "reshard"):
-        code, out, err = results[name]
-        assert code == 0, err[-3000:]
-        count, args, _ = cases[name]
-        assert [p["rank"] for p in json.loads(out)["processes"]] == list(range(count))
+        assert [c[name] for c in codes] == [0, 0, 0], job.stderr[-3000:]
+        assert [p["rank"] for p in json.loads(outputs[name])["processes"]] == [0, 1, 2]
+        args = cases[name][0]
         local = tmp_path / name
-        assert run_cli(*[str(a).format(out=local) for a in args])[0] == 0
+        assert run_cli(*[str(a).format(out=local) for a in args[:-2]])[0] == 0
         output = Path(args[2]).name
         written, uploaded = files_of(local / output), remote_files(s3, f"{BUCKET}/torchrun-{name}/{output}")
         if name == "reshard":  # .metadata names where it was written
             uploaded.pop(".metadata"), written.pop(".metadata")
             assert run_cli("validate", f"s3://{BUCKET}/torchrun-{name}/{output}", "--deep")[0] == 0
         assert uploaded == written
-    code, out, err = results["killed"]
-    assert code != 0 and "ckpttool-test: rank 1 fails" in err
+    assert "ckpttool-test: rank 1 fails" in job.stderr
     s3.invalidate_cache()
     assert not s3.exists(f"{BUCKET}/torchrun-killed")
     assert unfinished_uploads(s3, f"{BUCKET}/torchrun-killed") == []
