@@ -429,3 +429,33 @@ def test_torchrun_processes_upload_parts_of_one_output_and_commit_only_together(
     s3.invalidate_cache()
     assert not s3.exists(f"{BUCKET}/torchrun-killed")
     assert unfinished_uploads(s3, f"{BUCKET}/torchrun-killed") == []
+
+
+def test_a_multipart_sink_sends_each_part_once_and_refuses_bytes_for_a_sent_part(monkeypatch):
+    """No server needed: a stand-in filesystem records the requests a MultipartSink makes."""
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def split_path(self, key):
+            bucket, _, path = key.partition("/")
+            return bucket, path, None
+
+        def call_s3(self, method, **params):
+            self.calls.append((method, params.get("PartNumber"), bytes(params.get("Body") or b"")))
+            return {"UploadId": "u1", "ETag": f"e{params.get('PartNumber')}"}
+
+    monkeypatch.setattr(uploads, "PART", 8)
+    fs = Recorder()
+    sink = uploads.MultipartSink(fs, "bucket/model.safetensors", "s3://bucket/model.safetensors")
+    sink.reserve(20)
+    sink.write_at(b"abcdefgh", 0)  # part 1 full: sent at once
+    sink.write_at(b"ijkl", 8)  # part 2 half full: kept
+    with pytest.raises(OSError, match="written after their part was sent"):
+        sink.write_at(b"x", 3)
+    sink.finish()  # part 2 (bytes 12..16 never written: zeros) and part 3
+    sink.complete()
+    assert [c[:2] for c in fs.calls] == [("create_multipart_upload", None), ("upload_part", 1), ("upload_part", 2),
+                                         ("upload_part", 3), ("complete_multipart_upload", None)]
+    assert [c[2] for c in fs.calls[1:4]] == [b"abcdefgh", b"ijkl\0\0\0\0", b"\0\0\0\0"]
