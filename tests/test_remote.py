@@ -459,3 +459,20 @@ def test_a_multipart_sink_sends_each_part_once_and_refuses_bytes_for_a_sent_part
     assert [c[:2] for c in fs.calls] == [("create_multipart_upload", None), ("upload_part", 1), ("upload_part", 2),
                                          ("upload_part", 3), ("complete_multipart_upload", None)]
     assert [c[2] for c in fs.calls[1:4]] == [b"abcdefgh", b"ijkl\0\0\0\0", b"\0\0\0\0"]
+
+
+def test_reading_s3_imports_neither_s3fs_nor_botocore_nor_torch(s3, tmp_path):
+    """What keeps a consolidate from S3 near the memory of a local one (s3fs and aiobotocore
+    alone cost 64 MB): the S3 reader is the standard library's."""
+    script = ("import sys\n"
+              "from ckpttool.cli import main\n"
+              "try:\n"
+              "    main(sys.argv[1:])\n"
+              "except SystemExit as exit:\n"
+              "    assert not exit.code, exit.code\n"
+              "print(sorted(m for m in ('s3fs', 'botocore', 'aiobotocore', 'fsspec', 'torch') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", script, "consolidate", f"s3://{BUCKET}/src",
+                             str(tmp_path / "m.safetensors"), "--quiet"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "m.safetensors").stat().st_size > 0
