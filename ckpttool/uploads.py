@@ -279,7 +279,11 @@ class _Streams:
     def commit(self, local: Path, force: bool) -> None:
         """Send what is left, then, with signals deferred: remove the old output's index keys
         (so no reader pairs them with new data), complete every upload, put the small local
-        files (`.metadata` and indexes last) and remove what is left of the old output."""
+        files (`.metadata` and indexes last) and remove what is left of the old output.
+
+        Should a request fail half-way, the objects this commit made are deleted again, so a
+        new destination stays empty (one replaced with --force is left without its index:
+        unreadable, never mixed)."""
         from ckpttool import io
 
         for sink in self.sinks.values():
@@ -288,18 +292,27 @@ class _Streams:
         small = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) if self.directory else []
         small.sort(key=lambda name: name.endswith(LAST_KEYS))
         fs, target = self.target.filesystem, self.target
+        made: list[str] = []
         with _requests(str(target)), io._signals_deferred():
-            old = set(fs.find(target.key)) if force and self.directory else set()
-            for stale in sorted(k for k in old if k.endswith(LAST_KEYS)):
-                fs.rm_file(stale)
-            if force and not self.directory and fs.isdir(target.key):
-                fs.rm(target.key, recursive=True)
-            for name, sink in self.sinks.items():
-                sink.complete()
-                old.discard(self.key(name))
-            for name in small:
-                _put(fs, local / name, self.key(name))
-                old.discard(self.key(name))
+            try:
+                old = set(fs.find(target.key)) if force and self.directory else set()
+                for stale in sorted(k for k in old if k.endswith(LAST_KEYS)):
+                    fs.rm_file(stale)
+                if force and not self.directory and fs.isdir(target.key):
+                    fs.rm(target.key, recursive=True)
+                for name, sink in self.sinks.items():
+                    sink.complete()
+                    made.append(self.key(name))
+                    old.discard(self.key(name))
+                for name in small:
+                    _put(fs, local / name, self.key(name))
+                    made.append(self.key(name))
+                    old.discard(self.key(name))
+            except BaseException:
+                for key in made:
+                    with contextlib.suppress(Exception):
+                        fs.rm_file(key)
+                raise
             for stale in sorted(old - {k for k in old if k.endswith(LAST_KEYS)}):
                 fs.rm_file(stale)
             fs.invalidate_cache()

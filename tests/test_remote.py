@@ -476,3 +476,25 @@ def test_reading_s3_imports_neither_s3fs_nor_botocore_nor_torch(s3, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "m.safetensors").stat().st_size > 0
+
+
+def test_a_commit_failing_half_way_deletes_what_it_had_made_visible(s3, monkeypatch):
+    """The second of a Hub folder's shards fails to complete: the first, already visible, is
+    deleted again, the rest aborted; the destination stays empty."""
+    completed = []
+    real_complete = uploads.MultipartSink.complete
+
+    def complete(sink):
+        if completed:
+            raise OSError("injected: CompleteMultipartUpload failed")
+        completed.append(sink.key)
+        real_complete(sink)
+
+    monkeypatch.setattr(uploads.MultipartSink, "complete", complete)
+    key = f"{BUCKET}/half-committed/hub"
+    code, _, err = run_cli("consolidate", SOURCE, f"s3://{key}", "--max-shard-size", "1KB")
+    assert code == 1 and "injected" in err, err
+    assert completed, "one shard was completed before the failure"
+    s3.invalidate_cache()
+    assert not s3.exists(key) and unfinished_uploads(s3, key) == []
+    assert not [k for k in s3.find(f"{BUCKET}/half-committed") if ".ckpttool-" in k]
