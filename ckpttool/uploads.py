@@ -399,13 +399,23 @@ def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: 
                 io._test_pause("upload")
         with io._signals_deferred():  # from here the destination changes: finish before any signal is handled
             old = set(fs.find(target.key)) if force and directory else set()
-            if force and not directory and fs.isdir(target.key):
-                fs.rm(target.key, recursive=True)
-            for name in names:
-                final = f"{target.key}/{name}" if name else target.key
-                fs.copy(f"{temp}/{name}" if name else temp, final)
-                old.discard(final)
-            for stale in sorted(old):
+            made: list[str] = []
+            try:  # as `_Streams.commit`: old indexes first, what was made undone on failure
+                for stale in sorted(k for k in old if k.endswith(LAST_KEYS)):
+                    fs.rm_file(stale)
+                if force and not directory and fs.isdir(target.key):
+                    fs.rm(target.key, recursive=True)
+                for name in names:
+                    final = f"{target.key}/{name}" if name else target.key
+                    fs.copy(f"{temp}/{name}" if name else temp, final)
+                    made.append(final)
+                    old.discard(final)
+            except BaseException:
+                for key in made:
+                    with contextlib.suppress(Exception):
+                        fs.rm_file(key)
+                raise
+            for stale in sorted(old - {k for k in old if k.endswith(LAST_KEYS)}):
                 fs.rm_file(stale)
             fs.rm(temp, recursive=True)
         fs.invalidate_cache()

@@ -498,3 +498,27 @@ def test_a_commit_failing_half_way_deletes_what_it_had_made_visible(s3, monkeypa
     s3.invalidate_cache()
     assert not s3.exists(key) and unfinished_uploads(s3, key) == []
     assert not [k for k in s3.find(f"{BUCKET}/half-committed") if ".ckpttool-" in k]
+
+
+def test_a_staged_commit_failing_half_way_deletes_what_it_had_made_visible(s3, monkeypatch):
+    """The same with --verify (built locally, then copied from temporary keys): the second
+    copy fails, the first is deleted again, the temporary keys too."""
+    import s3fs
+
+    copied = []
+    real_copy = s3fs.S3FileSystem._cp_file  # what fs.copy runs (its sync wrapper may be bound per instance)
+
+    async def copy(fs, path1, path2, **kwargs):
+        if copied:
+            raise OSError("injected: CopyObject failed")
+        copied.append(path2)
+        return await real_copy(fs, path1, path2, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cp_file", copy)
+    key = f"{BUCKET}/half-copied/hub"
+    code, _, err = run_cli("consolidate", SOURCE, f"s3://{key}", "--max-shard-size", "1KB", "--verify")
+    assert code == 1 and "injected" in err, err
+    assert copied, "one file was copied into place before the failure"
+    s3.invalidate_cache()
+    assert not s3.exists(key)
+    assert not [k for k in s3.find(f"{BUCKET}/half-copied") if ".ckpttool-" in k]
