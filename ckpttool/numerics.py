@@ -1,4 +1,5 @@
-"""Count NaN and Inf values in raw little-endian element bytes, with numpy (no torch import).
+"""Floating elements from their raw little-endian bytes, with numpy (no torch import): NaN/Inf
+counts (`count_non_finite`, for validate --deep) and exact values (`as_float64`, for diff).
 
 `validate --deep` scans every floating chunk; importing torch for that alone would cost
 ~2 s and ~225 MB. IEEE formats numpy has (float16/32/64) use `np.isfinite`; the others are
@@ -19,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _IEEE = {"float16": "<f2", "float32": "<f4", "float64": "<f8"}
@@ -35,6 +38,15 @@ _NAN_PATTERN = {
     "float8_e8m0fnu": (0xFF, 0xFF),
 }
 SUPPORTED = frozenset(_IEEE) | frozenset(_EXPONENT_CODED) | frozenset(_NAN_PATTERN)
+# float8 formats: (exponent bits, mantissa bits, bias, kind) as torch defines them
+# (c10/util/Float8_*.h): `fn` has no Inf and NaN at S.1111.111, `fnuz` has NaN at 0x80 only.
+_FLOAT8 = {
+    "float8_e4m3fn": (4, 3, 7, "fn"),
+    "float8_e5m2": (5, 2, 15, "ieee"),
+    "float8_e4m3fnuz": (4, 3, 8, "fnuz"),
+    "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
+}
+DECODED = frozenset(_IEEE) | {"bfloat16", "float8_e8m0fnu"} | frozenset(_FLOAT8)  # what `as_float64` reads
 
 
 def count_non_finite(data: bytes | bytearray | memoryview, dtype: str) -> tuple[int, int]:
@@ -62,3 +74,41 @@ def count_non_finite(data: bytes | bytearray | memoryview, dtype: str) -> tuple[
         bits = np.frombuffer(data, dtype="u1")
         return int(np.count_nonzero((bits & mask) == pattern)), 0
     raise KeyError(f"no NaN/Inf rule for dtype {dtype!r}")
+
+
+def as_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Return the values of floating elements given as their unsigned bit patterns (exact:
+    every format here fits in float64)."""
+    if dtype in _IEEE:
+        return bits.view(_IEEE[dtype]).astype(np.float64)
+    if dtype == "bfloat16":  # the top half of a float32
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return float8_table(dtype)[bits]
+
+
+_TABLES: dict[str, np.ndarray] = {}  # dtype -> float8_table
+
+
+def float8_table(dtype: str) -> np.ndarray:
+    """Return the 256 float64 values of a float8 format, indexed by bit pattern."""
+    if dtype not in _TABLES:
+        values = np.empty(256, np.float64)
+        for bits in range(256):
+            if dtype == "float8_e8m0fnu":  # exponent only, bias 127, 0xFF is NaN
+                values[bits] = math.nan if bits == 0xFF else 2.0 ** (bits - 127)
+                continue
+            exponent_bits, mantissa_bits, bias, kind = _FLOAT8[dtype]
+            sign = -1.0 if bits & 0x80 else 1.0
+            exponent = (bits >> mantissa_bits) & ((1 << exponent_bits) - 1)
+            mantissa = bits & ((1 << mantissa_bits) - 1)
+            top = (1 << exponent_bits) - 1
+            if (kind == "fnuz" and bits == 0x80) or (kind == "fn" and bits & 0x7F == 0x7F):
+                values[bits] = math.nan
+            elif kind == "ieee" and exponent == top:
+                values[bits] = sign * math.inf if mantissa == 0 else math.nan
+            elif exponent == 0:
+                values[bits] = sign * mantissa * 2.0 ** (1 - bias - mantissa_bits)
+            else:
+                values[bits] = sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias)
+        _TABLES[dtype] = values
+    return _TABLES[dtype]

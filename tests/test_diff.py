@@ -14,7 +14,8 @@ import pytest
 
 from conftest import FIXTURES
 from ckpttool.commands.consolidate import consolidate
-from ckpttool.commands.diff import diff, float8_table, overlapping_chunks, slabs
+from ckpttool.commands.diff import diff, overlapping_chunks, slabs
+from ckpttool.numerics import float8_table
 from ckpttool.commands.reshard import reshard
 from ckpttool.dcp.blobs import DataFiles, locate
 from ckpttool.dcp.metadata import Chunk, read_checkpoint

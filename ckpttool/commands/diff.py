@@ -29,7 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ckpttool import dtypes, integrity
+from ckpttool import dtypes, integrity, numerics
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate, read_chunk, tensor_bytes
 from ckpttool.dcp.metadata import Checkpoint, Chunk, Object, Tensor, group_of
 from ckpttool.errors import CorruptMetadata, KeyCollision, UsageError
@@ -44,15 +44,6 @@ BLOCK_SIZE = 4 << 20  # bytes per side compared at a time (a multiple of every i
 
 # bit patterns of each element size, compared as unsigned integers
 _UNSIGNED = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
-_IEEE = {"float16": "<f2", "float32": "<f4", "float64": "<f8"}
-# float8 formats: (exponent bits, mantissa bits, bias, kind) as torch defines them
-# (c10/util/Float8_*.h): `fn` has no Inf and NaN at S.1111.111, `fnuz` has NaN at 0x80 only.
-_FLOAT8 = {
-    "float8_e4m3fn": (4, 3, 7, "fn"),
-    "float8_e5m2": (5, 2, 15, "ieee"),
-    "float8_e4m3fnuz": (4, 3, 8, "fnuz"),
-    "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
-}
 
 
 @dataclass(frozen=True)
@@ -444,7 +435,7 @@ class _Elements:
     def __init__(self, dtype: str, shape: tuple[int, ...], tolerance: tuple[float, float] | None):
         self.dtype, self.shape, self.tolerance = dtype, shape, tolerance
         self.itemsize = dtypes.ITEMSIZE[dtype]
-        self.floating = dtype in _IEEE or dtype == "bfloat16" or dtype in _FLOAT8 or dtype == "float8_e8m0fnu"
+        self.floating = dtype in numerics.DECODED
         self.differing = self.non_finite = self.beyond = 0
         self.first: tuple[int, tuple[int, ...]] | None = None  # (flat index, index)
         self.max_abs: float | None = None
@@ -467,7 +458,7 @@ class _Elements:
         if not self.floating:
             self.beyond += int(positions.size)
             return
-        x, y = _as_float64(bits_a[positions], self.dtype), _as_float64(bits_b[positions], self.dtype)
+        x, y = numerics.as_float64(bits_a[positions], self.dtype), numerics.as_float64(bits_b[positions], self.dtype)
         finite = np.isfinite(x) & np.isfinite(y)
         self.non_finite += int(positions.size - np.count_nonzero(finite))
         x, y = x[finite], y[finite]
@@ -495,44 +486,6 @@ def _bits(data: memoryview, itemsize: int) -> np.ndarray:
     if itemsize in _UNSIGNED:
         return np.frombuffer(data, _UNSIGNED[itemsize])
     return np.frombuffer(data, "<u8").reshape(-1, itemsize // 8)
-
-
-def _as_float64(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """Return the values of floating elements given as their unsigned bit patterns (exact:
-    every format here fits in float64)."""
-    if dtype in _IEEE:
-        return bits.view(_IEEE[dtype]).astype(np.float64)
-    if dtype == "bfloat16":  # the top half of a float32
-        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return float8_table(dtype)[bits]
-
-
-_TABLES: dict[str, np.ndarray] = {}
-
-
-def float8_table(dtype: str) -> np.ndarray:
-    """Return the 256 float64 values of a float8 format, indexed by bit pattern."""
-    if dtype not in _TABLES:
-        values = np.empty(256, np.float64)
-        for bits in range(256):
-            if dtype == "float8_e8m0fnu":  # exponent only, bias 127, 0xFF is NaN
-                values[bits] = math.nan if bits == 0xFF else 2.0 ** (bits - 127)
-                continue
-            exponent_bits, mantissa_bits, bias, kind = _FLOAT8[dtype]
-            sign = -1.0 if bits & 0x80 else 1.0
-            exponent = (bits >> mantissa_bits) & ((1 << exponent_bits) - 1)
-            mantissa = bits & ((1 << mantissa_bits) - 1)
-            top = (1 << exponent_bits) - 1
-            if (kind == "fnuz" and bits == 0x80) or (kind == "fn" and bits & 0x7F == 0x7F):
-                values[bits] = math.nan
-            elif kind == "ieee" and exponent == top:
-                values[bits] = sign * math.inf if mantissa == 0 else math.nan
-            elif exponent == 0:
-                values[bits] = sign * mantissa * 2.0 ** (1 - bias - mantissa_bits)
-            else:
-                values[bits] = sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias)
-        _TABLES[dtype] = values
-    return _TABLES[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
