@@ -277,13 +277,9 @@ class _Streams:
         return sink
 
     def commit(self, local: Path, force: bool) -> None:
-        """Send what is left, then, with signals deferred: remove the old output's index keys
-        (so no reader pairs them with new data), complete every upload, put the small local
-        files (`.metadata` and indexes last) and remove what is left of the old output.
-
-        Should a request fail half-way, the objects this commit made are deleted again, so a
-        new destination stays empty (one replaced with --force is left without its index:
-        unreadable, never mixed)."""
+        """Send what is left, then, with signals deferred and the old output replaced as
+        `_replacing` says: complete every upload, then put the small local files (`.metadata`
+        and indexes last)."""
         from ckpttool import io
 
         for sink in self.sinks.values():
@@ -292,30 +288,13 @@ class _Streams:
         small = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) if self.directory else []
         small.sort(key=lambda name: name.endswith(LAST_KEYS))
         fs, target = self.target.filesystem, self.target
-        made: list[str] = []
-        with _requests(str(target)), io._signals_deferred():
-            try:
-                old = set(fs.find(target.key)) if force and self.directory else set()
-                for stale in sorted(k for k in old if k.endswith(LAST_KEYS)):
-                    fs.rm_file(stale)
-                if force and not self.directory and fs.isdir(target.key):
-                    fs.rm(target.key, recursive=True)
-                for name, sink in self.sinks.items():
-                    sink.complete()
-                    made.append(self.key(name))
-                    old.discard(self.key(name))
-                for name in small:
-                    _put(fs, local / name, self.key(name))
-                    made.append(self.key(name))
-                    old.discard(self.key(name))
-            except BaseException:
-                for key in made:
-                    with contextlib.suppress(Exception):
-                        fs.rm_file(key)
-                raise
-            for stale in sorted(old - {k for k in old if k.endswith(LAST_KEYS)}):
-                fs.rm_file(stale)
-            fs.invalidate_cache()
+        with _requests(str(target)), io._signals_deferred(), _replacing(target, force, self.directory) as made:
+            for name, sink in self.sinks.items():
+                sink.complete()
+                made.append(self.key(name))
+            for name in small:
+                _put(fs, local / name, self.key(name))
+                made.append(self.key(name))
 
     def abort(self) -> None:
         for sink in self.sinks.values():
@@ -383,6 +362,32 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
         shutil.rmtree(local, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _replacing(target: RemotePath, force: bool, directory: bool) -> Iterator[list[str]]:
+    """Yield the list the block appends each key it makes visible at `target` to (both commit
+    paths). Before: with `force`, the old output's index keys are removed (so no reader pairs
+    them with new data; the old checkpoint is unreadable, never mixed), an old directory where
+    one file goes removed. After: what is left of the old output is removed. Should the block
+    fail, the keys it made are deleted again, so a new destination stays empty."""
+    fs = target.filesystem
+    old = set(fs.find(target.key)) if force and directory else set()
+    made: list[str] = []
+    try:
+        for stale in sorted(k for k in old if k.endswith(LAST_KEYS)):
+            fs.rm_file(stale)
+        if force and not directory and fs.isdir(target.key):
+            fs.rm(target.key, recursive=True)
+        yield made
+    except BaseException:
+        for key in made:
+            with contextlib.suppress(Exception):
+                fs.rm_file(key)
+        raise
+    for stale in sorted(old - set(made) - {k for k in old if k.endswith(LAST_KEYS)}):
+        fs.rm_file(stale)
+    fs.invalidate_cache()
+
+
 def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: bool) -> None:
     from ckpttool import io
 
@@ -398,26 +403,11 @@ def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: 
             if position == 0:
                 io._test_pause("upload")
         with io._signals_deferred():  # from here the destination changes: finish before any signal is handled
-            old = set(fs.find(target.key)) if force and directory else set()
-            made: list[str] = []
-            try:  # as `_Streams.commit`: old indexes first, what was made undone on failure
-                for stale in sorted(k for k in old if k.endswith(LAST_KEYS)):
-                    fs.rm_file(stale)
-                if force and not directory and fs.isdir(target.key):
-                    fs.rm(target.key, recursive=True)
+            with _replacing(target, force, directory) as made:
                 for name in names:
                     final = f"{target.key}/{name}" if name else target.key
                     fs.copy(f"{temp}/{name}" if name else temp, final)
                     made.append(final)
-                    old.discard(final)
-            except BaseException:
-                for key in made:
-                    with contextlib.suppress(Exception):
-                        fs.rm_file(key)
-                raise
-            for stale in sorted(old - {k for k in old if k.endswith(LAST_KEYS)}):
-                fs.rm_file(stale)
             fs.rm(temp, recursive=True)
-        fs.invalidate_cache()
 
 
