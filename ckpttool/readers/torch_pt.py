@@ -39,9 +39,8 @@ from ckpttool.dcp.metadata import Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.errors import CorruptBlob, CorruptMetadata, NotACheckpoint, UnsupportedFormat
 from ckpttool.readers.detect import HUB_TORCH_FILE
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
-from ckpttool.torchsave.stored import (MAX_PICKLE_BYTES, StateDictUnpickler, device, ints, raw_blob, stored_dtype,
-                                      unpickle)
-from ckpttool.torchsave.zip import LOCAL_MAGIC, entry_bytes, find_entry, read_directory
+from ckpttool.torchsave.stored import StateDictUnpickler, device, ints, load_data_pkl, raw_blob, stored_dtype
+from ckpttool.torchsave.zip import LOCAL_MAGIC, read_directory
 
 # torch/serialization.py MAGIC_NUMBER (0x1950a86a20f9469cfc6c), pickled first by `_legacy_save`
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
@@ -107,13 +106,7 @@ def read_torch_pt(path: str | os.PathLike, follow_symlinks: bool = False) -> Che
         except CorruptBlob as error:
             raise CorruptMetadata(f"{where}: truncated or damaged torch.save file: "
                                   f"{str(error).removeprefix(where + ': ')}") from None
-        pickle_entry = find_entry(entries, "data.pkl")
-        if pickle_entry is None:
-            raise CorruptMetadata(f"{where}: not a torch.save file (no data.pkl in the zip)")
-        byteorder = find_entry(entries, "byteorder")
-        if byteorder is not None and entry_bytes(read, size, byteorder, where, 16) != b"little":
-            raise UnsupportedFormat(f"{where}: saved on a big-endian machine; this build reads little-endian files only")
-        state = unpickle(entry_bytes(read, size, pickle_entry, where, MAX_PICKLE_BYTES), where, _Unpickler, _ALLOWED)
+        state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED)
         if not isinstance(state, dict):
             raise UnsupportedFormat(f"{where}: holds a {_kind(state)}, not a dict; this build reads torch.save "
                                     "files of (nested) state dicts")

@@ -39,9 +39,9 @@ from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, Unsupp
 from ckpttool.layout import split_dim0
 from ckpttool.readers.detect import VERL_MODEL_PATTERN, VERL_SUBDIRS, verl_files
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
-from ckpttool.torchsave.stored import (MAX_PICKLE_BYTES, DTypeName, StateDictUnpickler, closing_build_as_pop, device,
-                                      ints, raw_blob, stored_dtype, unpickle)
-from ckpttool.torchsave.zip import Entry, entry_bytes, find_entry, read_directory
+from ckpttool.torchsave.stored import (DTypeName, StateDictUnpickler, closing_build_as_pop, device, ints, load_data_pkl,
+                                      raw_blob, stored_dtype)
+from ckpttool.torchsave.zip import Entry, read_directory
 
 FSDP_CONFIG = "fsdp_config.json"  # fsdp_checkpoint_manager.py: {"FSDP_version": 2, "world_size": W}
 MAX_CONFIG_BYTES = 1 << 20
@@ -228,14 +228,7 @@ def _read_rank(files: DataFiles, name: str, rank: int, world_size: int) -> list[
         return files.read(name, offset, length)
 
     entries = read_directory(read, size, where)
-    pickle_entry = find_entry(entries, "data.pkl")
-    if pickle_entry is None:
-        raise CorruptMetadata(f"{where}: not a torch.save file (no data.pkl)")
-    byteorder = find_entry(entries, "byteorder")
-    if byteorder is not None and entry_bytes(read, size, byteorder, where, 16) != b"little":
-        raise UnsupportedFormat(f"{where}: saved on a big-endian machine; this build reads little-endian files only")
-    state = unpickle(entry_bytes(read, size, pickle_entry, where, MAX_PICKLE_BYTES), where, _Unpickler, _ALLOWED,
-                     closing_build_as_pop)
+    state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED, closing_build_as_pop)
     if not isinstance(state, dict):
         raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not a state dict")
     starts: dict[str, int] = {}  # storage key -> where its bytes start in the file

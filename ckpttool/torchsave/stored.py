@@ -22,7 +22,7 @@ from ckpttool.dcp.metadata import Blob, PickleRefused, RestrictedUnpickler
 from ckpttool.errors import CheckpointError, CorruptMetadata, UnsafeMetadata, UnsupportedFormat
 from ckpttool.torchsave.archive import contiguous_strides
 from ckpttool.torchsave.record import _persistent_storage, _Rebuilt, _Storage
-from ckpttool.torchsave.zip import Entry, entry_data_offset, find_entry
+from ckpttool.torchsave.zip import Entry, entry_bytes, entry_data_offset, find_entry
 
 MAX_PICKLE_BYTES = 256 << 20  # a 70B model's state dict pickles to a few MB
 
@@ -120,6 +120,20 @@ def unpickle(raw: bytes, where: str, loader: Callable[..., RestrictedUnpickler],
         raise CorruptMetadata(f"{where}: data.pkl refused: {error}; nothing was built from it") from None
     except Exception as error:  # pickle raises many kinds on truncated or garbage input
         raise CorruptMetadata(f"{where}: cannot decode data.pkl ({type(error).__name__}: {str(error)[:200]})") from None
+
+
+def load_data_pkl(entries: dict[str, Entry], read: Callable[[int, int], bytes], size: int, where: str,
+                  loader: Callable[..., RestrictedUnpickler], allowed: dict,
+                  rewrite: Callable[[bytes], bytes] = builds_as_pops) -> Any:
+    """Return a torch.save file's data.pkl built from stand-ins (`unpickle`), after checking
+    that the zip (`entries`, read by `read(offset, length)`) has one and is little-endian."""
+    pickle_entry = find_entry(entries, "data.pkl")
+    if pickle_entry is None:
+        raise CorruptMetadata(f"{where}: not a torch.save file (no data.pkl in the zip)")
+    byteorder = find_entry(entries, "byteorder")
+    if byteorder is not None and entry_bytes(read, size, byteorder, where, 16) != b"little":
+        raise UnsupportedFormat(f"{where}: saved on a big-endian machine; this build reads little-endian files only")
+    return unpickle(entry_bytes(read, size, pickle_entry, where, MAX_PICKLE_BYTES), where, loader, allowed, rewrite)
 
 
 def ints(value: Any, what: str) -> tuple[int, ...]:
