@@ -46,7 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ckpttool import integrity  # noqa: E402
-from ckpttool.dcp import metadata, writer  # noqa: E402
+from ckpttool.checkpoint import Checkpoint, paused_gc  # noqa: E402
+from ckpttool.dcp import writer  # noqa: E402
+from ckpttool.readers.dcp import METADATA_FILENAME, _convert, read_checkpoint  # noqa: E402
+from ckpttool.safepickle.allowlist import _ALLOWED, _find_allowed  # noqa: E402
+from ckpttool.safepickle.loader import _Loader  # noqa: E402
 from ckpttool.errors import CheckpointError  # noqa: E402
 
 OUTCOMES = ("ok", "refused", "tracebacks", "signals", "timeouts", "memory", "fast != general")
@@ -70,11 +74,11 @@ def seeds() -> list[tuple[str, bytes, Path]]:
     our writer pickles it."""
     found = []
     for directory in sorted((ROOT / "fixtures").iterdir()):
-        path = directory / metadata.METADATA_FILENAME
+        path = directory / METADATA_FILENAME
         if not path.is_file():
             continue
         found.append((directory.name, path.read_bytes(), directory))
-        checkpoint = metadata.read_checkpoint(directory)
+        checkpoint = read_checkpoint(directory)
         tensors = [
             writer.StoredTensor(t.fqn, t.dtype, t.shape, tuple(
                 writer.StoredChunk(c.offsets, c.sizes, c.blob.file, c.blob.offset, c.blob.length) for c in t.chunks))
@@ -208,7 +212,7 @@ def read_in_child(directory: Path) -> int:
     """Read the checkpoint in `directory` as every command does; return the exit status."""
     checkpoint = None
     try:
-        checkpoint = metadata.read_checkpoint(directory)
+        checkpoint = read_checkpoint(directory)
         integrity.check(checkpoint)
     except CheckpointError as error:
         message = str(error)
@@ -217,14 +221,14 @@ def read_in_child(directory: Path) -> int:
     except MemoryError:
         return EXIT_MEMORY
     # the same file read opcode by opcode (without the fast paths) must give the same outcome
-    raw = (directory / metadata.METADATA_FILENAME).read_bytes()
-    source = directory / metadata.METADATA_FILENAME
-    find_class = lambda module, name: metadata._find_allowed(metadata._ALLOWED, str(source), module, name)  # noqa: E731
+    raw = (directory / METADATA_FILENAME).read_bytes()
+    source = directory / METADATA_FILENAME
+    find_class = lambda module, name: _find_allowed(_ALLOWED, str(source), module, name)  # noqa: E731
     try:
-        loader = metadata._Loader(raw, find_class, build=True)
+        loader = _Loader(raw, find_class, build=True)
         loader.records = None
-        with metadata.paused_gc():
-            general = metadata._convert(directory, source, loader.load())
+        with paused_gc():
+            general = _convert(directory, source, loader.load())
     except MemoryError:
         return EXIT_MEMORY
     except Exception:  # refused or malformed: read_checkpoint must have refused it too
@@ -234,7 +238,7 @@ def read_in_child(directory: Path) -> int:
     return EXIT_OK if checkpoint is not None else EXIT_REFUSED
 
 
-def same(a: metadata.Checkpoint, b: metadata.Checkpoint) -> bool:
+def same(a: Checkpoint, b: Checkpoint) -> bool:
     return (a.version, a.tensors, a.objects, a.nesting, a.orphan_blobs, a.save_id, a.notes) == (
         b.version, b.tensors, b.objects, b.nesting, b.orphan_blobs, b.save_id, b.notes)
 
@@ -297,7 +301,7 @@ def main() -> None:
             failures += 1
             args.out.mkdir(parents=True, exist_ok=True)
             stem = args.out / f"{failures:04d}-{outcome.replace(' ', '').replace('!=', '-vs-')}"
-            shutil.copy(directory / metadata.METADATA_FILENAME, stem.with_suffix(".metadata"))
+            shutil.copy(directory / METADATA_FILENAME, stem.with_suffix(".metadata"))
             stem.with_suffix(".txt").write_text(f"seed fixture: {name}\nmutations: {mutations}\n{detail}\n")
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -307,9 +311,9 @@ def main() -> None:
             mutant, mutations = mutate(data, parsed[name], rng)
             directory = scratch / str(number)
             directory.mkdir()
-            (directory / metadata.METADATA_FILENAME).write_bytes(mutant)
+            (directory / METADATA_FILENAME).write_bytes(mutant)
             for path in source.iterdir():
-                if path.name != metadata.METADATA_FILENAME:
+                if path.name != METADATA_FILENAME:
                     (directory / path.name).symlink_to(path)
             while len(running) >= args.workers:
                 reap(block=True)

@@ -23,7 +23,7 @@ _API = {
     "reshard": ("ckpttool.commands.reshard", "reshard"),
     "diff": ("ckpttool.commands.diff", "diff"),
     "push": ("ckpttool.commands.push", "push"),
-    "read_checkpoint": ("ckpttool.dcp.metadata", "read_checkpoint"),
+    "read_checkpoint": ("ckpttool.readers.dcp", "read_checkpoint"),
     "CheckpointError": ("ckpttool.errors", "CheckpointError"),
     "export": ("ckpttool.commands.export", "export"),
     "import_checkpoint": ("ckpttool.commands.import_", "import_checkpoint"),

@@ -141,3 +141,9 @@ class StorageError(CheckpointError):
     def __init__(self, message: str, code: str = "storage"):
         super().__init__(message)
         self.code = code
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """Return `text` on one line, cut to `limit` characters (a message quoting file content)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."

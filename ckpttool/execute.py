@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from ckpttool import dtypes, storage, uploads
+from ckpttool.checkpoint import Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
-from ckpttool.dcp.metadata import Tensor
 from ckpttool.errors import CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
 from ckpttool.plan import unique_chunks

@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from ckpttool.checkpoint import group_of
 from ckpttool.errors import KeyCollision, UsageError
-from ckpttool.dcp.metadata import group_of
 
 # Module wrappers that insert a path component into parameter names:
 # FSDP1 (torch/distributed/fsdp/_common_utils.py FSDP_WRAPPED_MODULE), torch.compile

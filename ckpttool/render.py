@@ -11,11 +11,11 @@ import re
 import sys
 from typing import Any, Iterable, TextIO
 
+from ckpttool.checkpoint import paused_gc
 from ckpttool.commands.consolidate import ConsolidateReport
 from ckpttool.commands.inspect import GROUPS, InspectReport, TensorInfo
 from ckpttool.commands.reshard import ReshardReport
 from ckpttool.commands.validate import ValidationReport
-from ckpttool.dcp.metadata import paused_gc
 from ckpttool.integrity import Problem
 
 INSPECT_SCHEMA = "ckpttool.inspect/1"

@@ -238,7 +238,7 @@ def test_sharded_directory_loads_into_the_trainers_model_with_huggingface_hub(wr
 def test_shards_are_what_huggingface_hub_save_torch_state_dict_writes(reference, tmp_path):
     from huggingface_hub import save_torch_state_dict
 
-    from ckpttool.dcp.metadata import read_checkpoint
+    from ckpttool.readers.dcp import read_checkpoint
 
     # in the order the state dict was saved (model.state_dict() order, kept in .metadata)
     saved = [fqn.removeprefix("model.") for fqn in read_checkpoint(FIXTURES / "fsdp2_world2").nesting]

@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from ckpttool.dcp.blobs import RawData
-from ckpttool.dcp.metadata import Blob, Chunk, Tensor
+from ckpttool.checkpoint import Blob, Chunk, Tensor
 from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.formats import hub, safetensors
 from ckpttool.keys import KeyRules, Rename, normalise, output_keys

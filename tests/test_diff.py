@@ -18,7 +18,8 @@ from ckpttool.commands.diff import diff, overlapping_chunks, slabs
 from ckpttool.numerics import float8_table
 from ckpttool.commands.reshard import reshard
 from ckpttool.dcp.blobs import DataFiles, locate
-from ckpttool.dcp.metadata import Chunk, read_checkpoint
+from ckpttool.checkpoint import Chunk
+from ckpttool.readers.dcp import read_checkpoint
 
 SOURCE = FIXTURES / "fsdp2_world3_uneven"  # model, AdamW state and plain objects, uneven world 3
 

@@ -195,7 +195,7 @@ def megatron_cases() -> list[Case]:
     chosen from its metadata: the last data file; the first chunk (tensors by name) with
     another blob after it in its file; the first chunk at offset 0 along a dim with a
     neighbour right after it along that dim."""
-    from ckpttool.dcp.metadata import read_checkpoint
+    from ckpttool.readers.dcp import read_checkpoint
 
     dcp_dir = sorted(MEGATRON.rglob(".metadata"))[0].parent
     tensors = list(read_checkpoint(dcp_dir).tensors.values())

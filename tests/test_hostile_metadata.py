@@ -25,8 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.dcp import metadata
-from ckpttool.dcp.metadata import PickleRefused, RestrictedUnpickler, read_checkpoint
+from ckpttool.checkpoint import Checkpoint, paused_gc
+from ckpttool.readers.dcp import METADATA_FILENAME, _convert, read_checkpoint
+from ckpttool.safepickle import PickleRefused, RestrictedUnpickler
+from ckpttool.safepickle.allowlist import _ALLOWED, _find_allowed
+from ckpttool.safepickle.loader import MAX_NESTING, _Loader
+from ckpttool.safepickle.nodes import _Fallback
 from ckpttool.errors import CorruptMetadata, UnsafeMetadata
 
 from conftest import FIXTURES, FIXTURE_NAMES
@@ -117,7 +121,7 @@ def hostile_checkpoint(root: Path, case: str) -> Path:
     """Write the checkpoint directory of one hostile case under `root` and return it."""
     checkpoint = root / case
     checkpoint.mkdir()
-    path = checkpoint / metadata.METADATA_FILENAME
+    path = checkpoint / METADATA_FILENAME
     if case in PICKLES:
         path.write_bytes(PICKLES[case]())
     elif case == "runs-code":
@@ -200,7 +204,7 @@ def test_every_command_refuses_a_hostile_metadata_in_one_line_within_10s_and_200
         assert "Traceback" not in stdout + stderr, command
         assert len(stderr.strip().splitlines()) <= 1, (command, stderr)
         # the refusal is one line naming the file (on stderr, or in validate's report)
-        path = str(checkpoint / metadata.METADATA_FILENAME)
+        path = str(checkpoint / METADATA_FILENAME)
         assert len([line for line in (stdout + stderr).splitlines() if path in line]) == 1, (command, stdout + stderr)
         assert sorted(p.name for p in (tmp_path / command).iterdir()) == ["rss.txt", "stderr.txt", "stdout.txt"], command
     assert not (tmp_path / "MARKER").exists()
@@ -219,7 +223,7 @@ def test_read_checkpoint_refuses_each_hostile_metadata_with_a_one_line_error_nam
     assert time.monotonic() - started < 5
     message = str(raised.value)
     assert "\n" not in message and len(message) < 600
-    assert str(checkpoint / metadata.METADATA_FILENAME) in message
+    assert str(checkpoint / METADATA_FILENAME) in message
     assert not (tmp_path / "MARKER").exists()
 
 
@@ -246,7 +250,7 @@ def test_the_error_says_which_budget_or_rule_the_metadata_breaks(tmp_path, case,
 
 
 def test_a_metadata_that_is_a_directory_is_refused_as_not_a_regular_file(tmp_path):
-    (tmp_path / metadata.METADATA_FILENAME).mkdir()
+    (tmp_path / METADATA_FILENAME).mkdir()
     with pytest.raises(CorruptMetadata, match="a directory, not a regular file"):
         read_checkpoint(tmp_path)
 
@@ -255,13 +259,13 @@ def test_metadata_nested_as_deep_as_the_budget_allows_is_read_but_one_level_more
     def nested(depth: int) -> bytes:
         return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
 
-    loader = metadata._Loader(nested(metadata.MAX_NESTING), None, build=True)
+    loader = _Loader(nested(MAX_NESTING), None, build=True)
     value = loader.load()
-    for _ in range(metadata.MAX_NESTING - 1):
+    for _ in range(MAX_NESTING - 1):
         value = value[0]
     assert value == []
     with pytest.raises(PickleRefused, match="nest deeper"):
-        metadata._Loader(nested(metadata.MAX_NESTING + 1), None, build=True).load()
+        _Loader(nested(MAX_NESTING + 1), None, build=True).load()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,17 +325,17 @@ def test_restricted_unpickler_still_reads_plain_values_and_persistent_ids():
 
 
 def _find_class(module: str, name: str):
-    return metadata._find_allowed(metadata._ALLOWED, "x", module, name)
+    return _find_allowed(_ALLOWED, "x", module, name)
 
 
-def _read(checkpoint: Path, fast: bool) -> tuple[metadata.Checkpoint, int, int, int]:
+def _read(checkpoint: Path, fast: bool) -> tuple[Checkpoint, int, int, int]:
     """Return the checkpoint read with or without the loader's fast paths, and the objects,
     work and memo slots the loader counted."""
-    loader = metadata._Loader((checkpoint / metadata.METADATA_FILENAME).read_bytes(), _find_class, build=True)
+    loader = _Loader((checkpoint / METADATA_FILENAME).read_bytes(), _find_class, build=True)
     if not fast:
         loader.records = None
-    with metadata.paused_gc():
-        converted = metadata._convert(checkpoint, checkpoint / metadata.METADATA_FILENAME, loader.load())
+    with paused_gc():
+        converted = _convert(checkpoint, checkpoint / METADATA_FILENAME, loader.load())
     return converted, loader.objects, loader.work, len(loader.memo)
 
 
@@ -358,8 +362,8 @@ def test_a_record_fetched_again_from_the_memo_is_read_by_the_general_path(tmp_pa
         state[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]), [chunk])
         storage[MetadataIndex(fqn, torch.Size([0]))] = _StorageInfo("__0_0.distcp", 16 * i, 16)
     data = pickle.dumps(Metadata(state, storage_data=storage))
-    (tmp_path / metadata.METADATA_FILENAME).write_bytes(data)
-    with pytest.raises(metadata._Fallback):
-        metadata._Loader(data, _find_class, build=True).load()
+    (tmp_path / METADATA_FILENAME).write_bytes(data)
+    with pytest.raises(_Fallback):
+        _Loader(data, _find_class, build=True).load()
     checkpoint = read_checkpoint(tmp_path)
     assert [t.chunks[0].blob.offset for t in checkpoint.tensors.values()] == [0, 16, 32]

@@ -40,7 +40,7 @@ GATE_CASES["chunk shifted into its neighbour, equal gap"] = (shifted_chunk_with_
 
 
 def test_the_shifted_chunk_keeps_the_volume_sum_so_only_exact_tiling_catches_it(tmp_path):
-    from ckpttool.dcp.metadata import read_checkpoint
+    from ckpttool.readers.dcp import read_checkpoint
 
     path = copy_fixture(tmp_path, "fsdp2_world3_uneven")
     shifted_chunk_with_equal_gap(path)

@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES, flatten, tensor_bytes
 
 from ckpttool.dcp.blobs import DataFiles, locate, read_chunk
-from ckpttool.dcp.metadata import read_checkpoint
+from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.errors import CorruptMetadata, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
 
 
@@ -155,7 +155,7 @@ def test_unsafe_globals_are_refused_before_anything_runs(tmp_path):
 def test_reader_never_imports_torch():
     import subprocess
 
-    code = "import sys; from ckpttool.dcp.metadata import read_checkpoint as r; r(sys.argv[1]); print('torch' in sys.modules)"
+    code = "import sys; from ckpttool.readers.dcp import read_checkpoint as r; r(sys.argv[1]); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "fsdp2_world2")], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
 

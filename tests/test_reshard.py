@@ -25,7 +25,7 @@ from conftest import FIXTURE_NAMES, FIXTURES, assert_same_bytes, flatten, tensor
 from fsdp_loads import LoadJob, load_all, read_reads
 
 from ckpttool.commands.reshard import reshard
-from ckpttool.dcp.metadata import read_checkpoint
+from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.io import TEMP_PREFIX
 from ckpttool.torchsave.record import record_bytes
 

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool.dcp.metadata import Blob, Chunk, Tensor, read_checkpoint
+from ckpttool.checkpoint import Blob, Chunk, Tensor
+from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.errors import CorruptMetadata, UsageError
 from ckpttool.plan.reshard import EVERY_TENSOR_RULE, Mesh, fill_runs, is_sharded, parse_mesh, plan_reshard, sharding_rule
 

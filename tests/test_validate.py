@@ -18,7 +18,7 @@ import pytest
 
 from conftest import FIXTURE_NAMES, FIXTURES
 
-from ckpttool.dcp.metadata import read_checkpoint
+from ckpttool.readers.dcp import read_checkpoint
 
 WORLD2 = FIXTURES / "fsdp2_world2_adamw"
 EMBED = "model.embed.weight"
@@ -150,7 +150,7 @@ def empty_directory(path: Path) -> None:
 
 def flipped_data_byte(path: Path) -> None:
     from ckpttool.dcp.blobs import DataFiles, locate
-    from ckpttool.dcp.metadata import read_checkpoint
+    from ckpttool.readers.dcp import read_checkpoint
 
     checkpoint = read_checkpoint(path)
     tensor = checkpoint.tensors[EMBED]

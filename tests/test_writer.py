@@ -29,9 +29,10 @@ from ckpttool import dtypes
 from ckpttool.commands.reshard import reshard
 from ckpttool.commands.validate import validate
 from ckpttool.dcp import writer
+from ckpttool.checkpoint import Blob
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import Blob, read_checkpoint
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, metadata_bytes
+from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.torchsave import ptfile
 from ckpttool.torchsave.pickle import Global, NewObject, Reduce, dumps
 from ckpttool.torchsave.record import read_tensor_record, record_bytes, record_layout, record_problems

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ckpttool import distributed, dtypes, execute, integrity, io, readers, storage
+from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
-from ckpttool.dcp.metadata import Checkpoint, Tensor
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors

@@ -30,8 +30,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ckpttool import dtypes, integrity, numerics
+from ckpttool.checkpoint import Checkpoint, Chunk, Object, Tensor, group_of
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate, read_chunk, tensor_bytes
-from ckpttool.dcp.metadata import Checkpoint, Chunk, Object, Tensor, group_of
 from ckpttool.errors import CorruptMetadata, KeyCollision, UsageError
 from ckpttool.integrity import Problem
 from ckpttool.io import ProgressFactory, no_progress

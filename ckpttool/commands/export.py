@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ckpttool import __version__, readers
+from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.consolidate import ConsolidateReport, consolidate, load_objects
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import Checkpoint
 from ckpttool.errors import CorruptMetadata, InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.execute import write_file
 from ckpttool.formats import hub

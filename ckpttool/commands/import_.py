@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool import execute, integrity, readers
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, raw_range_transforms
 from ckpttool.commands.reshard import ReshardReport, write_dcp
-from ckpttool.dcp.blobs import DataFiles, raw_range_transforms
-from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Object, Tensor
+from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import UsageError
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, check_destination, parse_size, refuse_overlap
 from ckpttool.plan.reshard import parse_mesh, plan_reshard

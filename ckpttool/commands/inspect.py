@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 from ckpttool import readers
-from ckpttool.dcp.metadata import DATA_FILE_PATTERN, Checkpoint, Tensor, group_of, paused_gc
+from ckpttool.checkpoint import Checkpoint, Tensor, group_of, paused_gc
 from ckpttool.layout import Sharding, classify
+from ckpttool.readers.dcp import DATA_FILE_PATTERN
 
 GROUPS = ("model", "optimizer", "other")
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ckpttool import distributed, execute, integrity, io, readers, storage
+from ckpttool.checkpoint import Checkpoint
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import METADATA_FILENAME, Checkpoint, read_checkpoint
 from ckpttool.dcp.writer import metadata_bytes
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CheckpointError, UsageError, VerificationFailed, WriteFailed
@@ -34,6 +34,7 @@ from ckpttool.integrity import Problem
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, no_progress, parse_size, refuse_overlap
 from ckpttool.plan.operations import Record
 from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
+from ckpttool.readers.dcp import METADATA_FILENAME, read_checkpoint
 
 _SAVE_ID_NAMESPACE = uuid.UUID("5b1c1e0e-8a4f-4f37-9a55-3b0f9d6f2c11")
 

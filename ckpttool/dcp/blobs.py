@@ -27,8 +27,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterator
 
 from ckpttool import dtypes, storage
-from ckpttool.dcp.metadata import Blob, Chunk, PickleRefused, Tensor, file_kind
+from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsafeDataFile, UnsupportedFormat
+from ckpttool.safepickle import PickleRefused
 from ckpttool.torchsave.record import read_plain_object, read_tensor_record
 from ckpttool.torchsave.zip import LOCAL_MAGIC
 
@@ -37,20 +38,6 @@ MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on header size
 MAX_OBJECT_BYTES = 64 << 20  # a non-tensor entry decompressed: param_groups, steps, RNG states are far smaller
 RECORD_SLACK = 1 << 20  # what a one-tensor record may hold beyond its data (data.pkl, small entries, zip directory)
 DECOMPRESS_BLOCK = 4 << 20  # bytes decompressed per step
-# Our own marker, never written to disk: the blob is the chunk's raw row-major bytes as they
-# are, with no record around them (readers/verl.py: a storage inside a torch.save .pt file);
-# `ckpttool.raw/<crc32 hex>` also states the CRC-32 of those bytes.
-RAW_RANGE_TRANSFORM = "ckpttool.raw"
-
-
-def raw_range_transforms(crc32: int | None = None) -> tuple[str, ...]:
-    """Return the transforms of a raw-byte-range blob (with its CRC-32 when known)."""
-    return (RAW_RANGE_TRANSFORM if crc32 is None else f"{RAW_RANGE_TRANSFORM}/{crc32:08x}",)
-
-
-def is_raw_range(blob: Blob) -> bool:
-    """True for a blob that is a chunk's raw bytes (see RAW_RANGE_TRANSFORM)."""
-    return len(blob.transforms) == 1 and blob.transforms[0].split("/", 1)[0] == RAW_RANGE_TRANSFORM
 
 
 def safe_relative_path(relative: str, source: str = "") -> PurePosixPath:
@@ -64,6 +51,18 @@ def safe_relative_path(relative: str, source: str = "") -> PurePosixPath:
     if len(relative) > 1 and relative[1] == ":":
         raise CorruptMetadata(f"{source}data file path {relative!r} is a drive path; refusing it")
     return path
+
+
+def file_kind(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "a dangling link"
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 def containment_root(root: str | os.PathLike) -> Path | None:

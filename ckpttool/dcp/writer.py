@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Iterable, Mapping, Sequence
 
-from ckpttool.dcp.metadata import paused_gc
+from ckpttool.checkpoint import paused_gc
 from ckpttool.torchsave.pickle import Global, NewObject, Reduce, dumps
 
 

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from ckpttool.dcp.metadata import Tensor
+from ckpttool.checkpoint import Tensor
 
 
 def unique_chunks(tensor: Tensor) -> list[int]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ckpttool import dtypes
+from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import RawData
-from ckpttool.dcp.metadata import Checkpoint, Tensor
 from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.formats import hub, safetensors
 from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool import dtypes
+from ckpttool.checkpoint import Tensor
 from ckpttool.dcp.blobs import RawData
-from ckpttool.dcp.metadata import Tensor
 
 CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a record's data

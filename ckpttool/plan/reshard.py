@@ -38,7 +38,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from ckpttool.dcp.metadata import MODEL_KEYS, OPTIMIZER_KEYS, Blob, Checkpoint, Tensor
+from ckpttool.checkpoint import MODEL_KEYS, OPTIMIZER_KEYS, Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError

@@ -20,8 +20,9 @@ import dataclasses
 import os
 
 from ckpttool import storage
-from ckpttool.dcp.metadata import METADATA_FILENAME, Checkpoint, read_checkpoint
+from ckpttool.checkpoint import Checkpoint
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat
+from ckpttool.readers.dcp import METADATA_FILENAME, read_checkpoint
 from ckpttool.readers.dcp_hf import read_dcp_hf
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, MEGATRON, SAFETENSORS,
                                      TORCH_PT, TORCHTITAN, VERL, Detection, _detect, detect)

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool import storage
-from ckpttool.dcp.metadata import METADATA_FILENAME, RANK_METADATA_PATTERN
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.readers import dcp_hf, hub_folder
+from ckpttool.readers.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 from ckpttool.readers.safetensors import read_header
 
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
@@ -165,7 +165,7 @@ def _directory_layout(path: Path) -> tuple[str | None, object]:
             return MEGATRON, None
         if (path / LIGHTNING_METADATA).is_file():
             return LIGHTNING, None
-        from ckpttool.dcp.metadata import read_checkpoint
+        from ckpttool.readers.dcp import read_checkpoint
 
         checkpoint = read_checkpoint(path)
         return (TORCHTITAN if is_torchtitan(checkpoint.tensors.keys() | checkpoint.objects.keys()) else DCP), checkpoint

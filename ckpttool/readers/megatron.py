@@ -37,8 +37,8 @@ import dataclasses
 import math
 import re
 
-from ckpttool.dcp.blobs import DataFiles, raw_range_transforms
-from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Tensor, group_of
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, group_of, raw_range_transforms
+from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CheckpointError, CorruptMetadata
 from ckpttool.torchsave.record import read_tensor_record
 

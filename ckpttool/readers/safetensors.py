@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from ckpttool import dtypes, storage
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.dcp.blobs import MAX_SAFETENSORS_HEADER, check_data_file, containment_root, safe_relative_path
-from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.errors import CorruptMetadata, MissingFile
 from ckpttool.formats.safetensors import SUFFIX
 

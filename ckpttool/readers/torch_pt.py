@@ -1,7 +1,7 @@
 """Read one torch.save file (`.pt`, `.pth`, `.bin`, `.ckpt`) holding a state dict, without torch.
 
 The file is a torch.save zip (torch >= 1.6; torch/serialization.py `_save`, read with
-`torchsave/zip.py`). Its `data.pkl` is checked by the budgeted loader (`dcp.metadata.scan_pickle`)
+`torchsave/zip.py`). Its `data.pkl` is checked by the budgeted loader (`safepickle.scan_pickle`)
 and built only from stand-ins of our own for the globals a state dict names (`_ALLOWED`:
 `_rebuild_tensor_v2/v3`, storages, `OrderedDict`, `torch.Size`, dtypes, devices, Parameters),
 which record numbers and never run anything. The legacy non-zip format (torch < 1.6, or
@@ -12,7 +12,7 @@ output, HF `pytorch_model.bin`, Lightning's `{"state_dict": ..., "optimizer_stat
 Entries are named as DCP flattens a state dict (torch/distributed/checkpoint/_traverse.py
 `traverse_state_dict`): dict keys joined with ".", lists walked by index when they hold a dict
 or a tensor; `nesting` keeps each key path. Every tensor is one chunk whose blob is its raw
-byte range in the file (`dcp.blobs.raw_range_transforms`, with the storage's CRC-32 when the
+byte range in the file (`checkpoint.raw_range_transforms`, with the storage's CRC-32 when the
 tensor is the whole storage); tied weights name the same range. A tensor must be a
 contiguous row-major view of its storage (any storage offset): a non-contiguous view saved
 as it is raises UnsupportedFormat. Other values (ints, floats, strings, lists, None, ...) are
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import dtypes, storage
+from ckpttool.checkpoint import Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.errors import CorruptBlob, CorruptMetadata, NotACheckpoint, UnsupportedFormat
 from ckpttool.readers.detect import HUB_TORCH_FILE
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt

@@ -6,14 +6,14 @@ whose `_local_tensor` is that rank's shard. Beside them, `optim_world_size_W_ran
 `extra_state_world_size_W_rank_R.pt` hold optimizer state, lr scheduler and RNG state: not read.
 
 Each model file is a torch.save zip (`torchsave/zip.py`); its `data.pkl` is checked by the
-budgeted loader (`dcp.metadata.scan_pickle`) and built only from stand-ins of our own for exactly
+budgeted loader (`safepickle.scan_pickle`) and built only from stand-ins of our own for exactly
 the globals a DTensor state dict names (see `_ALLOWED`), which record numbers and never run
 anything. From each DTensor: the global shape and dtype (`_rebuild_wrapper_subclass`'s args),
 the placements (`Shard(dim)`, `Replicate`) and the mesh (axis sizes, this rank's coordinate),
 which place the rank's chunk as DTensor's `Shard` does (`torch.chunk` split, ceil division,
 one mesh dim after the other), and the local tensor's storage (`data/<key>`), storage offset and
 stride. A contiguous local tensor's bytes are a plain byte range of the .pt file, kept as a
-raw-range blob (`dcp.blobs.RAW_RANGE_TRANSFORM`) that `locate` returns as it is. Fqns are the
+raw-range blob (`checkpoint.RAW_RANGE_TRANSFORM`) that `locate` returns as it is. Fqns are the
 state dict's keys, as verl's own merger names them (verl/model_merger/fsdp_model_merger.py):
 no prefix to strip; every tensor is a model tensor (`model_subtree=None`).
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import dtypes
+from ckpttool.checkpoint import Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.dcp.metadata import Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.layout import split_dim0
 from ckpttool.readers.detect import VERL_MODEL_PATTERN, VERL_SUBDIRS, verl_files

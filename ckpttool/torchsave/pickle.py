@@ -9,7 +9,7 @@ write. The only memo is for strings and globals, by value; no frames, no batchin
 
 Example (read back through our allowlist loader, as ckpttool reads every pickle):
     >>> import io
-    >>> from ckpttool.dcp.metadata import RestrictedUnpickler
+    >>> from ckpttool.safepickle import RestrictedUnpickler
     >>> RestrictedUnpickler(io.BytesIO(dumps({"lr": 0.1, "betas": (0.9, 0.999)})), {}, "example").load()
     {'lr': 0.1, 'betas': (0.9, 0.999)}
     >>> allowed = {("collections", "OrderedDict"): dict}

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool import dtypes
-from ckpttool.dcp.metadata import Blob, RestrictedUnpickler
+from ckpttool.checkpoint import Blob
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata
+from ckpttool.safepickle import RestrictedUnpickler
 from ckpttool.torchsave import archive
 from ckpttool.torchsave.pickle import dumps
 from ckpttool.torchsave.zip import (LOCAL, UNSUPPORTED_FLAGS, Read, entry_bytes, entry_data_offset, entry_in, find_entry,

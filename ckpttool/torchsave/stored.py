@@ -17,9 +17,9 @@ from pickle import BUILD, POP, STOP
 from typing import Any, Callable
 
 from ckpttool import dtypes
-from ckpttool.dcp.blobs import raw_range_transforms
-from ckpttool.dcp.metadata import Blob, PickleRefused, RestrictedUnpickler
+from ckpttool.checkpoint import Blob, raw_range_transforms
 from ckpttool.errors import CheckpointError, CorruptMetadata, UnsafeMetadata, UnsupportedFormat
+from ckpttool.safepickle import PickleRefused, RestrictedUnpickler
 from ckpttool.torchsave.archive import contiguous_strides
 from ckpttool.torchsave.record import _persistent_storage, _Rebuilt, _Storage
 from ckpttool.torchsave.zip import Entry, entry_bytes, entry_data_offset, find_entry
