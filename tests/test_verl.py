@@ -41,7 +41,7 @@ def merged() -> dict:
 
 
 def sha256(tensor) -> str:
-    from ckpttool.dcp.blobs import tensor_bytes
+    from ckpttool.torchsave.archive import tensor_bytes
 
     return hashlib.sha256(tensor_bytes(tensor)).hexdigest()
 

@@ -30,12 +30,12 @@ from ckpttool.commands.reshard import reshard
 from ckpttool.commands.validate import validate
 from ckpttool.dcp import writer
 from ckpttool.checkpoint import Blob
-from ckpttool.dcp.blobs import DataFiles
+from ckpttool.dcp.blobs import DataFiles, read_tensor_record, record_problems
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, metadata_bytes
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.torchsave import ptfile
 from ckpttool.torchsave.pickle import Global, NewObject, Reduce, dumps
-from ckpttool.torchsave.record import read_tensor_record, record_bytes, record_layout, record_problems
+from ckpttool.torchsave.record import record_bytes, record_layout
 from ckpttool.torchsave.zip import read_directory
 
 TORCH_DTYPES = [name for name in dtypes.ITEMSIZE if isinstance(getattr(torch, name, None), torch.dtype)]

@@ -31,13 +31,14 @@ import numpy as np
 
 from ckpttool import dtypes, integrity, numerics
 from ckpttool.checkpoint import Checkpoint, Chunk, Object, Tensor, group_of
-from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate, read_chunk, tensor_bytes
+from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate, read_chunk
 from ckpttool.errors import CorruptMetadata, KeyCollision, UsageError
 from ckpttool.integrity import Problem
 from ckpttool.io import ProgressFactory, no_progress
 from ckpttool.keys import Rename, base_key, normalise
 from ckpttool.layout import Box, intersect, row_major_runs, volume
 from ckpttool.readers import open_checkpoint
+from ckpttool.torchsave.archive import tensor_bytes
 
 GROUPS = ("model", "optimizer", "other")  # as `inspect` groups entries
 BLOCK_SIZE = 4 << 20  # bytes per side compared at a time (a multiple of every itemsize)

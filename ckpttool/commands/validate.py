@@ -19,11 +19,11 @@ from pathlib import Path
 
 from ckpttool import dtypes, integrity, readers, storage
 from ckpttool.checkpoint import Blob, Checkpoint
-from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk
+from ckpttool.dcp.blobs import (DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk,
+                                record_problems)
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
 from ckpttool.readers.dcp import METADATA_FILENAME
-from ckpttool.torchsave.record import record_problems
 
 DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
 

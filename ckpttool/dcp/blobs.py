@@ -24,13 +24,14 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsafeDataFile, UnsupportedFormat
 from ckpttool.safepickle import PickleRefused
-from ckpttool.torchsave.record import read_plain_object, read_tensor_record
+from ckpttool.torchsave.archive import tensor_bytes
+from ckpttool.torchsave.record import TensorRecord, find_record_problems, parse_tensor_record, read_plain_object
 from ckpttool.torchsave.zip import LOCAL_MAGIC
 
 ZSTD_TRANSFORM = "stream.zstd"  # torch/distributed/checkpoint/_extension.py ZStandard.registry_name
@@ -254,6 +255,20 @@ def is_safetensors_blob(files: DataFiles, blob: Blob) -> bool:
     return len(head) == 9 and head[8:9] == b"{" and head[:4] != LOCAL_MAGIC
 
 
+def _blob_reader(files: DataFiles, blob: Blob) -> Callable[[int, int], bytes]:
+    return lambda offset, length: files.read(blob.file, blob.offset + offset, length)
+
+
+def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord:
+    """Return what the torch.save record in `blob` holds, without reading its tensor bytes."""
+    return parse_tensor_record(_blob_reader(files, blob), blob.length, where, blob.offset)
+
+
+def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool) -> list[tuple[str, str]]:
+    """Return what is wrong with the torch.save record in `blob` (see `find_record_problems`)."""
+    return find_record_problems(_blob_reader(files, blob), blob.length, where, skip_largest)
+
+
 @dataclass(frozen=True)
 class RawData:
     """A chunk's raw row-major little-endian bytes, as a byte range of one data file."""
@@ -367,14 +382,6 @@ def _decode_chunk(files: DataFiles, tensor: Tensor, chunk: Chunk) -> bytes:
         raise CorruptBlob(f"{where}: blob does not hold a tensor")
     _check_record(where, tensor, chunk, str(loaded.dtype).removeprefix("torch."), tuple(loaded.shape))
     return tensor_bytes(loaded)
-
-
-def tensor_bytes(value: Any) -> bytes:
-    """Return a torch tensor's bytes, row-major (works for bf16 and float8 too)."""
-    import torch
-
-    flat = value.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def decode_object(data: bytes, where: str) -> Any:

@@ -15,7 +15,7 @@ layer its dim-0 offset names, pointing at the same stored bytes (the layer axis 
 every chunk, so they are the same row-major bytes). Each such chunk's torch.save record is read
 (its data.pkl, never the tensor bytes) and checked to hold that chunk, dtype and shape `(1, ...)`;
 the chunk then refers to the record's storage bytes as a raw range with the record's CRC-32
-(`dcp.blobs.RAW_RANGE_TRANSFORM`), since the record's own shape keeps the layer axis. A tensor
+(`checkpoint.RAW_RANGE_TRANSFORM`), since the record's own shape keeps the layer axis. A tensor
 is kept stacked, as saved, unless each chunk is one layer, each layer's chunks add up to the
 layer, and each record reads as a plain one: a damaged one is then named by the integrity gate
 (beyond-eof, blob-overlap, overlap, ...) exactly as for any DCP checkpoint. The model tensors are placed under a
@@ -38,9 +38,8 @@ import math
 import re
 
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, group_of, raw_range_transforms
-from ckpttool.dcp.blobs import DataFiles
+from ckpttool.dcp.blobs import DataFiles, read_tensor_record
 from ckpttool.errors import CheckpointError, CorruptMetadata
-from ckpttool.torchsave.record import read_tensor_record
 
 LAYERS = "layers"  # TransformerBlock: f'{prefix}layers.'
 MODEL_SUBTREE = "model"  # Megatron-LM's generate_state_dict: state_dict['model']

@@ -20,7 +20,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ckpttool import dtypes
 from ckpttool.errors import UnsupportedFormat
@@ -130,3 +130,12 @@ def serialization_id(crcs: Sequence[int]) -> bytes:
     """Return 40 digits that identify the archive: a digest of its entries' CRC-32s."""
     digest = hashlib.blake2b(struct.pack(f"<{len(crcs)}I", *crcs), digest_size=16).digest()
     return b"%040d" % int.from_bytes(digest, "little")
+
+
+def tensor_bytes(value: Any) -> bytes:
+    """Return a torch tensor's bytes, row-major (works for bf16 and float8 too): what its
+    storage entry holds."""
+    import torch
+
+    flat = value.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

@@ -23,8 +23,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ckpttool.dcp.blobs import tensor_bytes
 from ckpttool.torchsave import archive
+from ckpttool.torchsave.archive import tensor_bytes
 from ckpttool.torchsave.pickle import PROTOCOL, Global, Opcodes, PersistentId, Reduce, dumps
 
 SUFFIXES = (".pt", ".bin", ".pth")

@@ -12,7 +12,8 @@ stream) completes it:
 
 Reading parses the record's zip directory and its `data.pkl` (through an allowlist, never
 executing it) to learn the tensor's dtype, shape and where its bytes are, so they can be
-copied as they are; `record_problems` is what `validate --deep` checks of each record.
+copied as they are; `find_record_problems` is what `validate --deep` checks of each record. Both
+take a `read(start, count)` callable and the record's length, so they serve any byte source.
 """
 
 from __future__ import annotations
@@ -23,19 +24,15 @@ import math
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckpttool import dtypes
-from ckpttool.checkpoint import Blob
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata
 from ckpttool.safepickle import RestrictedUnpickler
 from ckpttool.torchsave import archive
 from ckpttool.torchsave.pickle import dumps
 from ckpttool.torchsave.zip import (LOCAL, UNSUPPORTED_FLAGS, Read, entry_bytes, entry_data_offset, entry_in, find_entry,
                                     read_directory)
-
-if TYPE_CHECKING:
-    from ckpttool.dcp.blobs import DataFiles
 
 MAX_PICKLE_BYTES = 64 << 20  # a torch.save data.pkl for one tensor is a few hundred bytes
 
@@ -164,18 +161,15 @@ def _persistent_storage(pid: Any) -> _Storage:
     return _Storage(storage_class.dtype, str(key), numel)
 
 
-def _reader(files: DataFiles, blob: Blob) -> Read:
-    return lambda offset, length: files.read(blob.file, blob.offset + offset, length)
-
-
-def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord:
-    """Return what the torch.save record in `blob` holds, without reading its tensor bytes."""
-    read = _reader(files, blob)
-    entries = read_directory(read, blob.length, where)
+def parse_tensor_record(read: Read, length: int, where: str, offset: int = 0) -> TensorRecord:
+    """Return what the torch.save record of `length` bytes holds, without reading its tensor
+    bytes: `read(start, count)` returns the record's bytes at `start`; `offset` is where the
+    record starts in its file (TensorRecord.data_offset counts from the file's start)."""
+    entries = read_directory(read, length, where)
     pickle_entry = find_entry(entries, "data.pkl")
     if pickle_entry is None:
         raise CorruptBlob(f"{where}: torch.save record has no data.pkl")
-    raw = entry_bytes(read, blob.length, pickle_entry, where, MAX_PICKLE_BYTES)
+    raw = entry_bytes(read, length, pickle_entry, where, MAX_PICKLE_BYTES)
     try:
         unpickler = RestrictedUnpickler(io.BytesIO(raw), _TENSOR_PICKLE_ALLOWED, where, persistent=_persistent_storage)
         rebuilt = unpickler.load()
@@ -196,15 +190,16 @@ def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord
     byteorder_entry = find_entry(entries, "byteorder")
     byteorder = "little"
     if byteorder_entry is not None:
-        byteorder = entry_bytes(read, blob.length, byteorder_entry, where, 16).decode("ascii", "replace")
-    data_offset = blob.offset + entry_data_offset(read, blob.length, data_entry, where)
+        byteorder = entry_bytes(read, length, byteorder_entry, where, 16).decode("ascii", "replace")
+    data_offset = offset + entry_data_offset(read, length, data_entry, where)
     return TensorRecord(dtype=dtype, shape=rebuilt.shape, stride=rebuilt.stride,
                         storage_offset=rebuilt.storage_offset, data_offset=data_offset, data_length=data_entry.size,
                         crc32=data_entry.crc32, byteorder=byteorder)
 
 
-def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool) -> list[tuple[str, str]]:
-    """Return what is wrong with the torch.save record in `blob` as (kind, message) pairs:
+def find_record_problems(read: Read, length: int, where: str, skip_largest: bool) -> list[tuple[str, str]]:
+    """Return what is wrong with the torch.save record of `length` bytes that `read(start,
+    count)` reads, as (kind, message) pairs:
     kind "checksum" for an entry whose bytes do not match its CRC-32, "structure" for what
     torch's PyTorchStreamReader would refuse (entries outside one `<name>/` folder, a missing
     `data.pkl` or `version`, a local header that is damaged or names another entry).
@@ -212,9 +207,8 @@ def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool
     With `skip_largest` the largest entry (a tensor's data, checked while it streams) is left
     out and only the bytes around it are read: two reads per record, whatever its size.
     """
-    read = _reader(files, blob)
     try:
-        entries = list(read_directory(read, blob.length, where).values())
+        entries = list(read_directory(read, length, where).values())
     except CorruptBlob as error:
         return [("structure", str(error))]
     problems = []
@@ -231,20 +225,20 @@ def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool
             problems.append(("structure", f"{where}: zip entry {entry.name} is not stored uncompressed (method {entry.method}, {entry.size} of {entry.uncompressed_size} bytes)"))
         if entry.flags & UNSUPPORTED_FLAGS or entry.disk not in (0, 1):  # miniz: this disk, or 1
             problems.append(("structure", f"{where}: zip entry {entry.name} has damaged flags or disk fields"))
-        if entry.local_offset + LOCAL.size + entry.size > blob.length:
+        if entry.local_offset + LOCAL.size + entry.size > length:
             problems.append(("structure", f"{where}: zip entry {entry.name} runs past the end of its record"))
     largest = max(entries, key=lambda entry: entry.size, default=None)
     if largest is None:
         return problems
     # only a tensor's data is checked while it streams; data.pkl may be the largest entry
     skip_largest = skip_largest and "/data/" in largest.name
-    regions = [(0, blob.length)]
+    regions = [(0, length)]
     if skip_largest:
         try:
-            data_start = entry_data_offset(read, blob.length, largest, where)
+            data_start = entry_data_offset(read, length, largest, where)
         except CheckpointError as error:
             return problems + [("structure", str(error))]
-        regions = [(0, data_start), (data_start + largest.size, blob.length)]
+        regions = [(0, data_start), (data_start + largest.size, length)]
     buffers = [(start, read(start, end - start)) for start, end in regions if end > start]
     for entry in entries:
         if skip_largest and entry is largest:
