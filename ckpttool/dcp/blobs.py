@@ -15,11 +15,9 @@ Example:
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import stat
-import struct
 import threading
 import zipfile
 from dataclasses import dataclass
@@ -29,13 +27,13 @@ from typing import Any, Callable, Iterator
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsafeDataFile, UnsupportedFormat
+from ckpttool.formats import safetensors
 from ckpttool.safepickle import PickleRefused
 from ckpttool.torchsave.archive import tensor_bytes
 from ckpttool.torchsave.record import TensorRecord, find_record_problems, parse_tensor_record, read_plain_object
 from ckpttool.torchsave.zip import LOCAL_MAGIC
 
 ZSTD_TRANSFORM = "stream.zstd"  # torch/distributed/checkpoint/_extension.py ZStandard.registry_name
-MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on header size
 MAX_OBJECT_BYTES = 64 << 20  # a non-tensor entry decompressed: param_groups, steps, RNG states are far smaller
 RECORD_SLACK = 1 << 20  # what a one-tensor record may hold beyond its data (data.pkl, small entries, zip directory)
 DECOMPRESS_BLOCK = 4 << 20  # bytes decompressed per step
@@ -231,19 +229,21 @@ class DataFiles:
         return data
 
 
+def _blob_reader(files: DataFiles, blob: Blob) -> Callable[[int, int], bytes]:
+    return lambda offset, length: files.read(blob.file, blob.offset + offset, length)
+
+
 def safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict, int]:
     """Return a safetensors blob's header and where its data section starts in the file."""
-    head = files.read(blob.file, blob.offset, 8)
-    (header_length,) = struct.unpack("<Q", head)
-    if header_length > MAX_SAFETENSORS_HEADER:
-        raise CorruptBlob(f"{where}: safetensors header of {header_length} bytes is implausible")
     try:
-        header = json.loads(files.read(blob.file, blob.offset + 8, header_length))
-    except (ValueError, UnicodeDecodeError) as error:
-        raise CorruptBlob(f"{where}: unreadable safetensors header ({error})") from None
-    if not isinstance(header, dict):
-        raise CorruptBlob(f"{where}: the safetensors header is not a JSON object")
-    return header, blob.offset + 8 + header_length
+        header, data_start = safetensors.read_header(_blob_reader(files, blob))
+    except safetensors.HeaderError as error:
+        if error.kind == "length":
+            raise CorruptBlob(f"{where}: safetensors header of {error.length} bytes is implausible") from None
+        if error.kind == "json":
+            raise CorruptBlob(f"{where}: unreadable safetensors header ({error.error})") from None
+        raise CorruptBlob(f"{where}: the safetensors header is not a JSON object") from None
+    return header, blob.offset + data_start
 
 
 def is_safetensors_blob(files: DataFiles, blob: Blob) -> bool:
@@ -253,10 +253,6 @@ def is_safetensors_blob(files: DataFiles, blob: Blob) -> bool:
         return False
     head = files.read(blob.file, blob.offset, min(9, files.size(blob.file) - blob.offset))
     return len(head) == 9 and head[8:9] == b"{" and head[:4] != LOCAL_MAGIC
-
-
-def _blob_reader(files: DataFiles, blob: Blob) -> Callable[[int, int], bytes]:
-    return lambda offset, length: files.read(blob.file, blob.offset + offset, length)
 
 
 def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord:

@@ -21,19 +21,16 @@ import json
 import math
 import os
 import stat
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, refuse_bad_names
-from ckpttool.dcp.blobs import MAX_SAFETENSORS_HEADER, check_data_file, containment_root, safe_relative_path
+from ckpttool.dcp.blobs import check_data_file, containment_root, safe_relative_path
 from ckpttool.errors import CorruptMetadata, MissingFile
-from ckpttool.formats.safetensors import SUFFIX
+from ckpttool.formats.safetensors import MAX_HEADER_BYTES, METADATA_KEY, SUFFIX, HeaderError, read_header as read_raw_header
 
-HEADER_LENGTH_BYTES = 8  # safetensors format spec: u64 little-endian header size
-METADATA_KEY = "__metadata__"  # safetensors format spec: the optional str -> str map
 MAX_INDEX_BYTES = 64 << 20  # a `*.index.json` weight map; 100k tensors take ~10 MB
 
 
@@ -94,7 +91,7 @@ def read_header(root: Path, name: str, inside: Path | None) -> Header:
     """Return the parsed header of `root/name`, every entry checked against the file's size.
 
     Raises CorruptMetadata naming the file (and tensor) for anything a safetensors reader
-    would refuse: a header longer than the file or MAX_SAFETENSORS_HEADER, bad JSON, a
+    would refuse: a header longer than the file or MAX_HEADER_BYTES, bad JSON, a
     shape or range that does not fit, a range whose size disagrees with dtype and shape.
     """
     path = root / safe_relative_path(name, f"{root}: ")
@@ -108,32 +105,32 @@ def read_header(root: Path, name: str, inside: Path | None) -> Header:
         fd = _open_regular(path, inside)
         size = os.fstat(fd).st_size
 
-    def read(length: int, offset: int) -> bytes:
+    def read(offset: int, length: int) -> bytes:
         return objects.read(offset, length) if fd is None else _pread_exact(fd, length, offset, path)
 
     try:
-        if size < HEADER_LENGTH_BYTES:
-            raise CorruptMetadata(f"{path}: {size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", read(HEADER_LENGTH_BYTES, 0))
-        if length > MAX_SAFETENSORS_HEADER or HEADER_LENGTH_BYTES + length > size:
-            raise CorruptMetadata(f"{path}: safetensors header of {length} bytes does not fit the file's {size} bytes "
-                                  f"(at most {MAX_SAFETENSORS_HEADER}); not a safetensors file or truncated")
-        raw = read(length, HEADER_LENGTH_BYTES)
+        document, data_start = read_raw_header(read, size)
+    except HeaderError as error:
+        raise CorruptMetadata(_header_problem(path, size, error)) from None
     finally:
         if fd is not None:
             os.close(fd)
-    try:
-        document = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise CorruptMetadata(f"{path}: unreadable safetensors header ({type(error).__name__})") from None
-    if not isinstance(document, dict):
-        raise CorruptMetadata(f"{path}: the safetensors header is not a JSON object")
-    data_start = HEADER_LENGTH_BYTES + length
     metadata = document.pop(METADATA_KEY, None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptMetadata(f"{path}: {METADATA_KEY} is not a map of strings")
     entries = tuple(_entry(path, tensor, info, size - data_start, data_start) for tensor, info in document.items())
     return Header(name, size, data_start, entries, metadata)
+
+
+def _header_problem(path: Path, size: int, error: HeaderError) -> str:
+    if error.kind == "short":
+        return f"{path}: {size} bytes, too short for a safetensors header"
+    if error.kind == "length":
+        return (f"{path}: safetensors header of {error.length} bytes does not fit the file's {size} bytes "
+                f"(at most {MAX_HEADER_BYTES}); not a safetensors file or truncated")
+    if error.kind == "json":
+        return f"{path}: unreadable safetensors header ({type(error.error).__name__})"
+    return f"{path}: the safetensors header is not a JSON object"
 
 
 def _entry(path: Path, name: str, info: object, data_size: int, data_start: int) -> Entry:
