@@ -17,6 +17,10 @@ from ckpttool.safepickle.opcodes import (_APPEND, _APPENDS, _BINGET, _BININT, _B
 from ckpttool.safepickle.standins import _DType, _Shape, _layout, _memory_format_encoding
 
 _ANY_STR, _ANY_INT, _ANY_DTYPE = object(), object(), object()  # what `holds` may expect of a slot
+# what the memo slots a chunk, a storage key and a storage entry fetch must hold
+_CHUNK_EXPECTED = (_CHUNK, "offsets", _Shape, "sizes", _Shape)
+_KEY_EXPECTED = (_METADATA_INDEX, "fqn", "index", "offset", _Shape)
+_ENTRY_EXPECTED = (_STORAGE_INFO, "relative_path", "offset", "length")
 
 
 @functools.cache
@@ -103,6 +107,15 @@ class _Records:
         self.style = b"\x94" if len(data) > 1 and data[0] == _PROTO and data[1] >= 4 else b""
         self.patterns = _record_patterns(self.style)
         self.next = 0  # which pattern to try first
+        if self.style:
+            self.tensor_expected = (_TENSOR_STORAGE, "properties", _TENSOR_PROPERTIES, _ANY_STR, _ANY_INT,
+                                    "size", _Shape, "chunks")
+        else:
+            self.tensor_expected = (_TENSOR_STORAGE, "properties", _TENSOR_PROPERTIES, _layout, _ANY_STR,
+                                    _memory_format_encoding, "size", _Shape, "chunks")
+        # the memo slots `read` last found to hold what each record assumes
+        self.chunk_head = self.chunk_tail = self.key_head = self.key_key = self.key_keys = None
+        self.entry_head = self.entry_key = self.entry_keys = self.tensor_slots = self.dtype_slot = None
 
     def forget(self) -> None:
         self.checked.clear()
@@ -273,35 +286,23 @@ class _Records:
 
     def read(self, pos: int, stack: list) -> int:
         """Push the records from `pos` on (as many as follow each other) and return the
-        position after them, or 0 when the opcode-by-opcode path must read the next one."""
+        position after them, or 0 when the opcode-by-opcode path must read the next one.
+
+        `which` is the pattern expected next (`_record_patterns`' order; 5: a state_dict_metadata
+        key, then a tensor entry); each run method takes consecutive records of one kind."""
         which = self.first(pos)
         if which is None:
             return 0
-        loader, memo, shapes, data = self.loader, self.memo, self.shapes, self.loader.data
-        style, patterns = self.style, self.patterns
-        chunk_pattern = patterns[0]
-        push, shape, lengths = stack.append, self.shape, self.lengths
-        new, unkept, from_bytes = _new_tuple, _UNKEPT, int.from_bytes
-        start, objects, work = pos, 0, 0
+        loader, data, patterns = self.loader, self.loader.data, self.patterns
+        start = pos
         # the memo slots last found to hold what each record assumes (checked when they change)
-        chunk_head = chunk_tail = key_head = key_key = key_keys = entry_head = entry_key = entry_keys = None
-        tensor_slots = dtype_slot = None
-        if style:
-            tensor_expected = (_TENSOR_STORAGE, "properties", _TENSOR_PROPERTIES, _ANY_STR, _ANY_INT,
-                               "size", _Shape, "chunks")
-        else:
-            tensor_expected = (_TENSOR_STORAGE, "properties", _TENSOR_PROPERTIES, _layout, _ANY_STR,
-                               _memory_format_encoding, "size", _Shape, "chunks")
+        self.chunk_head = self.chunk_tail = self.key_head = self.key_key = self.key_keys = None
+        self.entry_head = self.entry_key = self.entry_keys = self.tensor_slots = self.dtype_slot = None
         while True:
-            if which == 5:  # a state_dict_metadata key, then a tensor entry
-                key = self.key(pos)
-                if key is None or patterns[_TENSOR_HEAD].match(data, key[1]) is None:
+            if which == 5:
+                after = self.tensor_key(pos, stack)
+                if after < 0:
                     break
-                text, after, memoized = key
-                if memoized:
-                    memo.append(text)
-                objects += data[pos] in (_SHORT_BINUNICODE, _BINUNICODE)
-                push(text)
                 pos, which = after, _TENSOR_HEAD
             match = patterns[which].match(data, pos)
             if match is None:
@@ -310,84 +311,148 @@ class _Records:
                     break
                 continue
             if which == 0:
-                head, first, tail, second = match.groups()
+                pos, stopped = self.chunks(match, stack)
+            elif which == _TENSOR_HEAD:
+                pos, stopped = self.tensor(match, stack)
+                if not stopped:
+                    which = 5
+            else:
+                pos, which, stopped = self.storage(match, which, stack)
+            if stopped:
+                break
+        self.next = min(which, _TENSOR_HEAD) if which is not None else 0
+        if loader.objects > loader.max_objects or loader.work > loader.budget:
+            raise PickleRefused(f"more than {loader.max_objects} objects or {loader.budget} units of work", exhausts=True)
+        return pos if pos != start else 0
+
+    def tensor_key(self, pos: int, stack: list) -> int:
+        """Push the state_dict_metadata key at `pos` if a tensor entry follows it; return the
+        position after it, or -1."""
+        data = self.loader.data
+        key = self.key(pos)
+        if key is None or self.patterns[_TENSOR_HEAD].match(data, key[1]) is None:
+            return -1
+        text, after, memoized = key
+        if memoized:
+            self.memo.append(text)
+        self.loader.objects += data[pos] in (_SHORT_BINUNICODE, _BINUNICODE)
+        stack.append(text)
+        return after
+
+    def chunks(self, match: re.Match, stack: list) -> tuple[int, bool]:
+        """Push the chunks (ChunkStorageMetadata) from `match` on; return the position after
+        them and whether one failed its checks."""
+        loader, data, memo, style, shapes, shape = self.loader, self.loader.data, self.memo, self.style, self.shapes, self.shape
+        pattern, push, new = self.patterns[0], stack.append, _new_tuple
+        chunk_head, chunk_tail = self.chunk_head, self.chunk_tail
+        pos, objects, work, stopped = match.start(), 0, 0, False
+        while match is not None:
+            head, first, tail, second = match.groups()
+            if head != chunk_head or tail != chunk_tail:
+                if not self.holds((head, tail), _CHUNK_EXPECTED):
+                    stopped = True
+                    break
+                chunk_head, chunk_tail = head, tail
+            offsets = shapes.get(first) or shape(first)
+            sizes = shapes.get(second) or shape(second)
+            count = offsets[3] + sizes[3]
+            push(new(_ChunkBox, (offsets[0], sizes[0], 3, 9 + count)))
+            objects += 2 + offsets[2] + sizes[2]
+            work += 12 + 2 * count
+            if style:
+                memo += _UNKEPTS[2 + offsets[1] + sizes[1]]
+            pos = match.end()
+            match = pattern.match(data, pos)
+        self.chunk_head, self.chunk_tail = chunk_head, chunk_tail
+        loader.objects += objects
+        loader.work += work
+        return pos, stopped
+
+    def tensor(self, match: re.Match, stack: list) -> tuple[int, bool]:
+        """Push the tensor entry (TensorStorageMetadata with its chunks) `match` starts; return
+        the position after it and whether it failed its checks."""
+        loader, data, memo, style = self.loader, self.loader.data, self.memo, self.style
+        classes, dtype, layout, memory_format, sized, encoded, listed = match.groups()
+        slots = (classes, layout, memory_format, sized, listed)
+        if slots != self.tensor_slots:
+            if not self.holds(slots, self.tensor_expected):
+                return match.start(), True
+            self.tensor_slots = slots
+        if dtype != self.dtype_slot:
+            if not self.holds((dtype,), (_ANY_DTYPE,)):
+                return match.start(), True
+            self.dtype_slot = dtype
+        index = dtype[1] if len(dtype) == 2 else int.from_bytes(dtype[1:], "little")
+        size_of = self.shapes.get(encoded) or self.shape(encoded)
+        chunks, end, chunk_objects, chunk_work, chunk_size, chunk_slots = self.chunk_list(match.end())
+        if chunks is None or data[end:end + 2] != b"ub":
+            return match.start(), True
+        count = size_of[3]
+        state = 15 + count + chunk_size  # the state dict: keys, properties, shape, list
+        stack.append(_new_tuple(_TensorBox, (memo[index].value, size_of[0], chunks, 6 if chunks else 4, 2 + state)))
+        loader.objects += (8 if style else 10) - (3 - size_of[2]) + chunk_objects
+        loader.work += (10 if style else 14) + count + state + chunk_work
+        if style:
+            memo += _UNKEPTS[5 + size_of[1]]
+            memo += (_UNKEPT,) * chunk_slots
+        return end + 2, False
+
+    def chunk_list(self, end: int) -> tuple[list | None, int, int, int, int, int]:
+        """Read a tensor entry's list of chunks at `end`: none, one and APPEND, or batches of
+        MARK ... APPENDS. Return (chunk boxes or None, the position after the list, objects,
+        work, tree size and memo slots they take)."""
+        data, shapes, shape = self.loader.data, self.shapes, self.shape
+        chunk_pattern, new = self.patterns[0], _new_tuple
+        chunk_head, chunk_tail = self.chunk_head, self.chunk_tail
+        chunks, chunk_objects, chunk_work, chunk_slots, chunk_size = [], 0, 0, 0, 0
+        batched = data[end] == _MARK
+        while True:
+            if batched:
+                if data[end] != _MARK:
+                    break
+                end += 1
+            chunk = chunk_pattern.match(data, end)
+            while chunk is not None:
+                head, first, tail, second = chunk.groups()
                 if head != chunk_head or tail != chunk_tail:
-                    if not self.holds((head, tail), (_CHUNK, "offsets", _Shape, "sizes", _Shape)):
+                    if not self.holds((head, tail), _CHUNK_EXPECTED):
                         break
                     chunk_head, chunk_tail = head, tail
                 offsets = shapes.get(first) or shape(first)
                 sizes = shapes.get(second) or shape(second)
                 count = offsets[3] + sizes[3]
-                push(new(_ChunkBox, (offsets[0], sizes[0], 3, 9 + count)))
-                objects += 2 + offsets[2] + sizes[2]
-                work += 12 + 2 * count
-                if style:
-                    memo += _UNKEPTS[2 + offsets[1] + sizes[1]]
-                pos = match.end()
-                continue
-            if which == _TENSOR_HEAD:
-                classes, dtype, layout, memory_format, sized, encoded, listed = match.groups()
-                slots = (classes, layout, memory_format, sized, listed)
-                if slots != tensor_slots:
-                    if not self.holds(slots, tensor_expected):
-                        break
-                    tensor_slots = slots
-                if dtype != dtype_slot:
-                    if not self.holds((dtype,), (_ANY_DTYPE,)):
-                        break
-                    dtype_slot = dtype
-                index = dtype[1] if len(dtype) == 2 else from_bytes(dtype[1:], "little")
-                size_of = shapes.get(encoded) or shape(encoded)
-                end = match.end()
-                # the chunks: none, one and APPEND, or batches of MARK ... APPENDS
-                chunks, chunk_objects, chunk_work, chunk_slots, chunk_size = [], 0, 0, 0, 0
-                batched = data[end] == _MARK
-                while True:
-                    if batched:
-                        if data[end] != _MARK:
-                            break
-                        end += 1
-                    chunk = chunk_pattern.match(data, end)
-                    while chunk is not None:
-                        head, first, tail, second = chunk.groups()
-                        if head != chunk_head or tail != chunk_tail:
-                            if not self.holds((head, tail), (_CHUNK, "offsets", _Shape, "sizes", _Shape)):
-                                break
-                            chunk_head, chunk_tail = head, tail
-                        offsets = shapes.get(first) or shape(first)
-                        sizes = shapes.get(second) or shape(second)
-                        count = offsets[3] + sizes[3]
-                        chunks.append(new(_ChunkBox, (offsets[0], sizes[0], 3, 9 + count)))
-                        chunk_objects += 2 + offsets[2] + sizes[2]
-                        chunk_work += 12 + 2 * count
-                        chunk_size += 9 + count
-                        chunk_slots += 2 + offsets[1] + sizes[1]
-                        end = chunk.end()
-                        chunk = chunk_pattern.match(data, end) if batched else None
-                    if not batched:
-                        if chunks:
-                            if data[end] != _APPEND:
-                                chunks = None
-                            end += 1
-                        break
-                    if data[end] != _APPENDS:
+                chunks.append(new(_ChunkBox, (offsets[0], sizes[0], 3, 9 + count)))
+                chunk_objects += 2 + offsets[2] + sizes[2]
+                chunk_work += 12 + 2 * count
+                chunk_size += 9 + count
+                chunk_slots += 2 + offsets[1] + sizes[1]
+                end = chunk.end()
+                chunk = chunk_pattern.match(data, end) if batched else None
+            if not batched:
+                if chunks:
+                    if data[end] != _APPEND:
                         chunks = None
-                        break
                     end += 1
-                if chunks is None or data[end:end + 2] != b"ub":
-                    break
-                count = size_of[3]
-                state = 15 + count + chunk_size  # the state dict: keys, properties, shape, list
-                push(new(_TensorBox, (loader.memo[index].value, size_of[0], chunks, 6 if chunks else 4, 2 + state)))
-                objects += (8 if style else 10) - (3 - size_of[2]) + chunk_objects
-                work += (10 if style else 14) + count + state + chunk_work
-                if style:
-                    memo += _UNKEPTS[5 + size_of[1]]
-                    memo += (unkept,) * chunk_slots
-                pos, which = end + 2, 5
-                continue
-            # a storage key (which 1, 2), then its entry (which 1, 3): everything is checked
-            # before anything is pushed, so a pair that fails halfway leaves no trace
+                break
+            if data[end] != _APPENDS:
+                chunks = None
+                break
+            end += 1
+        self.chunk_head, self.chunk_tail = chunk_head, chunk_tail
+        return chunks, end, chunk_objects, chunk_work, chunk_size, chunk_slots
+
+    def storage(self, match: re.Match, which: int, stack: list) -> tuple[int, int, bool]:
+        """Push the storage keys (MetadataIndex, patterns 1 and 2) and entries (_StorageInfo,
+        1 and 3) from `match` on; return the position after them, the pattern expected next
+        and whether one failed its checks. A pair is checked whole before anything is pushed,
+        so one that fails halfway leaves no trace."""
+        loader, data, memo, style, patterns = self.loader, self.loader.data, self.memo, self.style, self.patterns
+        shapes, shape, lengths = self.shapes, self.shape, self.lengths
+        push, new, unkept, from_bytes = stack.append, _new_tuple, _UNKEPT, int.from_bytes
+        key_head, key_key, key_keys = self.key_head, self.key_key, self.key_keys
+        entry_head, entry_key, entry_keys = self.entry_head, self.entry_key, self.entry_keys
+        pos, objects, work = match.start(), 0, 0
+        while match is not None:
             if which == 1:
                 head, get, literal, key, keys, encoded, head2, get2, literal2, key2, offset, keys2, length = match.groups()
             elif which == 2:
@@ -396,44 +461,33 @@ class _Records:
                 head2, get2, literal2, key2, offset, keys2, length = match.groups()
             if which != 3:
                 if head != key_head or key != key_key or keys != key_keys:
-                    if not self.holds((head, key, keys), (_METADATA_INDEX, "fqn", "index", "offset", _Shape)):
+                    if not self.holds((head, key, keys), _KEY_EXPECTED):
                         break
                     key_head, key_key, key_keys = head, key, keys
                 if get is not None:
                     index = get[1] if len(get) == 2 else from_bytes(get[1:], "little")
                     key_text = memo[index] if index < len(memo) else None
-                    if type(key_text) is not str:
-                        break
                 else:
-                    if len(literal) != literal[0] + 1:
-                        break
-                    try:
-                        key_text = literal[1:].decode("utf-8", "surrogatepass")
-                    except UnicodeDecodeError:
-                        break
+                    key_text = _literal_text(literal)
+                if type(key_text) is not str:
+                    break
                 offsets = shapes.get(encoded) or shape(encoded)
             if which != 2:
                 if head2 != entry_head or key2 != entry_key or keys2 != entry_keys:
-                    if not self.holds((head2, key2, keys2), (_STORAGE_INFO, "relative_path", "offset", "length")):
+                    if not self.holds((head2, key2, keys2), _ENTRY_EXPECTED):
                         break
                     entry_head, entry_key, entry_keys = head2, key2, keys2
                 if get2 is not None:
                     index = get2[1] if len(get2) == 2 else from_bytes(get2[1:], "little")
                     entry_text = memo[index] if index < len(memo) else None
-                    if type(entry_text) is not str:
-                        break
                 else:
-                    if len(literal2) != literal2[0] + 1:
-                        break
-                    try:
-                        entry_text = literal2[1:].decode("utf-8", "surrogatepass")
-                    except UnicodeDecodeError:
-                        break
+                    entry_text = _literal_text(literal2)
+                if type(entry_text) is not str:
+                    break
                 size = lengths.get(length)
                 if size is None:
                     size = lengths[length] = _int_opcode(length)
-                start_at = (from_bytes(offset[1:], "little", signed=True) if offset[0] == _BININT
-                            else _int_opcode(offset))
+                start_at = from_bytes(offset[1:], "little", signed=True) if offset[0] == _BININT else _int_opcode(offset)
             if which != 3:
                 count = offsets[3]
                 push(new(_IndexKey, (key_text, offsets[0], 3, 10 + count)))
@@ -450,15 +504,23 @@ class _Records:
                 objects += 2 + (get2 is None)
                 work += 8
                 if style:
-                    if get2 is None:
-                        memo += (unkept, unkept, entry_text)
-                    else:
-                        memo += _UNKEPTS[2]
+                    memo += (unkept, unkept, entry_text) if get2 is None else _UNKEPTS[2]
             which = (0, 1, 3, 2)[which]
             pos = match.end()
-        self.next = min(which, _TENSOR_HEAD) if which is not None else 0
+            match = patterns[which].match(data, pos)
+        self.key_head, self.key_key, self.key_keys = key_head, key_key, key_keys
+        self.entry_head, self.entry_key, self.entry_keys = entry_head, entry_key, entry_keys
         loader.objects += objects
         loader.work += work
-        if loader.objects > loader.max_objects or loader.work > loader.budget:
-            raise PickleRefused(f"more than {loader.max_objects} objects or {loader.budget} units of work", exhausts=True)
-        return pos if pos != start else 0
+        return pos, which, match is not None
+
+
+def _literal_text(encoded: bytes) -> str | None:
+    """Return the text of a SHORT_BINUNICODE's length byte and text, or None when the length
+    disagrees or the text is not UTF-8."""
+    if len(encoded) != encoded[0] + 1:
+        return None
+    try:
+        return encoded[1:].decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
