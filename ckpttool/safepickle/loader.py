@@ -45,6 +45,18 @@ def scan_pickle(data: bytes, find_class: Callable[[str, str], Any], persistent: 
     _Loader(data, find_class, persistent=persistent).load()
 
 
+class _Refusal(Exception):
+    """A budget or rule broken by the opcode being read; `execute` raises it as PickleRefused
+    with the opcode's position (and, when `named`, its name first)."""
+
+    def __init__(self, message: str, exhausts: bool = False, named: bool = False):
+        super().__init__(message)
+        self.message, self.exhausts, self.named = message, exhausts, named
+
+
+_STOPPED = 1 << 62  # the position STOP returns: past any pickle's end
+
+
 class _Loader:
     """One pass over a pickle's opcodes with a model of the unpickler's stack and memo.
 
@@ -52,6 +64,10 @@ class _Loader:
     the objects, calling the allowlisted functions as the C unpickler would (used for
     `.metadata`, with fast paths for the records torch repeats 100k times); without, the C
     unpickler builds them afterwards.
+
+    Each opcode has a method `op(pos) -> position after it`, found through `_OPCODES` by the
+    opcode's byte; `stack`, `marks` and `fence` (the stack length at the last MARK, which
+    items below may not be taken) are the unpickler's.
     """
 
     def __init__(self, data: bytes, find_class: Callable[[str, str], Any], persistent: bool = False,
@@ -68,6 +84,9 @@ class _Loader:
         self.work = 0
         self.unsalted_keys = MAX_UNSALTED_KEYS
         self.records = _Records(self) if build else None
+        self.stack: list = []
+        self.marks: list[int] = []
+        self.fence = 0
 
     def load(self) -> Any:
         """Return the object built (None unless building)."""
@@ -75,389 +94,484 @@ class _Loader:
             return _unwrap(self.execute())
 
     def execute(self) -> Any:
-        data, memo, budget, build = self.data, self.memo, self.budget, self.build
+        """Read every opcode; return what STOP finds on the stack (a _Node while not building)."""
+        data, opcodes = self.data, _OPCODES
         end = len(data)
-        max_objects = self.max_objects
-        stack: list = []
-        marks: list = []
-        fence = 0
-        push, pop = stack.append, stack.pop
-        records = self.records
-        pos = op = start = 0
-
-        def refuse(message: str, exhausts: bool = False) -> PickleRefused:
-            return PickleRefused(f"{message} (at byte {start})", exhausts)
-
-        def underflow() -> PickleRefused:
-            return refuse(f"{_opcode_name(op)} finds too few items on the unpickling stack")
-
-        def pop_mark() -> int:
-            nonlocal fence
-            if not marks:
-                raise refuse(f"{_opcode_name(op)} without a MARK")
-            mark = marks.pop()
-            fence = marks[-1] if marks else 0
-            return mark
-
-        def new_object() -> None:
-            self.objects += 1
-            if self.objects > max_objects:
-                raise refuse(f"builds more than {max_objects} objects ({BYTES_PER_OBJECT} bytes per object allowed)",
-                             exhausts=True)
-
-        def spend(amount: int) -> None:
-            self.work += amount
-            if self.work > budget:
-                raise refuse(f"calls, BUILDs and hashed keys take more than {budget} objects of work in all",
-                             exhausts=True)
-
-        def nested(depth: int, size: int, kind: str) -> None:
-            if depth > MAX_NESTING:
-                raise refuse(f"containers nest deeper than {MAX_NESTING} levels", exhausts=True)
-            if size > budget:
-                raise refuse(f"a {kind} unfolds to more than {budget} objects (shared parts counted each time)",
-                             exhausts=True)
-
-        def container(kind: str, items: list, fresh: bool = False) -> _Node:
-            depth, size, ints, keys = _measure(items)
-            nested(depth, size, kind)
-            new_object()
-            key = 2 if kind == _TUPLE and ints else 0
-            node = _Node(kind, depth, size, fresh, key, ints, keys, tuple(items) if len(items) <= _SHORT_TUPLE else None)
-            if build:
-                values = [_unwrap(v) for v in items]
-                node.value = tuple(values) if kind == _TUPLE else values if kind == _LIST else None
-            return node
-
-        def hash_keys(kind: str, keys: list) -> None:
-            if len(keys) > _SHORT_TUPLE and set(map(type, keys)) <= _SALTED_KEYS:
-                return
-            for key in keys:
-                if type(key) is not str and type(key) not in _LIGHT_TYPES:
-                    grade = _key_class(key)
-                    if grade != 1:
-                        if not grade:
-                            raise refuse(f"a {kind} key that is a {_describe(key)}")
-                        if type(key) is _Node and not key.ints:
-                            raise refuse(f"a {kind} key that is a tuple of something other than ints")
-                        self.unsalted_keys -= 1
-                        if self.unsalted_keys < 0:
-                            raise refuse(f"more than {MAX_UNSALTED_KEYS} int, float or tuple dict keys or set items",
-                                         exhausts=True)
-                        spend(key.size if type(key) is _Node else 1)
-
-        def fill(target: Any, kind: str, items: list) -> None:
-            if type(target) is not _Node or target.kind != kind or not target.fresh:
-                raise refuse(f"{_opcode_name(op)} into a {_describe(target)} that is not a new {kind}")
-            pairs = kind == _DICT
-            hash_keys(kind, items[0::2] if pairs else items if kind == _SET else ())
-            depth, size, ints, keys = _measure(items)
-            if depth > target.depth:
-                target.depth = depth
-            target.size += size - 1
-            target.ints = target.ints and ints
-            target.keys = target.keys and keys
-            nested(target.depth, target.size, kind)
-            if build:
-                value = target.value
-                if _Node in set(map(type, items)):
-                    items = [v.value if type(v) is _Node else v for v in items]
-                if pairs:
-                    value.update(zip(items[0::2], items[1::2]))
-                else:
-                    (value.extend if kind == _LIST else value.update)(items)
-
-        def text(start: int, count: int, encoding: str = "utf-8") -> str:
-            try:
-                return data[start:start + count].decode(encoding, "surrogatepass" if encoding == "utf-8" else "strict")
-            except UnicodeDecodeError:
-                raise refuse(f"a string that is not {encoding}") from None
-
-        def length(width: int, signed: bool = False) -> int:
-            count = int.from_bytes(data[pos + 1:pos + 1 + width], "little", signed=signed)
-            if count < 0 or pos + 1 + width + count > end:
-                raise refuse(f"{_opcode_name(op)} of {count} bytes runs past the end of the pickle")
-            return count
-
+        pos = start = 0
         try:
             while pos < end:
-                op, start = data[pos], pos
-                if op == _MEMOIZE:
-                    if len(stack) <= fence:
-                        raise underflow()
-                    memo.append(stack[-1])
-                    pos += 1
-                elif op == _BINGET or op == _LONG_BINGET:
-                    if records is not None:
-                        following = data[pos + (2 if op == _BINGET else 5)]
-                        if following == 0x29:  # `)`: a record's class, then NEWOBJ?
-                            taken = records.read(pos, stack)
-                        elif following in _PATH_ITEM_OPCODES:  # a planner_data fqn, then its path?
-                            taken = records.paths(pos, stack)
-                        else:
-                            taken = 0
-                        if taken:
-                            pos = taken
-                            continue
-                    if op == _BINGET:
-                        index, pos = data[pos + 1], pos + 2
-                    else:
-                        index, pos = int.from_bytes(data[pos + 1:pos + 5], "little"), pos + 5
-                    if index >= len(memo):
-                        raise refuse(f"GET of memo slot {index}, but only {len(memo)} are filled")
-                    value = memo[index]
-                    if type(value) is _Node:
-                        value.fresh = False
-                    elif value is _UNKEPT:
-                        raise _Fallback()
-                    push(value)
-                elif op == _BININT1:
-                    push(data[pos + 1])
-                    pos += 2
-                elif op == _MARK:
-                    fence = len(stack)
-                    marks.append(fence)
-                    pos += 1
-                elif op == _EMPTY_TUPLE_OP:
-                    push(_EMPTY_TUPLE)
-                    pos += 1
-                elif op == _TUPLE1 or op == _TUPLE2 or op == _TUPLE3:
-                    count = op - _TUPLE1 + 1
-                    if len(stack) - count < fence:
-                        raise underflow()
-                    items = stack[-count:]
-                    del stack[-count:]
-                    push(container(_TUPLE, items))
-                    pos += 1
-                elif op == _EMPTY_DICT or op == _EMPTY_LIST or op == _EMPTY_SET:
-                    new_object()
-                    kind = _DICT if op == _EMPTY_DICT else _LIST if op == _EMPTY_LIST else _SET
-                    value = ({} if op == _EMPTY_DICT else [] if op == _EMPTY_LIST else set()) if build else None
-                    push(_Node(kind, fresh=True, ints=True, value=value))
-                    pos += 1
-                elif op == _SETITEMS or op == _APPENDS or op == _ADDITEMS:
-                    mark = pop_mark()
-                    if mark <= fence or mark > len(stack):
-                        raise underflow()
-                    items = stack[mark:]
-                    del stack[mark:]
-                    if op == _SETITEMS and len(items) % 2:
-                        raise refuse("SETITEMS with an odd number of items")
-                    fill(stack[mark - 1], _DICT if op == _SETITEMS else _LIST if op == _APPENDS else _SET, items)
-                    pos += 1
-                elif op == _SETITEM or op == _APPEND:
-                    count = 2 if op == _SETITEM else 1
-                    if len(stack) - count <= fence:
-                        raise underflow()
-                    items = stack[-count:]
-                    del stack[-count:]
-                    fill(stack[-1], _DICT if op == _SETITEM else _LIST, items)
-                    pos += 1
-                elif op == _NEWOBJ or op == _REDUCE:
-                    if len(stack) - 2 < fence:
-                        raise underflow()
-                    args = pop()
-                    function = pop()
-                    if type(args) is not _Node or args.kind != _TUPLE:
-                        raise refuse(f"{_opcode_name(op)} with arguments that are a {_describe(args)}, not a tuple")
-                    if type(function) is not _Node or function.kind != _GLOBAL:
-                        raise refuse(f"{_opcode_name(op)} of a {_describe(function)}, not of an allowed global")
-                    target = function.value
-                    spend(args.size)
-                    call = _known_call(target) if op == _REDUCE else None
-                    if call is not None:
-                        result = call(args)
-                        if type(result) is _Node and result.kind in (_SET, _FROZENSET) and args.items:
-                            spend(args.size)  # every item hashed
-                            self.unsalted_keys -= args.size
-                            if self.unsalted_keys < 0:
-                                raise refuse(f"more than {MAX_UNSALTED_KEYS} int, float or tuple dict keys or set items",
-                                             exhausts=True)
-                        if type(result) is _Node:
-                            new_object()
-                            if build:
-                                result.value = target(*args.value)
-                            push(result)
-                        else:  # an atom of type `result`
-                            push(target(*args.value) if build else _SAMPLE[result])
-                    elif op == _NEWOBJ and not _plain_new(target):
-                        raise refuse(f"NEWOBJ of {clip(repr(target), 80)}, which is not a plain class")
-                    elif not callable(target):
-                        raise refuse(f"REDUCE of {clip(repr(target), 80)}, which is not callable")
-                    else:
-                        node = container(_OBJECT if isinstance(target, type) else _RESULT, [args], fresh=True)
-                        node.key = 1 if _identity_hashed(target) else 0
-                        node.items = (target,)  # the class: how BUILD may fill it
-                        if build:
-                            node.value = target.__new__(target, *args.value) if op == _NEWOBJ else target(*args.value)
-                        push(node)
-                    pos += 1
-                elif op == _BUILD:
-                    if len(stack) - 2 < fence:
-                        raise underflow()
-                    state = pop()
-                    target = stack[-1]
-                    if type(target) is not _Node or target.kind not in (_OBJECT, _RESULT) or not target.fresh:
-                        raise refuse(f"BUILD of a {_describe(target)} that is not a new object")
-                    plain = target.kind == _OBJECT and getattr(target.items[0], "__setstate__", None) is None
-                    if plain and state is not None and (type(state) is not _Node or state.kind != _DICT):
-                        raise refuse(f"BUILD of an object from a {_describe(state)}, not a dict")
-                    target.fresh = False
-                    if type(state) is _Node:
-                        spend(state.size)
-                        target.size += state.size
-                        if state.depth >= target.depth:
-                            target.depth = state.depth + 1
-                        nested(target.depth, target.size, "object")
-                    if build:
-                        _build(target.value, _unwrap(state))
-                    pos += 1
-                elif op == _BININT2:
-                    push(data[pos + 1] | data[pos + 2] << 8)
-                    pos += 3
-                elif op == _SHORT_BINUNICODE:
-                    count = data[pos + 1]
-                    if pos + 2 + count > end:
-                        raise refuse("SHORT_BINUNICODE runs past the end of the pickle")
-                    new_object()
-                    push(text(pos + 2, count))
-                    pos += 2 + count
-                elif op == _BINUNICODE or op == _BINUNICODE8:
-                    width = 4 if op == _BINUNICODE else 8
-                    count = length(width)
-                    new_object()
-                    push(text(pos + 1 + width, count))
-                    pos += 1 + width + count
-                elif op == _SHORT_BINSTRING or op == _BINSTRING:
-                    width = 1 if op == _SHORT_BINSTRING else 4
-                    count = length(width)
-                    new_object()
-                    push(text(pos + 1 + width, count, "ascii"))  # the unpickler's default encoding
-                    pos += 1 + width + count
-                elif op == _SHORT_BINBYTES or op == _BINBYTES or op == _BINBYTES8:
-                    width = 1 if op == _SHORT_BINBYTES else 4 if op == _BINBYTES else 8
-                    count = length(width)
-                    new_object()
-                    push(bytes(data[pos + 1 + width:pos + 1 + width + count]))
-                    pos += 1 + width + count
-                elif op == _NONE:
-                    push(None)
-                    pos += 1
-                elif op == _BININT:
-                    push(int.from_bytes(data[pos + 1:pos + 5], "little", signed=True))
-                    pos += 5
-                elif op == _LONG1 or op == _LONG4:
-                    width = 1 if op == _LONG1 else 4
-                    count = length(width, signed=op == _LONG4)
-                    push(int.from_bytes(data[pos + 1 + width:pos + 1 + width + count], "little", signed=True))
-                    pos += 1 + width + count
-                elif op == _NEWTRUE or op == _NEWFALSE:
-                    push(op == _NEWTRUE)
-                    pos += 1
-                elif op == _BINFLOAT:
-                    if pos + 9 > end:
-                        raise refuse("BINFLOAT runs past the end of the pickle")
-                    push(struct.unpack(">d", data[pos + 1:pos + 9])[0])
-                    pos += 9
-                elif op == _TUPLE_OP or op == _LIST_OP or op == _DICT_OP or op == _FROZENSET_OP:
-                    mark = pop_mark()
-                    if mark < fence:
-                        raise underflow()
-                    items = stack[mark:]
-                    del stack[mark:]
-                    if op == _TUPLE_OP:
-                        push(container(_TUPLE, items) if items else _EMPTY_TUPLE)
-                    elif op == _LIST_OP:
-                        push(container(_LIST, items, fresh=True))
-                    else:
-                        if op == _DICT_OP and len(items) % 2:
-                            raise refuse("DICT with an odd number of items")
-                        kind = _DICT if op == _DICT_OP else _SET
-                        new_object()
-                        node = _Node(kind, fresh=True, value=({} if kind == _DICT else set()) if build else None)
-                        fill(node, kind, items)
-                        if op == _FROZENSET_OP:
-                            node.kind, node.fresh = _FROZENSET, False
-                            node.value = frozenset(node.value) if build else None
-                        push(node)
-                    pos += 1
-                elif op == _BINPUT or op == _LONG_BINPUT:
-                    if op == _BINPUT:
-                        index, pos = data[pos + 1], pos + 2
-                    else:
-                        index, pos = int.from_bytes(data[pos + 1:pos + 5], "little"), pos + 5
-                    if pos > end:
-                        break
-                    if len(stack) <= fence:
-                        raise underflow()
-                    if index < len(memo):
-                        memo[index] = stack[-1]
-                        if records is not None:
-                            records.forget()  # what was checked of the memo may have changed
-                    elif index == len(memo):
-                        memo.append(stack[-1])
-                    else:
-                        raise refuse(f"{_opcode_name(op)} to memo slot {index}, but only {len(memo)} are filled",
-                                     exhausts=True)
-                elif op == _STACK_GLOBAL or op == _GLOBAL_OP:
-                    if op == _STACK_GLOBAL:
-                        if len(stack) - 2 < fence:
-                            raise underflow()
-                        name, module = pop(), pop()
-                        if type(name) is not str or type(module) is not str:
-                            raise refuse("STACK_GLOBAL of names that are not strings")
-                        pos += 1
-                    else:
-                        first = data.find(b"\n", pos + 1, end)
-                        second = data.find(b"\n", first + 1, end) if first >= 0 else -1
-                        if second < 0:
-                            raise refuse("GLOBAL runs past the end of the pickle")
-                        module, name = text(pos + 1, first - pos - 1), text(first + 1, second - first - 1)
-                        pos = second + 1
-                    new_object()
-                    push(_Node(_GLOBAL, 0, 1, key=1, value=self.find_class(module, name)))
-                elif op == _POP:
-                    if marks and marks[-1] == len(stack):
-                        raise refuse("POP of a MARK")
-                    if len(stack) <= fence:
-                        raise underflow()
-                    pop()
-                    pos += 1
-                elif op == _POP_MARK:
-                    del stack[pop_mark():]
-                    pos += 1
-                elif op == _BINPERSID:
-                    if not self.persistent:
-                        raise refuse("a persistent id, but this pickle may not have any")
-                    if len(stack) <= fence:
-                        raise underflow()
-                    pid = pop()
-                    spend(pid.size if type(pid) is _Node else 1)
-                    node = container(_RESULT, [pid])
-                    if build:
-                        node.value = self.persistent_load(_unwrap(pid))
-                    push(node)
-                    pos += 1
-                elif op == _FRAME:
-                    count = int.from_bytes(data[pos + 1:pos + 9], "little")
-                    if pos + 9 + count > end:
-                        raise refuse(f"FRAME of {count} bytes runs past the end of the pickle")
-                    pos += 9
-                elif op == _PROTO:
-                    if data[pos + 1] > pickle.HIGHEST_PROTOCOL:
-                        raise refuse(f"unknown pickle protocol {data[pos + 1]}")
-                    pos += 2
-                elif op == _STOP:
-                    if len(stack) <= fence:
-                        raise underflow()
-                    return stack[-1]
-                elif op in _REFUSED_OPCODES:
-                    raise refuse(f"opcode {_opcode_name(op)}, which torch never writes")
-                else:
-                    raise refuse(f"invalid opcode byte 0x{op:02x}")
-            raise refuse("the pickle ends without STOP (truncated)")
+                start = pos
+                pos = opcodes[data[pos]](self, pos)
+            if pos == _STOPPED:
+                return self.stack[-1]
+            raise _Refusal("the pickle ends without STOP (truncated)")
+        except _Refusal as refusal:
+            message = f"{_opcode_name(data[start])} {refusal.message}" if refusal.named else refusal.message
+            raise PickleRefused(f"{message} (at byte {start})", refusal.exhausts) from None
         except IndexError:
-            raise refuse("the pickle ends in the middle of an opcode (truncated)") from None
+            raise PickleRefused(f"the pickle ends in the middle of an opcode (truncated) (at byte {start})") from None
+
+    # -- the budgets, and the values they are checked on
+
+    def underflow(self) -> _Refusal:
+        return _Refusal("finds too few items on the unpickling stack", named=True)
+
+    def pop_mark(self) -> int:
+        marks = self.marks
+        if not marks:
+            raise _Refusal("without a MARK", named=True)
+        mark = marks.pop()
+        self.fence = marks[-1] if marks else 0
+        return mark
+
+    def new_object(self) -> None:
+        self.objects += 1
+        if self.objects > self.max_objects:
+            raise _Refusal(f"builds more than {self.max_objects} objects ({BYTES_PER_OBJECT} bytes per object allowed)",
+                           exhausts=True)
+
+    def spend(self, amount: int) -> None:
+        self.work += amount
+        if self.work > self.budget:
+            raise _Refusal(f"calls, BUILDs and hashed keys take more than {self.budget} objects of work in all",
+                           exhausts=True)
+
+    def nested(self, depth: int, size: int, kind: str) -> None:
+        if depth > MAX_NESTING:
+            raise _Refusal(f"containers nest deeper than {MAX_NESTING} levels", exhausts=True)
+        if size > self.budget:
+            raise _Refusal(f"a {kind} unfolds to more than {self.budget} objects (shared parts counted each time)",
+                           exhausts=True)
+
+    def container(self, kind: str, items: list, fresh: bool = False) -> _Node:
+        depth, size, ints, keys = _measure(items)
+        self.nested(depth, size, kind)
+        self.new_object()
+        key = 2 if kind == _TUPLE and ints else 0
+        node = _Node(kind, depth, size, fresh, key, ints, keys, tuple(items) if len(items) <= _SHORT_TUPLE else None)
+        if self.build:
+            values = [_unwrap(v) for v in items]
+            node.value = tuple(values) if kind == _TUPLE else values if kind == _LIST else None
+        return node
+
+    def unsalted(self, count: int) -> None:
+        self.unsalted_keys -= count
+        if self.unsalted_keys < 0:
+            raise _Refusal(f"more than {MAX_UNSALTED_KEYS} int, float or tuple dict keys or set items", exhausts=True)
+
+    def hash_keys(self, kind: str, keys: list) -> None:
+        if len(keys) > _SHORT_TUPLE and set(map(type, keys)) <= _SALTED_KEYS:
+            return
+        for key in keys:
+            if type(key) is not str and type(key) not in _LIGHT_TYPES:
+                grade = _key_class(key)
+                if grade != 1:
+                    if not grade:
+                        raise _Refusal(f"a {kind} key that is a {_describe(key)}")
+                    if type(key) is _Node and not key.ints:
+                        raise _Refusal(f"a {kind} key that is a tuple of something other than ints")
+                    self.unsalted(1)
+                    self.spend(key.size if type(key) is _Node else 1)
+
+    def fill(self, target: Any, kind: str, items: list) -> None:
+        if type(target) is not _Node or target.kind != kind or not target.fresh:
+            raise _Refusal(f"into a {_describe(target)} that is not a new {kind}", named=True)
+        pairs = kind == _DICT
+        self.hash_keys(kind, items[0::2] if pairs else items if kind == _SET else ())
+        depth, size, ints, keys = _measure(items)
+        if depth > target.depth:
+            target.depth = depth
+        target.size += size - 1
+        target.ints = target.ints and ints
+        target.keys = target.keys and keys
+        self.nested(target.depth, target.size, kind)
+        if self.build:
+            value = target.value
+            if _Node in set(map(type, items)):
+                items = [v.value if type(v) is _Node else v for v in items]
+            if pairs:
+                value.update(zip(items[0::2], items[1::2]))
+            else:
+                (value.extend if kind == _LIST else value.update)(items)
+
+    def text(self, start: int, count: int, encoding: str = "utf-8") -> str:
+        try:
+            return self.data[start:start + count].decode(encoding, "surrogatepass" if encoding == "utf-8" else "strict")
+        except UnicodeDecodeError:
+            raise _Refusal(f"a string that is not {encoding}") from None
+
+    def length(self, pos: int, width: int, signed: bool = False) -> int:
+        """Return the length field of `width` bytes after the opcode at `pos`, checked to fit."""
+        data = self.data
+        count = int.from_bytes(data[pos + 1:pos + 1 + width], "little", signed=signed)
+        if count < 0 or pos + 1 + width + count > len(data):
+            raise _Refusal(f"of {count} bytes runs past the end of the pickle", named=True)
+        return count
+
+    def take(self, count: int, keep: int = 0) -> list:
+        """Pop the top `count` items off the stack, leaving `keep` more above the fence."""
+        stack = self.stack
+        if len(stack) - count - keep < self.fence:
+            raise self.underflow()
+        items = stack[-count:]
+        del stack[-count:]
+        return items
+
+    def take_marked(self) -> tuple[int, list]:
+        """Pop the items above the last MARK, which must leave one item (what they go into)
+        above the fence; return where the mark was and the items."""
+        stack = self.stack
+        mark = self.pop_mark()
+        if mark <= self.fence or mark > len(stack):
+            raise self.underflow()
+        items = stack[mark:]
+        del stack[mark:]
+        return mark, items
+
+    # -- one method per opcode (or family): `pos` is the opcode's, the return the next one's
+
+    def op_memoize(self, pos: int) -> int:
+        if len(self.stack) <= self.fence:
+            raise self.underflow()
+        self.memo.append(self.stack[-1])
+        return pos + 1
+
+    def op_get(self, pos: int) -> int:
+        data, memo, records = self.data, self.memo, self.records
+        op = data[pos]
+        if records is not None:
+            following = data[pos + (2 if op == _BINGET else 5)]
+            if following == 0x29:  # `)`: a record's class, then NEWOBJ?
+                taken = records.read(pos, self.stack)
+            elif following in _PATH_ITEM_OPCODES:  # a planner_data fqn, then its path?
+                taken = records.paths(pos, self.stack)
+            else:
+                taken = 0
+            if taken:
+                return taken
+        if op == _BINGET:
+            index, pos = data[pos + 1], pos + 2
+        else:
+            index, pos = int.from_bytes(data[pos + 1:pos + 5], "little"), pos + 5
+        if index >= len(memo):
+            raise _Refusal(f"GET of memo slot {index}, but only {len(memo)} are filled")
+        value = memo[index]
+        if type(value) is _Node:
+            value.fresh = False
+        elif value is _UNKEPT:
+            raise _Fallback()
+        self.stack.append(value)
+        return pos
+
+    def op_put(self, pos: int) -> int:
+        data, memo, stack = self.data, self.memo, self.stack
+        op = data[pos]
+        if op == _BINPUT:
+            index, pos = data[pos + 1], pos + 2
+        else:
+            index, pos = int.from_bytes(data[pos + 1:pos + 5], "little"), pos + 5
+        if pos > len(data):
+            return pos  # past the end: "ends without STOP"
+        if len(stack) <= self.fence:
+            raise self.underflow()
+        if index < len(memo):
+            memo[index] = stack[-1]
+            if self.records is not None:
+                self.records.forget()  # what was checked of the memo may have changed
+        elif index == len(memo):
+            memo.append(stack[-1])
+        else:
+            raise _Refusal(f"{_opcode_name(op)} to memo slot {index}, but only {len(memo)} are filled", exhausts=True)
+        return pos
+
+    def op_mark(self, pos: int) -> int:
+        self.fence = len(self.stack)
+        self.marks.append(self.fence)
+        return pos + 1
+
+    def op_pop(self, pos: int) -> int:
+        marks, stack = self.marks, self.stack
+        if marks and marks[-1] == len(stack):
+            raise _Refusal("POP of a MARK")
+        if len(stack) <= self.fence:
+            raise self.underflow()
+        stack.pop()
+        return pos + 1
+
+    def op_pop_mark(self, pos: int) -> int:
+        del self.stack[self.pop_mark():]
+        return pos + 1
+
+    def op_empty_tuple(self, pos: int) -> int:
+        self.stack.append(_EMPTY_TUPLE)
+        return pos + 1
+
+    def op_small_tuple(self, pos: int) -> int:  # TUPLE1, TUPLE2, TUPLE3
+        items = self.take(self.data[pos] - _TUPLE1 + 1)
+        self.stack.append(self.container(_TUPLE, items))
+        return pos + 1
+
+    def op_empty_container(self, pos: int) -> int:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
+        op = self.data[pos]
+        self.new_object()
+        kind = _DICT if op == _EMPTY_DICT else _LIST if op == _EMPTY_LIST else _SET
+        value = ({} if op == _EMPTY_DICT else [] if op == _EMPTY_LIST else set()) if self.build else None
+        self.stack.append(_Node(kind, fresh=True, ints=True, value=value))
+        return pos + 1
+
+    def op_marked_container(self, pos: int) -> int:  # TUPLE, LIST, DICT, FROZENSET
+        op, stack = self.data[pos], self.stack
+        mark = self.pop_mark()
+        if mark < self.fence:
+            raise self.underflow()
+        items = stack[mark:]
+        del stack[mark:]
+        if op == _TUPLE_OP:
+            stack.append(self.container(_TUPLE, items) if items else _EMPTY_TUPLE)
+        elif op == _LIST_OP:
+            stack.append(self.container(_LIST, items, fresh=True))
+        else:
+            if op == _DICT_OP and len(items) % 2:
+                raise _Refusal("DICT with an odd number of items")
+            kind = _DICT if op == _DICT_OP else _SET
+            self.new_object()
+            node = _Node(kind, fresh=True, value=({} if kind == _DICT else set()) if self.build else None)
+            self.fill(node, kind, items)
+            if op == _FROZENSET_OP:
+                node.kind, node.fresh = _FROZENSET, False
+                node.value = frozenset(node.value) if self.build else None
+            stack.append(node)
+        return pos + 1
+
+    def op_add_items(self, pos: int) -> int:  # SETITEMS, APPENDS, ADDITEMS
+        op = self.data[pos]
+        mark, items = self.take_marked()
+        if op == _SETITEMS and len(items) % 2:
+            raise _Refusal("SETITEMS with an odd number of items")
+        self.fill(self.stack[mark - 1], _DICT if op == _SETITEMS else _LIST if op == _APPENDS else _SET, items)
+        return pos + 1
+
+    def op_add_item(self, pos: int) -> int:  # SETITEM, APPEND
+        op = self.data[pos]
+        items = self.take(2 if op == _SETITEM else 1, keep=1)
+        self.fill(self.stack[-1], _DICT if op == _SETITEM else _LIST, items)
+        return pos + 1
+
+    def op_call(self, pos: int) -> int:  # NEWOBJ, REDUCE
+        op, stack = self.data[pos], self.stack
+        if len(stack) - 2 < self.fence:
+            raise self.underflow()
+        args = stack.pop()
+        function = stack.pop()
+        if type(args) is not _Node or args.kind != _TUPLE:
+            raise _Refusal(f"{_opcode_name(op)} with arguments that are a {_describe(args)}, not a tuple")
+        if type(function) is not _Node or function.kind != _GLOBAL:
+            raise _Refusal(f"{_opcode_name(op)} of a {_describe(function)}, not of an allowed global")
+        target = function.value
+        self.spend(args.size)
+        call = _known_call(target) if op == _REDUCE else None
+        if call is not None:
+            stack.append(self.known_call(call, target, args))
+        elif op == _NEWOBJ and not _plain_new(target):
+            raise _Refusal(f"NEWOBJ of {clip(repr(target), 80)}, which is not a plain class")
+        elif not callable(target):
+            raise _Refusal(f"REDUCE of {clip(repr(target), 80)}, which is not callable")
+        else:
+            node = self.container(_OBJECT if isinstance(target, type) else _RESULT, [args], fresh=True)
+            node.key = 1 if _identity_hashed(target) else 0
+            node.items = (target,)  # the class: how BUILD may fill it
+            if self.build:
+                node.value = target.__new__(target, *args.value) if op == _NEWOBJ else target(*args.value)
+            stack.append(node)
+        return pos + 1
+
+    def known_call(self, call: Callable[[_Node], Any], target: Any, args: _Node) -> Any:
+        """Return what REDUCE of one of our known callables pushes (see calls.py)."""
+        result = call(args)
+        if type(result) is _Node and result.kind in (_SET, _FROZENSET) and args.items:
+            self.spend(args.size)  # every item hashed
+            self.unsalted(args.size)
+        if type(result) is _Node:
+            self.new_object()
+            if self.build:
+                result.value = target(*args.value)
+            return result
+        return target(*args.value) if self.build else _SAMPLE[result]  # an atom of type `result`
+
+    def op_build(self, pos: int) -> int:
+        stack = self.stack
+        if len(stack) - 2 < self.fence:
+            raise self.underflow()
+        state = stack.pop()
+        target = stack[-1]
+        if type(target) is not _Node or target.kind not in (_OBJECT, _RESULT) or not target.fresh:
+            raise _Refusal(f"BUILD of a {_describe(target)} that is not a new object")
+        plain = target.kind == _OBJECT and getattr(target.items[0], "__setstate__", None) is None
+        if plain and state is not None and (type(state) is not _Node or state.kind != _DICT):
+            raise _Refusal(f"BUILD of an object from a {_describe(state)}, not a dict")
+        target.fresh = False
+        if type(state) is _Node:
+            self.spend(state.size)
+            target.size += state.size
+            if state.depth >= target.depth:
+                target.depth = state.depth + 1
+            self.nested(target.depth, target.size, "object")
+        if self.build:
+            _build(target.value, _unwrap(state))
+        return pos + 1
+
+    def op_global(self, pos: int) -> int:  # STACK_GLOBAL, GLOBAL
+        data, stack = self.data, self.stack
+        if data[pos] == _STACK_GLOBAL:
+            if len(stack) - 2 < self.fence:
+                raise self.underflow()
+            name, module = stack.pop(), stack.pop()
+            if type(name) is not str or type(module) is not str:
+                raise _Refusal("STACK_GLOBAL of names that are not strings")
+            pos += 1
+        else:
+            end = len(data)
+            first = data.find(b"\n", pos + 1, end)
+            second = data.find(b"\n", first + 1, end) if first >= 0 else -1
+            if second < 0:
+                raise _Refusal("GLOBAL runs past the end of the pickle")
+            module, name = self.text(pos + 1, first - pos - 1), self.text(first + 1, second - first - 1)
+            pos = second + 1
+        self.new_object()
+        stack.append(_Node(_GLOBAL, 0, 1, key=1, value=self.find_class(module, name)))
+        return pos
+
+    def op_persistent_id(self, pos: int) -> int:  # BINPERSID
+        if not self.persistent:
+            raise _Refusal("a persistent id, but this pickle may not have any")
+        if len(self.stack) <= self.fence:
+            raise self.underflow()
+        pid = self.stack.pop()
+        self.spend(pid.size if type(pid) is _Node else 1)
+        node = self.container(_RESULT, [pid])
+        if self.build:
+            node.value = self.persistent_load(_unwrap(pid))
+        self.stack.append(node)
+        return pos + 1
+
+    # -- atoms: ints, floats, strings, bytes, None, booleans
+
+    def op_binint1(self, pos: int) -> int:
+        self.stack.append(self.data[pos + 1])
+        return pos + 2
+
+    def op_binint2(self, pos: int) -> int:
+        data = self.data
+        self.stack.append(data[pos + 1] | data[pos + 2] << 8)
+        return pos + 3
+
+    def op_binint(self, pos: int) -> int:
+        self.stack.append(int.from_bytes(self.data[pos + 1:pos + 5], "little", signed=True))
+        return pos + 5
+
+    def op_long(self, pos: int) -> int:  # LONG1, LONG4
+        op = self.data[pos]
+        width = 1 if op == _LONG1 else 4
+        count = self.length(pos, width, signed=op == _LONG4)
+        self.stack.append(int.from_bytes(self.data[pos + 1 + width:pos + 1 + width + count], "little", signed=True))
+        return pos + 1 + width + count
+
+    def op_binfloat(self, pos: int) -> int:
+        if pos + 9 > len(self.data):
+            raise _Refusal("BINFLOAT runs past the end of the pickle")
+        self.stack.append(struct.unpack(">d", self.data[pos + 1:pos + 9])[0])
+        return pos + 9
+
+    def op_short_binunicode(self, pos: int) -> int:
+        count = self.data[pos + 1]
+        if pos + 2 + count > len(self.data):
+            raise _Refusal("SHORT_BINUNICODE runs past the end of the pickle")
+        self.new_object()
+        self.stack.append(self.text(pos + 2, count))
+        return pos + 2 + count
+
+    def op_binunicode(self, pos: int) -> int:  # BINUNICODE, BINUNICODE8
+        width = 4 if self.data[pos] == _BINUNICODE else 8
+        count = self.length(pos, width)
+        self.new_object()
+        self.stack.append(self.text(pos + 1 + width, count))
+        return pos + 1 + width + count
+
+    def op_binstring(self, pos: int) -> int:  # SHORT_BINSTRING, BINSTRING
+        width = 1 if self.data[pos] == _SHORT_BINSTRING else 4
+        count = self.length(pos, width)
+        self.new_object()
+        self.stack.append(self.text(pos + 1 + width, count, "ascii"))  # the unpickler's default encoding
+        return pos + 1 + width + count
+
+    def op_binbytes(self, pos: int) -> int:  # SHORT_BINBYTES, BINBYTES, BINBYTES8
+        op = self.data[pos]
+        width = 1 if op == _SHORT_BINBYTES else 4 if op == _BINBYTES else 8
+        count = self.length(pos, width)
+        self.new_object()
+        self.stack.append(bytes(self.data[pos + 1 + width:pos + 1 + width + count]))
+        return pos + 1 + width + count
+
+    def op_none(self, pos: int) -> int:
+        self.stack.append(None)
+        return pos + 1
+
+    def op_bool(self, pos: int) -> int:  # NEWTRUE, NEWFALSE
+        self.stack.append(self.data[pos] == _NEWTRUE)
+        return pos + 1
+
+    # -- framing and the end
+
+    def op_frame(self, pos: int) -> int:
+        count = int.from_bytes(self.data[pos + 1:pos + 9], "little")
+        if pos + 9 + count > len(self.data):
+            raise _Refusal(f"FRAME of {count} bytes runs past the end of the pickle")
+        return pos + 9
+
+    def op_proto(self, pos: int) -> int:
+        if self.data[pos + 1] > pickle.HIGHEST_PROTOCOL:
+            raise _Refusal(f"unknown pickle protocol {self.data[pos + 1]}")
+        return pos + 2
+
+    def op_stop(self, pos: int) -> int:
+        if len(self.stack) <= self.fence:
+            raise self.underflow()
+        return _STOPPED
+
+    def op_refused(self, pos: int) -> int:
+        op = self.data[pos]
+        if op in _REFUSED_OPCODES:
+            raise _Refusal(f"opcode {_opcode_name(op)}, which torch never writes")
+        raise _Refusal(f"invalid opcode byte 0x{op:02x}")
+
+
+def _opcode_table() -> list[Callable[[_Loader, int], int]]:
+    """Return the method of `_Loader` that reads each opcode byte (op_refused for the others)."""
+    table: list[Callable[[_Loader, int], int]] = [_Loader.op_refused] * 256
+    for ops, method in (
+        ((_MEMOIZE,), _Loader.op_memoize), ((_BINGET, _LONG_BINGET), _Loader.op_get),
+        ((_BINPUT, _LONG_BINPUT), _Loader.op_put), ((_MARK,), _Loader.op_mark), ((_POP,), _Loader.op_pop),
+        ((_POP_MARK,), _Loader.op_pop_mark), ((_EMPTY_TUPLE_OP,), _Loader.op_empty_tuple),
+        ((_TUPLE1, _TUPLE2, _TUPLE3), _Loader.op_small_tuple),
+        ((_EMPTY_DICT, _EMPTY_LIST, _EMPTY_SET), _Loader.op_empty_container),
+        ((_TUPLE_OP, _LIST_OP, _DICT_OP, _FROZENSET_OP), _Loader.op_marked_container),
+        ((_SETITEMS, _APPENDS, _ADDITEMS), _Loader.op_add_items), ((_SETITEM, _APPEND), _Loader.op_add_item),
+        ((_NEWOBJ, _REDUCE), _Loader.op_call), ((_BUILD,), _Loader.op_build),
+        ((_STACK_GLOBAL, _GLOBAL_OP), _Loader.op_global), ((_BINPERSID,), _Loader.op_persistent_id),
+        ((_BININT1,), _Loader.op_binint1), ((_BININT2,), _Loader.op_binint2), ((_BININT,), _Loader.op_binint),
+        ((_LONG1, _LONG4), _Loader.op_long), ((_BINFLOAT,), _Loader.op_binfloat),
+        ((_SHORT_BINUNICODE,), _Loader.op_short_binunicode), ((_BINUNICODE, _BINUNICODE8), _Loader.op_binunicode),
+        ((_SHORT_BINSTRING, _BINSTRING), _Loader.op_binstring),
+        ((_SHORT_BINBYTES, _BINBYTES, _BINBYTES8), _Loader.op_binbytes), ((_NONE,), _Loader.op_none),
+        ((_NEWTRUE, _NEWFALSE), _Loader.op_bool), ((_FRAME,), _Loader.op_frame), ((_PROTO,), _Loader.op_proto),
+        ((_STOP,), _Loader.op_stop),
+    ):
+        for op in ops:
+            table[op] = method
+    return table
+
+
+_OPCODES = _opcode_table()
 
 
 def _build(instance: Any, state: Any) -> None:
