@@ -207,18 +207,10 @@ def _name(value: Any) -> str:
     return value if type(value) is str else _brief(value)
 
 
-def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
-    metadata = _require(record, "Metadata", "top level", source)
-    entries = _field(metadata, "state_dict_metadata")
-    if not isinstance(entries, dict):
-        raise CorruptMetadata(f"{source}: Metadata.state_dict_metadata is missing or not a dict")
-    storage = _field(metadata, "storage_data") or {}
-    if not isinstance(storage, dict):
-        raise CorruptMetadata(f"{source}: Metadata.storage_data is not a dict")
-
-    # fqn -> [(offsets or None, blob)] in storage order. Blobs are matched to chunks by
-    # sorting, not by a dict keyed by offsets: tuples of ints hash without a salt, so crafted
-    # colliding offsets would make every lookup linear.
+def _stored_blobs(storage: dict, source: Path) -> dict[str, list]:
+    """Return the storage table as fqn -> [(offsets or None, blob)] in storage order. Blobs
+    are matched to chunks by sorting, not by a dict keyed by offsets: tuples of ints hash
+    without a salt, so crafted colliding offsets would make every lookup linear."""
     stored: dict[str, list] = {}
     for index, info in storage.items():
         if type(index) is _IndexKey and type(info) is _InfoBox:
@@ -241,6 +233,19 @@ def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
             stored[fqn] = [(offset, blob)]
         else:
             found.append((offset, blob))
+    return stored
+
+
+def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
+    metadata = _require(record, "Metadata", "top level", source)
+    entries = _field(metadata, "state_dict_metadata")
+    if not isinstance(entries, dict):
+        raise CorruptMetadata(f"{source}: Metadata.state_dict_metadata is missing or not a dict")
+    storage = _field(metadata, "storage_data") or {}
+    if not isinstance(storage, dict):
+        raise CorruptMetadata(f"{source}: Metadata.storage_data is not a dict")
+
+    stored = _stored_blobs(storage, source)
 
     tensors: dict[str, Tensor] = {}
     objects: dict[str, Object] = {}
