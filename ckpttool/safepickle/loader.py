@@ -110,6 +110,10 @@ class _Loader:
             raise PickleRefused(f"{message} (at byte {start})", refusal.exhausts) from None
         except IndexError:
             raise PickleRefused(f"the pickle ends in the middle of an opcode (truncated) (at byte {start})") from None
+        finally:
+            # dropped now, not when the collector finds the loader (it and its _Records refer
+            # to each other): a refused pickle may have left a stack of millions of items
+            self.stack, self.marks = [], []
 
     # -- the budgets, and the values they are checked on
 
