@@ -94,6 +94,11 @@ def json_option(schema: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print the {schema} JSON document (see README).")
 
 
+model_prefix_option = click.option(
+    "--model-prefix", metavar="PREFIX", default=None,
+    help="Where the model's state dict sits in the checkpoint, dotted (e.g. app.model; '' for the top level).  "
+         "[default: found from the structure: the subtree the optimizer state names, else the one module tree]")
+
 follow_symlinks_option = click.option(
     "--follow-symlinks", is_flag=True, help="Read data files that are symlinks to places outside the checkpoint directory.")
 
@@ -132,14 +137,16 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
 @click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn matches (repeatable), e.g. 'model.layers.0.*'.")
 @click.option("--chunks", is_flag=True, help="List every chunk: offsets, sizes, file, byte offset and length.")
 @click.option("--by-file", is_flag=True, help="Bytes per data file (rank), split into model/optimizer/other.")
+@model_prefix_option
 @storage_option
 @reports_errors
-def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool) -> None:
+def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool,
+            model_prefix: str | None) -> None:
     """Show what is in a checkpoint, reading only its metadata (no tensor bytes)."""
     from ckpttool import render
     from ckpttool.commands.inspect import inspect as inspect_checkpoint
 
-    report = inspect_checkpoint(src, filters)
+    report = inspect_checkpoint(src, filters, model_prefix)
     if as_json:
         show(render.inspect_document(report), None)
     else:
@@ -175,6 +182,7 @@ def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None
 @click.option("--dtype-map", multiple=True, metavar="GLOB=DTYPE", help="Per-key dtype, first match wins over --dtype (repeatable), e.g. '*norm*=fp32'.")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights (e.g. lm_head.weight == embed.weight), as the Hub expects.")
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a sharded (directory) output, decimal like huggingface_hub.  [default: 5GB]")
+@model_prefix_option
 @write_options
 @json_option("ckpttool.consolidate/1")
 @reports_errors
@@ -196,6 +204,7 @@ def consolidate(src: str, out: str, quiet: bool, as_json: bool, **options) -> No
 @click.option("--world", "world_size", type=click.IntRange(1, 1 << 20), metavar="N", help="Target world size (FSDP2 ranks).  [required unless --mesh]")
 @click.option("--mesh", metavar="R,S", help="HSDP target: R replicas x S shards (N = R*S); shards along dim 0 over S.")
 @click.option("--keep-whole", multiple=True, metavar="GLOB", help="Leave tensors whose fqn matches in one piece (repeatable), e.g. 'model.*.rope.freqs'.")
+@model_prefix_option
 @write_options
 @json_option("ckpttool.reshard/1")
 @reports_errors
@@ -249,6 +258,8 @@ def cannot_compare_exits_2(command):
 @click.option("--rename-b", "renames_b", multiple=True, metavar="REGEX=REPL", help="Rewrite B's keys only (after --rename).")
 @click.option("--atol", type=float, help="Accept floating elements with |a - b| <= atol + rtol * |b|.  [default: bytes must match]")
 @click.option("--rtol", type=float, help="Relative tolerance, with --atol (0 when only one is given).  [default: bytes must match]")
+@click.option("--exact-names", is_flag=True, help="Match entries by their full names only, never by model view (a checkpoint against its consolidation is then all 'only in A/B').")
+@model_prefix_option
 @click.option("--limit", default=20, type=click.IntRange(0), help="Differing entries listed in the text output (0: all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @follow_symlinks_option
@@ -305,6 +316,7 @@ def push(src: str, repo_id: str, quiet: bool, as_json: bool, **options) -> None:
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard, decimal like huggingface_hub, at most 50GB (the Hub's per-file limit).  [default: 5GB]")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights even when no config says tie_word_embeddings (a tied config always does).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite output keys with re.sub (repeatable, in order), before the config check.")
+@model_prefix_option
 @write_options
 @json_option("ckpttool.export/1")
 @reports_errors

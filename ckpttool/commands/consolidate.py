@@ -27,6 +27,7 @@ from ckpttool.integrity import Problem
 from ckpttool.io import (DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, atomic_output,
                          check_destination, no_progress, parse_size, refuse_overlap, write_at)
 from ckpttool.keys import KeyRules, Rename
+from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Tie, plan_consolidate, select
 from ckpttool.torchsave import ptfile
 
@@ -58,6 +59,7 @@ class ConsolidateReport:
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
     layout: str = "dcp"  # what readers.detect found
     selected: str = "everything"  # which entries were exported: see `selection_text`
+    model_view: ModelView | None = None  # where the model was found, and why
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
 
     @property
@@ -125,13 +127,16 @@ def consolidate(
     verify: bool = False,
     follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
+    model_prefix: str | None = None,
 ) -> ConsolidateReport:
     """Return a report after writing the checkpoint at `src` as one full state dict at `out`.
 
     `out` ending in `.safetensors` is one file; `.pt`/`.bin` a torch.save nested dict; any
     other path a directory of `model-0000K-of-0000N.safetensors` shards plus
     `model.safetensors.index.json` (huggingface_hub's layout; one shard is `model.safetensors`).
-    Model weights only, keys as `model.state_dict()` names them, unless `everything`.
+    Model weights only, keys as `model.state_dict()` names them, unless `everything`; the
+    model is found from the checkpoint's structure (`model_view.find_model`) unless
+    `model_prefix` names its subtree (`""`: the top level).
     Nothing is left at `out` unless the whole export (and `verify`) succeeded.
 
     Example:
@@ -150,7 +155,8 @@ def consolidate(
         check_destination(target, force)
     detection, checkpoint = readers.read(src, follow_symlinks)
     warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
-    selection = select(checkpoint, rules, kind)
+    view = find_model(checkpoint, model_prefix)
+    selection = select(checkpoint, view, rules, kind)
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
         located = execute.locate_chunks(files, tensors.values(), threads)
@@ -167,18 +173,18 @@ def consolidate(
         source=checkpoint.path, output=target, format=plan.format, files=written, tensors=len(plan.tensors),
         objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=time.perf_counter() - started,
         plan=plan, ties=plan.ties, dropped=plan.dropped, dry_run=dry_run, verified=verify and not dry_run,
-        layout=detection.describe(), selected=selection_text(checkpoint, rules),
+        layout=detection.describe(), selected=selection_text(view, rules), model_view=view,
         problems=warnings, processes=processes,
     )
 
 
-def selection_text(checkpoint: Checkpoint, rules: KeyRules) -> str:
-    """Say which entries consolidate exports, e.g. `model weights (the model. subtree)`."""
+def selection_text(view: ModelView, rules: KeyRules) -> str:
+    """Say which entries consolidate exports, e.g. `model weights (the app.model. subtree,
+    found by optimizer-state)`."""
     if rules.everything:
         return "every entry (--all), under its full name"
-    if checkpoint.model_subtree is None:
-        return "model weights (the top-level keys besides optimizer and training state)"
-    return f"model weights (the {checkpoint.model_subtree}. subtree)"
+    where = f"the {view.prefix}. subtree" if view.prefix else "the top-level keys besides optimizer and training state"
+    return f"model weights ({where}; {view.selected}: {view.reason})"
 
 
 def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: execute.Located) -> tuple[Tie, ...]:

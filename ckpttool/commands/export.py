@@ -101,6 +101,7 @@ def export(
     verify: bool = False,
     follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
+    model_prefix: str | None = None,
 ) -> ExportReport:
     """Return a report after writing `src` as a Hub model folder at `outdir`.
 
@@ -133,7 +134,7 @@ def export(
     config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
     tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
     options = dict(dtype=dtype, max_shard_size=shard_size, drop_tied=drop_tied or tied, renames=renames,
-                   max_memory=max_memory, threads=threads, follow_symlinks=follow_symlinks)
+                   max_memory=max_memory, threads=threads, follow_symlinks=follow_symlinks, model_prefix=model_prefix)
     planned = consolidate(src, target, dry_run=True, **options)
     detection, checkpoint = readers.read(src, follow_symlinks)
     extras = _trainer_entries(checkpoint, follow_symlinks)

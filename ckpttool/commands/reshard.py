@@ -33,6 +33,7 @@ from ckpttool.errors import CheckpointError, UsageError, VerificationFailed, Wri
 from ckpttool.integrity import Problem
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, no_progress, parse_size, refuse_overlap
 from ckpttool.plan.operations import Record
+from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
 
 _SAVE_ID_NAMESPACE = uuid.UUID("5b1c1e0e-8a4f-4f37-9a55-3b0f9d6f2c11")
@@ -52,6 +53,7 @@ class ReshardReport:
     verified: bool = False
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
+    model_view: ModelView | None = None  # the model the sharding rule took parameters from
 
     @property
     def world_size(self) -> int:
@@ -77,6 +79,7 @@ def reshard(
     keep_whole: Sequence[str] = (),
     follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
+    model_prefix: str | None = None,
 ) -> ReshardReport:
     """Return a report after writing `src` resharded for `world_size` ranks (or an HSDP `mesh`
     of R replicas x S shards) as a DCP checkpoint at `dst` (default `SRC-world{N}`).
@@ -103,17 +106,18 @@ def reshard(
     refuse_overlap(destination, source)
     checkpoint = readers.open_checkpoint(source, follow_symlinks, as_saved=True)  # DCP keys kept as the framework saved them
     warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
-    plan = plan_reshard(checkpoint, target_mesh, keep_whole)
+    view = find_model(checkpoint, model_prefix)
+    plan = plan_reshard(checkpoint, target_mesh, keep_whole, view)
     if dry_run:
         return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
-                             dry_run=True, problems=warnings)
+                             dry_run=True, problems=warnings, model_view=view)
     check_destination(destination, force)
     save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, force=force,
                                       verify=verify, threads=threads, budget=budget, progress=progress)
     return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,
-                         verified=verify, problems=warnings, processes=processes)
+                         verified=verify, problems=warnings, processes=processes, model_view=view)
 
 
 def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, destination: Path, *, save_id: str,

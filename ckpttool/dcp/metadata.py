@@ -67,13 +67,6 @@ DATA_FILE_PATTERN = re.compile(r"^__(\d+)_(\d+)\.distcp$")  # `__{rank}_{n}.dist
 MAX_METADATA_BYTES = 2 << 30
 READ_CHUNK_BYTES = 64 << 20
 
-# Top-level state-dict keys and the group they belong to.
-MODEL_KEYS = ("model",)
-OPTIMIZER_KEYS = ("optim", "optimizer", "optimizers", "optimizer_states")  # + Lightning .ckpt
-# Beside model fqns at the top level (torchtitan): what is training state, not model.
-TRAINING_STATE_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "extra_state",
-                       "rng", "rng_state", "step", "epoch")
-
 OUR_TRANSFORMS = "ckpttool."  # blob markers of our own readers (blobs.RAW_RANGE_TRANSFORM), never in a file
 
 # Budgets of `scan_pickle` (see the module docstring).
@@ -161,9 +154,9 @@ class Checkpoint:
     save_id: str | None = None
     # problems found while converting, kept for `validate` (e.g. unknown dtype names)
     notes: tuple[str, ...] = ()
-    # the top-level key holding the model's weights; None: model fqns are top-level keys
-    # (torchtitan, safetensors files, Hub folders), beside optimizer and training state
-    model_subtree: str | None = "model"
+    # where the layout itself keeps the model (dotted prefix; "" the top level: safetensors files,
+    # Hub folders, verl), or None: found from the structure (model_view.find_model)
+    model_prefix: str | None = None
 
     def entries(self) -> Iterator[Tensor | Object]:
         """Yield tensors and objects in fqn order."""
@@ -176,17 +169,6 @@ class Checkpoint:
         files = {c.blob.file for t in self.tensors.values() for c in t.chunks if c.blob}
         files |= {o.blob.file for o in self.objects.values() if o.blob}
         return sorted(files)
-
-
-def group_of(fqn: str, model_subtree: str | None = "model") -> str:
-    """Return `model`, `optimizer` or `other` from an fqn's top-level key (see
-    `Checkpoint.model_subtree`)."""
-    top = fqn.split(".", 1)[0]
-    if top in OPTIMIZER_KEYS or (top.startswith("optimizer_") and top[10:].isdigit()):  # Lightning: optimizer_0
-        return "optimizer"
-    if model_subtree is None:
-        return "other" if top in TRAINING_STATE_KEYS else "model"
-    return "model" if top == model_subtree or top in MODEL_KEYS else "other"
 
 
 # ---------------------------------------------------------------------------------------------

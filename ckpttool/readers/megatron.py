@@ -38,8 +38,9 @@ import math
 import re
 
 from ckpttool.dcp.blobs import DataFiles, raw_range_transforms
-from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Tensor, group_of
+from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Tensor
 from ckpttool.errors import CheckpointError, CorruptMetadata
+from ckpttool.model_view import OPTIMIZER_KEYS, TRAINING_STATE_KEYS
 from ckpttool.torchsave.record import read_tensor_record
 
 LAYERS = "layers"  # TransformerBlock: f'{prefix}layers.'
@@ -110,7 +111,7 @@ def model_view(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Checkpo
     nesting: dict[str, tuple[str, str]] = {}
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         parts = {fqn: _split(tensor, files) for fqn, tensor in checkpoint.tensors.items()
-                 if group_of(fqn, None) == "model"}
+                 if fqn.split(".", 1)[0] not in (*OPTIMIZER_KEYS, *TRAINING_STATE_KEYS)}
     for fqn, tensor in checkpoint.tensors.items():
         if fqn not in parts:
             tensors[fqn] = tensor
@@ -123,7 +124,7 @@ def model_view(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Checkpo
             nesting[name] = (MODEL_SUBTREE, part.fqn)
     order = sorted(nesting, key=_natural)
     return dataclasses.replace(checkpoint, tensors=dict(sorted(tensors.items())),
-                               nesting={name: nesting[name] for name in order}, model_subtree=MODEL_SUBTREE)
+                               nesting={name: nesting[name] for name in order}, model_prefix=MODEL_SUBTREE)
 
 
 def _split(tensor: Tensor, files: DataFiles) -> list[Tensor]:
