@@ -78,13 +78,14 @@ storage_option = click.option(
 
 
 def byte_progress(quiet: bool):
-    """Return a factory of tqdm bars counting bytes on stderr (disabled with --quiet)."""
+    """Return a factory of tqdm bars counting bytes on stderr: only when stderr is a terminal
+    (tqdm's own check, so logs get no bar fragments), never with --quiet."""
 
     def start(description: str, total: int):
         from tqdm import tqdm
 
         return tqdm(desc=description, total=total, unit="B", unit_scale=True, file=sys.stderr,
-                    disable=quiet, leave=False, dynamic_ncols=True)
+                    disable=True if quiet else None, leave=False, dynamic_ncols=True)
 
     return start
 
@@ -132,7 +133,7 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
 
 
 @main.command()
-@click.argument("src", type=checkpoint_dir)
+@click.argument("src", type=checkpoint_dir, required=False, default=".")
 @json_option("ckpttool.inspect/1")
 @click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn matches (repeatable), e.g. 'model.layers.0.*'.")
 @click.option("--chunks", is_flag=True, help="List every chunk: offsets, sizes, file, byte offset and length.")
@@ -142,7 +143,8 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
 @reports_errors
 def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool,
             model_prefix: str | None) -> None:
-    """Show what is in a checkpoint, reading only its metadata (no tensor bytes)."""
+    """Show what is in a checkpoint, reading only its metadata (no tensor bytes). SRC defaults
+    to the current directory."""
     from ckpttool import render
     from ckpttool.commands.inspect import inspect as inspect_checkpoint
 
@@ -154,14 +156,15 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
 
 
 @main.command()
-@click.argument("src", type=checkpoint_dir)
+@click.argument("src", type=checkpoint_dir, required=False, default=".")
 @click.option("--deep", is_flag=True, help="Also read every byte: decode each blob, check CRC-32, dtype and shape, count NaN/Inf.")
 @follow_symlinks_option
 @storage_option
 @json_option("ckpttool.validate/1")
 @reports_errors
 def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None:
-    """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid."""
+    """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid. SRC defaults
+    to the current directory."""
     from ckpttool import render
     from ckpttool.commands.validate import validate as validate_checkpoint
 
@@ -199,7 +202,7 @@ def consolidate(src: str, out: str, quiet: bool, as_json: bool, **options) -> No
 
 
 @main.command()
-@click.argument("src", type=checkpoint_dir)
+@click.argument("src", type=checkpoint_dir, required=False, default=".")
 @click.argument("dst", required=False, type=click.Path(file_okay=False, dir_okay=True))
 @click.option("--world", "world_size", type=click.IntRange(1, 1 << 20), metavar="N", help="Target world size (FSDP2 ranks).  [required unless --mesh]")
 @click.option("--mesh", metavar="R,S", help="HSDP target: R replicas x S shards (N = R*S); shards along dim 0 over S.")
@@ -210,14 +213,16 @@ def consolidate(src: str, out: str, quiet: bool, as_json: bool, **options) -> No
 @reports_errors
 def reshard(src: str, dst: str | None, quiet: bool, as_json: bool, **options) -> None:
     """Rewrite a DCP checkpoint for another world size: rank r's file holds what FSDP2 on N
-    ranks owns. DST defaults to SRC-world{N} beside SRC."""
+    ranks owns. SRC defaults to the current directory, DST to SRC-world{N} beside SRC."""
     from ckpttool import render
     from ckpttool.commands.reshard import reshard as reshard_checkpoint
 
     # every other option is a keyword of the library function, under the same name
     report = reshard_checkpoint(src, dst, progress=byte_progress(quiet), **options)
-    show(render.reshard_document(report) if as_json else None, render.reshard_text(report),
-         render.problem_lines(report.problems))
+    notes = render.problem_lines(report.problems)
+    if dst is None:
+        notes.append(render.default_destination_line(report))
+    show(render.reshard_document(report) if as_json else None, render.reshard_text(report), notes)
 
 EXIT_DIFFERENT = 1  # cmp and diff: 0 same, 1 different, 2 could not compare
 EXIT_COULD_NOT_COMPARE = 2

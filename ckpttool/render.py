@@ -7,8 +7,10 @@ version. The schemas are documented in README.md.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Iterable, TextIO
 
 from ckpttool.commands.consolidate import ConsolidateReport
@@ -333,6 +335,12 @@ RULE_TEXT = {
     "optimizer-state": "single-rank source: tensors with optimizer state (and that state) sharded, the rest whole",
     "every-tensor": "single-rank source without optimizer state: every tensor of 1+ dims sharded along dim 0",
 }
+
+
+def default_destination_line(report: ReshardReport) -> str:
+    """The stderr line saying where reshard writes when no DST was given."""
+    where = report.destination if not isinstance(report.destination, Path) else os.path.relpath(report.destination)
+    return f"no DST given: {'would write' if report.dry_run else 'writing'} {shown(where)} (SRC-world{report.world_size} beside SRC)"
 
 
 def reshard_document(report: ReshardReport) -> dict[str, Any]:

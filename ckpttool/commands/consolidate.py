@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from ckpttool import distributed, dtypes, execute, integrity, io, readers, storage
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
-from ckpttool.dcp.metadata import Checkpoint, Tensor
+from ckpttool.dcp.metadata import Blob, Checkpoint, Tensor
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
@@ -28,7 +28,8 @@ from ckpttool.io import (DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, a
                          check_destination, no_progress, parse_size, refuse_overlap, write_at)
 from ckpttool.keys import KeyRules, Rename
 from ckpttool.model_view import ModelView, find_model
-from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Tie, plan_consolidate, select
+from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, select
+from ckpttool.readers.detect import LIGHTNING, LIGHTNING_METADATA
 from ckpttool.torchsave import ptfile
 
 DTYPE_CHOICES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -161,6 +162,8 @@ def consolidate(
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
         located = execute.locate_chunks(files, tensors.values(), threads)
         objects = load_objects(checkpoint, files, selection.objects) if kind.kind == "torch" else {}
+        if everything and kind.kind == "torch" and detection.layout == LIGHTNING:
+            selection, objects = with_lightning_metadata(selection, objects, files, checkpoint.path)
         plan = plan_consolidate(
             checkpoint, selection, located, name=target.name, kind=kind, dtype=default_dtype,
             dtype_map=per_key_dtype, ties=find_ties(files, tensors, located), drop_tied=drop_tied, objects=objects,
@@ -185,6 +188,24 @@ def selection_text(view: ModelView, rules: KeyRules) -> str:
         return "every entry (--all), under its full name"
     where = f"the {view.prefix}. subtree" if view.prefix else "the top-level keys besides optimizer and training state"
     return f"model weights ({where}; {view.selected}: {view.reason})"
+
+
+def with_lightning_metadata(selection: Selection, objects: dict[str, Any], files: DataFiles,
+                            source: Path) -> tuple[Selection, dict[str, Any]]:
+    """Return the selection and values with `meta.pt`'s top-level entries added beside the
+    DCP ones (epoch, global_step, loops, hyper_parameters, ...), as Lightning's own
+    `consolidate_checkpoint` merges them into its output."""
+    where = f"{files.path(LIGHTNING_METADATA)}"
+    meta = decode_object(blob_bytes(files, Blob(LIGHTNING_METADATA, 0, files.size(LIGHTNING_METADATA)), where), where)
+    if not isinstance(meta, dict) or not all(isinstance(key, str) for key in meta):
+        raise CorruptMetadata(f"{where}: not a dict of named entries (Lightning writes one)")
+    clash = sorted(key for key in meta if key in selection.tensors or key in selection.objects
+                   or any(path[0] == key for path in selection.paths.values()))
+    if clash:
+        raise CorruptMetadata(f"{where}: {clash[0]!r} is also an entry of {source}'s DCP state; which to keep is unclear")
+    fqns = {key: f"{LIGHTNING_METADATA}:{key}" for key in meta}
+    return (Selection(selection.tensors, {**selection.objects, **fqns}, {**selection.paths, **{k: (k,) for k in meta}}),
+            {**objects, **meta})
 
 
 def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: execute.Located) -> tuple[Tie, ...]:

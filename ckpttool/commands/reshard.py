@@ -61,7 +61,9 @@ class ReshardReport:
 
 
 def default_destination(source: Path, mesh: Mesh) -> Path:
-    """Return `SRC-world{N}` beside SRC."""
+    """Return `SRC-world{N}` beside SRC (`../NAME-world{N}` for `.`, the directory one is in)."""
+    if source.name in ("", ".", ".."):
+        source = source.resolve()
     return source.parent / f"{source.name}-world{mesh.world_size}"
 
 
