@@ -132,7 +132,7 @@ def _tensor_document(tensor: TensorInfo) -> dict[str, Any]:
 
 
 def _format_name(layout: str, version: str | None) -> str:
-    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist"):  # torch DCP inside
+    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist", "olmo-core"):  # torch DCP inside
         return f"DCP {version or 'unversioned'}"
     return layout
 

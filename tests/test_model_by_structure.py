@@ -57,7 +57,11 @@ COMPOSER = Case("composer", FRAMEWORKS / "composer" / "checkpoints" / "ep0-ba2",
                 FRAMEWORKS / "composer" / "expected.json")
 TORCHTITAN_MODEL_ONLY = Case("torchtitan-model-only", FRAMEWORKS / "torchtitan_model_only" / "checkpoint" / "step-2",
                              FRAMEWORKS / "torchtitan_model_only" / "expected.json")
-NEW_CASES = [RECIPE, PLAIN, WEIGHTS_OPT, OLMO_CORE, COMPOSER, TORCHTITAN_MODEL_ONLY]
+# the run directories the trainers leave: OLMo-core's `step{N}/model_and_optim`, Composer's
+# `ep{E}-ba{B}` folders beside its `latest-rank0.pt` link
+OLMO_CORE_RUN = Case("olmo-core-run-dir", FRAMEWORKS / "olmo_core" / "run", OLMO_CORE.expected)
+COMPOSER_RUN = Case("composer-run-dir", FRAMEWORKS / "composer" / "checkpoints", COMPOSER.expected)
+NEW_CASES = [RECIPE, PLAIN, WEIGHTS_OPT, OLMO_CORE, OLMO_CORE_RUN, COMPOSER, COMPOSER_RUN, TORCHTITAN_MODEL_ONLY]
 # the fixtures test_frameworks.py, test_megatron.py and test_verl.py check with their exporters
 EXISTING_CASES = [
     Case("torchtitan", FRAMEWORKS / "torchtitan" / "checkpoint" / "step-20", FRAMEWORKS / "torchtitan" / "expected.json"),
