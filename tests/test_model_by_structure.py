@@ -194,6 +194,17 @@ def test_export_of_the_dcp_recipe_loads_with_from_pretrained_weights_exact(run, 
         assert_same_bytes(state[key], value, key)
 
 
+@pytest.mark.parametrize("case", [PLAIN, WEIGHTS_OPT], ids=lambda c: c.id)
+def test_export_of_the_other_llama_saves_loads_with_from_pretrained(run, outputs, case):
+    transformers = pytest.importorskip("transformers")
+    out = outputs / f"{case.id}-hub"
+    result = run("export", case.src, out, "--assets", STRUCTURES / "recipe_config", "--quiet")
+    assert result.exit_code == 0, result.output
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    assert {key: describe(value) for key, value in model.state_dict().items()} == expected_document(case)["tensors"]
+
+
 # -- reshard, then consolidate ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", [RECIPE, PLAIN, TORCHTITAN_MODEL_ONLY], ids=lambda c: c.id)
