@@ -26,7 +26,7 @@ from fsdp_loads import LoadJob, load_all, read_reads
 
 from ckpttool.commands.reshard import reshard
 from ckpttool.dcp.metadata import read_checkpoint
-from ckpttool.io import TEMP_PREFIX
+from ckpttool.outputs.temps import TEMP_PREFIX
 from ckpttool.torchsave.record import record_bytes
 
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
