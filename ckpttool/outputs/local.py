@@ -5,7 +5,9 @@ A file is written with no name at all (`O_TMPFILE`) where the filesystem allows 
 `.ckpttool-tmp-NAME...` beside the target (`temps`); a directory is built as such a temporary
 directory. Either is fsynced and renamed into place only when complete; any exception
 (`Interrupted` included) removes it and leaves the target as it was. A directory replacing a
-directory is swapped in with two renames (old aside, new in), then the old one is removed.
+directory first gets hard links to the old one's files that are not ckpttool's
+(`replacing`: the user's config, tokenizer, notes), then is swapped in with two renames (old
+aside, new in), and the old one is removed.
 
 Example:
     >>> with atomic_file(Path("out/model.safetensors"), force=False) as handle:
@@ -15,7 +17,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
@@ -23,7 +27,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 from ckpttool import testpoints
 from ckpttool.errors import OutputExists
 from ckpttool.io import Output
-from ckpttool.outputs.notices import tell
+from ckpttool.outputs.notices import Replaced, tell
+from ckpttool.outputs.replacing import replacement
 from ckpttool.outputs.signals import deferred
 from ckpttool.outputs.temps import OLD_PREFIX, WRITING_PREFIX, new_token, remove_stale_temps, remove_tree, temp_name
 
@@ -173,10 +178,11 @@ def atomic_file(target: Path, force: bool, unnamed: bool = True) -> Iterator[Bin
 def atomic_directory(target: Path, force: bool) -> Iterator[OutputDirectory]:
     """Yield a fresh temporary directory beside `target` that becomes `target` when the block
     succeeds (fsynced, then renamed; files inside are fsynced by their writer). An existing
-    `target` is replaced only with `force`: renamed aside to `.ckpttool-old-NAME...`, the new
-    one renamed into place, the old one removed, so `target` is always either the old or the
-    complete new directory. On any exception before the rename, the temporary directory is
-    removed."""
+    `target` is replaced only with `force`: what it holds besides ckpttool's files and the
+    files written now is linked into the new directory (`_keep`), the old one renamed aside
+    to `.ckpttool-old-NAME...`, the new one renamed into place, the old one removed, so
+    `target` is always either the old or the complete new directory. On any exception before
+    the rename, the temporary directory is removed."""
     created = _prepare(target, force)
     temp = target.parent / temp_name(target.name, "tmp", new_token())
     with deferred():
@@ -185,12 +191,15 @@ def atomic_directory(target: Path, force: bool) -> Iterator[OutputDirectory]:
     try:
         testpoints.pause("start")
         yield OutputDirectory(temp)
+        replaced = _keep(target, temp) if force else ()
         _fsync_directory(temp)
         testpoints.pause("commit")
         with deferred():
             old = _put_in_place(temp, target)
             committed = True
         _fsync_directory(target.parent)
+        if replaced:
+            tell(Replaced(str(target), replaced))
         if old is not None:
             _remove_old(old)
     except BaseException:
@@ -198,6 +207,37 @@ def atomic_directory(target: Path, force: bool) -> Iterator[OutputDirectory]:
             remove_tree(temp)
             _remove_created(created)
         raise
+
+
+def _keep(target: Path, temp: Path) -> tuple[str, ...]:
+    """Link into `temp` the entries of the existing directory `target` that the new output
+    keeps (`replacing.replacement`); return the names of those it replaces that were not
+    ckpttool's. The old directory is left as it was: until the rename, it is the output."""
+    if not target.is_dir() or target.is_symlink():
+        return ()  # a file, or a link to somewhere else: replaced whole, as before
+    plan = replacement([entry.name for entry in target.iterdir()], [entry.name for entry in temp.iterdir()])
+    for name in plan.keep:
+        _link_tree(target / name, temp / name)
+    return plan.replaced
+
+
+def _link_tree(source: Path, destination: Path) -> None:
+    """Give `destination` the same content as `source` without copying bytes: a hard link of
+    a file (or of a symlink itself), directories made anew and filled the same way; a copy
+    where the filesystem refuses the link (another device below, a file of another user
+    under `fs.protected_hardlinks`)."""
+    if source.is_dir() and not source.is_symlink():
+        destination.mkdir()
+        for entry in sorted(source.iterdir()):
+            _link_tree(entry, destination / entry.name)
+        shutil.copystat(source, destination)
+        return
+    try:
+        os.link(source, destination, follow_symlinks=False)
+    except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.ENOTSUP):
+            raise
+        shutil.copy2(source, destination, follow_symlinks=False)
 
 
 def _put_in_place(temp: Path, target: Path) -> Path | None:

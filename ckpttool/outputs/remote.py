@@ -28,7 +28,8 @@ from typing import Any, Iterator
 
 from ckpttool import testpoints
 from ckpttool.errors import OutputExists, StorageError
-from ckpttool.outputs.notices import tell
+from ckpttool.outputs.notices import Replaced, tell
+from ckpttool.outputs.replacing import is_ours, replacement
 from ckpttool.outputs.local import OutputDirectory
 from ckpttool.outputs.multipart import MultipartSink, put
 from ckpttool.outputs.signals import deferred
@@ -192,27 +193,38 @@ def _written(output: Path, directory: bool, streams: Streams | None) -> Iterator
 @contextlib.contextmanager
 def _replacing(target: RemotePath, force: bool, directory: bool) -> Iterator[list[str]]:
     """Yield the list the block appends each key it makes visible at `target` to (both commit
-    paths). Before: with `force`, the old output's index keys are removed (so no reader pairs
-    them with new data; the old checkpoint is unreadable, never mixed), an old directory where
-    one file goes removed. After: what is left of the old output is removed. Should the block
-    fail, the keys it made are deleted again, so a new destination stays empty."""
-    fs = target.filesystem
-    old = set(fs.find(target.key)) if force and directory else set()
+    paths). Before: with `force`, the old output's index and `.metadata` keys are removed (so
+    no reader pairs them with new data; the old checkpoint is unreadable, never mixed), an old
+    directory where one file goes removed. After: what is left of ckpttool's own files of the
+    old output is removed, and everything else kept (`replacing.replacement`); the keys
+    replaced that were not ckpttool's are named (`notices.Replaced`). Should the block fail,
+    the keys it made are deleted again, so a new destination stays empty."""
+    fs, prefix = target.filesystem, target.key + "/"
+    found = set(fs.find(target.key)) if force and directory else set()  # the prefix's keys; or one object at it
+    old = {key[len(prefix):] for key in found if key.startswith(prefix)}
+    first = {name for name in old if is_ours(name) and name.endswith(LAST_KEYS)}
     made: list[str] = []
     try:
-        for stale in sorted(k for k in old if k.endswith(LAST_KEYS)):
-            fs.rm_file(stale)
+        for name in sorted(first):
+            fs.rm_file(prefix + name)
         if force and not directory and fs.isdir(target.key):
             fs.rm(target.key, recursive=True)
         yield made
     except BaseException:
         for key in made:
-            with contextlib.suppress(Exception):
-                fs.rm_file(key)
+            if key[len(prefix):] not in old or is_ours(key[len(prefix):]):  # a user's file now holds the new one: keep it
+                with contextlib.suppress(Exception):
+                    fs.rm_file(key)
         raise
-    for stale in sorted(old - set(made) - {k for k in old if k.endswith(LAST_KEYS)}):
-        fs.rm_file(stale)
+    written = {key[len(prefix):] for key in made}
+    plan = replacement(old, written)
+    for name in sorted(old - set(plan.keep) - written - first):
+        fs.rm_file(prefix + name)
+    for key in found - {prefix + name for name in old}:  # an object where a directory now goes
+        fs.rm_file(key)
     fs.invalidate_cache()
+    if plan.replaced:
+        tell(Replaced(str(target), plan.replaced))
 
 
 def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: bool) -> None:
