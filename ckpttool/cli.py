@@ -21,7 +21,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "sho
 def reports_errors(command):
     """Turn a CheckpointError into one line on stderr and its exit code (no traceback), and
     SIGINT, SIGTERM or SIGHUP into one line and 128 + the signal number (130, 143, 129)."""
-    from ckpttool import io
+    from ckpttool.outputs import notices, signals
 
     def shown(text) -> str:  # render.shown, imported only when there is something to show
         from ckpttool.render import shown
@@ -31,13 +31,13 @@ def reports_errors(command):
     @wraps(command)
     def run(*args, **kwargs):
         try:
-            with io.interruptible(), io.reporting_stale_temps(lambda stale: click.echo(shown(stale), err=True)):
+            with signals.interruptible(), notices.reporting(lambda notice: click.echo(shown(notice), err=True)):
                 return command(*args, **kwargs)
         except CheckpointError as error:
             click.echo(f"error: [{error.code}] {shown(error)}", err=True)
             sys.exit(error.exit_code)
-        except KeyboardInterrupt as interrupt:  # io.Interrupted for each of the three signals
-            interrupt = interrupt if isinstance(interrupt, io.Interrupted) else io.Interrupted()
+        except KeyboardInterrupt as interrupt:  # signals.Interrupted for each of the three signals
+            interrupt = interrupt if isinstance(interrupt, signals.Interrupted) else signals.Interrupted()
             click.echo(f"{interrupt}; nothing was left half-written", err=True)
             sys.exit(interrupt.exit_code)
 

@@ -30,7 +30,7 @@ from ckpttool import execute
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.errors import VerificationFailed
 from ckpttool.plan.operations import Copy
-from ckpttool.io import TEMP_PREFIX
+from ckpttool.outputs.temps import TEMP_PREFIX
 
 CKPTTOOL = Path(sys.executable).with_name("ckpttool")
 

@@ -24,10 +24,10 @@ from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
 from ckpttool.integrity import Problem
-from ckpttool.io import (DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, atomic_output,
-                         check_destination, no_progress, parse_size, refuse_overlap, write_at)
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size, write_at
 from ckpttool.keys import KeyRules, Rename
 from ckpttool.model_view import ModelView, find_model
+from ckpttool.outputs import atomic_directory, atomic_output, check_destination, refuse_overlap
 from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, select
 from ckpttool.readers.detect import LIGHTNING, LIGHTNING_METADATA
 from ckpttool.torchsave import ptfile
@@ -272,11 +272,11 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, k
             with atomic_output(target, force=force, streamed=streamed) as handle:
                 _fill(plan, files, {plan.files[0].name: io.writable(handle)}, budget, threads, verify, progress)
         else:
-            with atomic_directory(target, force=force, streamed=streamed) as directory:
-                with execute.opened_outputs(directory, names) as fds:
+            with atomic_directory(target, force=force, streamed=streamed) as output:
+                with output.opened(names) as fds:
                     _fill(plan, files, fds, budget, threads, verify, progress)
                 if plan.index is not None:
-                    execute.write_file(directory / plan.index_name, plan.index)
+                    execute.write_file(output.path / plan.index_name, plan.index)
         moved = sum(op.output_length for op in plan.operations)
         return (written if kind.sharded else (target,)), (ProcessStats(0, moved, time.perf_counter() - started),)
     except OSError as error:

@@ -31,8 +31,9 @@ from ckpttool.commands.reshard import ReshardReport, write_dcp
 from ckpttool.dcp.blobs import DataFiles, raw_range_transforms
 from ckpttool.dcp.metadata import Blob, Checkpoint, Chunk, Object, Tensor
 from ckpttool.errors import UsageError
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, check_destination, parse_size, refuse_overlap
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, parse_size
 from ckpttool.model_view import find_model
+from ckpttool.outputs import check_destination, refuse_overlap
 from ckpttool.plan.reshard import parse_mesh, plan_reshard
 from ckpttool.readers.detect import DCP_HF, HUB_FOLDER, SAFETENSORS, TORCH_PT
 

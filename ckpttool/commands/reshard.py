@@ -31,7 +31,8 @@ from ckpttool.dcp.writer import metadata_bytes
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CheckpointError, UsageError, VerificationFailed, WriteFailed
 from ckpttool.integrity import Problem
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, no_progress, parse_size, refuse_overlap
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
+from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.plan.operations import Record
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
@@ -156,11 +157,11 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
                                           prepare=prepare, run_share=run_share, finish=finish, streamed=not verify)
         else:
             written = time.perf_counter()
-            with atomic_directory(destination, force=force, streamed=not verify) as temp:
-                with execute.opened_outputs(temp, names) as fds:
+            with atomic_directory(destination, force=force, streamed=not verify) as output:
+                with output.opened(names) as fds:
                     prepare(fds)
                     run_share(writes.operations, fds)
-                    finish(temp, fds)
+                    finish(output.path, fds)
             processes = (ProcessStats(0, sum(op.output_length for op in writes.operations),
                                       time.perf_counter() - written),)
     except OSError as error:
