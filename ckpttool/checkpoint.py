@@ -2,8 +2,7 @@
 
 A `Checkpoint` holds its `Tensor`s (global shape, dtype, and the `Chunk`s that tile it, each
 with the `Blob` of a data file that holds its bytes) and its non-tensor `Object`s, sorted by
-fqn; `group_of` tells model, optimizer and other entries apart by their top-level key. Frozen
-and free of torch: a reader converts its format's own metadata into these once.
+fqn. Frozen and free of torch: a reader converts its format's own metadata into these once.
 
 Example:
     >>> ckpt = read_checkpoint("runs/x/step-00000020")       # ckpttool.readers.dcp
@@ -23,13 +22,6 @@ from typing import Iterator, NamedTuple
 
 from ckpttool import dtypes
 from ckpttool.errors import BadName
-
-# Top-level state-dict keys and the group they belong to.
-MODEL_KEYS = ("model",)
-OPTIMIZER_KEYS = ("optim", "optimizer", "optimizers", "optimizer_states")  # + Lightning .ckpt
-# Beside model fqns at the top level (torchtitan): what is training state, not model.
-TRAINING_STATE_KEYS = ("lr_scheduler", "lr_schedulers", "scheduler", "dataloader", "train_state", "extra_state",
-                       "rng", "rng_state", "step", "epoch")
 
 # Our own blob markers, never written to disk: the blob is the chunk's raw row-major bytes as
 # they are, with no record around them (readers/verl.py: a storage inside a torch.save .pt
@@ -110,9 +102,9 @@ class Checkpoint:
     save_id: str | None = None
     # problems found while converting, kept for `validate` (e.g. unknown dtype names)
     notes: tuple[str, ...] = ()
-    # the top-level key holding the model's weights; None: model fqns are top-level keys
-    # (torchtitan, safetensors files, Hub folders), beside optimizer and training state
-    model_subtree: str | None = "model"
+    # where the layout itself keeps the model (dotted prefix; "" the top level: safetensors files,
+    # Hub folders, verl), or None: found from the structure (model_view.find_model)
+    model_prefix: str | None = None
 
     def entries(self) -> Iterator[Tensor | Object]:
         """Yield tensors and objects in fqn order."""
@@ -125,17 +117,6 @@ class Checkpoint:
         files = {c.blob.file for t in self.tensors.values() for c in t.chunks if c.blob}
         files |= {o.blob.file for o in self.objects.values() if o.blob}
         return sorted(files)
-
-
-def group_of(fqn: str, model_subtree: str | None = "model") -> str:
-    """Return `model`, `optimizer` or `other` from an fqn's top-level key (see
-    `Checkpoint.model_subtree`)."""
-    top = fqn.split(".", 1)[0]
-    if top in OPTIMIZER_KEYS or (top.startswith("optimizer_") and top[10:].isdigit()):  # Lightning: optimizer_0
-        return "optimizer"
-    if model_subtree is None:
-        return "other" if top in TRAINING_STATE_KEYS else "model"
-    return "model" if top == model_subtree or top in MODEL_KEYS else "other"
 
 
 

@@ -21,7 +21,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "sho
 def reports_errors(command):
     """Turn a CheckpointError into one line on stderr and its exit code (no traceback), and
     SIGINT, SIGTERM or SIGHUP into one line and 128 + the signal number (130, 143, 129)."""
-    from ckpttool import io
+    from ckpttool.outputs import notices, signals
 
     def shown(text) -> str:  # render.shown, imported only when there is something to show
         from ckpttool.render import shown
@@ -31,13 +31,13 @@ def reports_errors(command):
     @wraps(command)
     def run(*args, **kwargs):
         try:
-            with io.interruptible(), io.reporting_stale_temps(lambda stale: click.echo(shown(stale), err=True)):
+            with signals.interruptible(), notices.reporting(lambda notice: click.echo(shown(notice), err=True)):
                 return command(*args, **kwargs)
         except CheckpointError as error:
             click.echo(f"error: [{error.code}] {shown(error)}", err=True)
             sys.exit(error.exit_code)
-        except KeyboardInterrupt as interrupt:  # io.Interrupted for each of the three signals
-            interrupt = interrupt if isinstance(interrupt, io.Interrupted) else io.Interrupted()
+        except KeyboardInterrupt as interrupt:  # signals.Interrupted for each of the three signals
+            interrupt = interrupt if isinstance(interrupt, signals.Interrupted) else signals.Interrupted()
             click.echo(f"{interrupt}; nothing was left half-written", err=True)
             sys.exit(interrupt.exit_code)
 
@@ -78,13 +78,14 @@ storage_option = click.option(
 
 
 def byte_progress(quiet: bool):
-    """Return a factory of tqdm bars counting bytes on stderr (disabled with --quiet)."""
+    """Return a factory of tqdm bars counting bytes on stderr: only when stderr is a terminal
+    (tqdm's own check, so logs get no bar fragments), never with --quiet."""
 
     def start(description: str, total: int):
         from tqdm import tqdm
 
         return tqdm(desc=description, total=total, unit="B", unit_scale=True, file=sys.stderr,
-                    disable=quiet, leave=False, dynamic_ncols=True)
+                    disable=True if quiet else None, leave=False, dynamic_ncols=True)
 
     return start
 
@@ -93,6 +94,11 @@ def json_option(schema: str):
     """The `--json` flag, naming the document it prints."""
     return click.option("--json", "as_json", is_flag=True, help=f"Print the {schema} JSON document (see README).")
 
+
+model_prefix_option = click.option(
+    "--model-prefix", metavar="PREFIX", default=None,
+    help="Where the model's state dict sits in the checkpoint, dotted (e.g. app.model; '' for the top level).  "
+         "[default: found from the structure: the subtree the optimizer state names, else the one module tree]")
 
 follow_symlinks_option = click.option(
     "--follow-symlinks", is_flag=True, help="Read data files that are symlinks to places outside the checkpoint directory.")
@@ -127,19 +133,22 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
 
 
 @main.command()
-@click.argument("src", type=checkpoint_dir)
+@click.argument("src", type=checkpoint_dir, required=False, default=".")
 @json_option("ckpttool.inspect/1")
 @click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn matches (repeatable), e.g. 'model.layers.0.*'.")
 @click.option("--chunks", is_flag=True, help="List every chunk: offsets, sizes, file, byte offset and length.")
 @click.option("--by-file", is_flag=True, help="Bytes per data file (rank), split into model/optimizer/other.")
+@model_prefix_option
 @storage_option
 @reports_errors
-def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool) -> None:
-    """Show what is in a checkpoint, reading only its metadata (no tensor bytes)."""
+def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool,
+            model_prefix: str | None) -> None:
+    """Show what is in a checkpoint, reading only its metadata (no tensor bytes). SRC defaults
+    to the current directory."""
     from ckpttool import render
     from ckpttool.commands.inspect import inspect as inspect_checkpoint
 
-    report = inspect_checkpoint(src, filters)
+    report = inspect_checkpoint(src, filters, model_prefix)
     if as_json:
         show(render.inspect_document(report), None)
     else:
@@ -147,14 +156,15 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
 
 
 @main.command()
-@click.argument("src", type=checkpoint_dir)
+@click.argument("src", type=checkpoint_dir, required=False, default=".")
 @click.option("--deep", is_flag=True, help="Also read every byte: decode each blob, check CRC-32, dtype and shape, count NaN/Inf.")
 @follow_symlinks_option
 @storage_option
 @json_option("ckpttool.validate/1")
 @reports_errors
 def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None:
-    """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid."""
+    """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid. SRC defaults
+    to the current directory."""
     from ckpttool import render
     from ckpttool.commands.validate import validate as validate_checkpoint
 
@@ -175,6 +185,7 @@ def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None
 @click.option("--dtype-map", multiple=True, metavar="GLOB=DTYPE", help="Per-key dtype, first match wins over --dtype (repeatable), e.g. '*norm*=fp32'.")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights (e.g. lm_head.weight == embed.weight), as the Hub expects.")
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a sharded (directory) output, decimal like huggingface_hub.  [default: 5GB]")
+@model_prefix_option
 @write_options
 @json_option("ckpttool.consolidate/1")
 @reports_errors
@@ -191,24 +202,27 @@ def consolidate(src: str, out: str, quiet: bool, as_json: bool, **options) -> No
 
 
 @main.command()
-@click.argument("src", type=checkpoint_dir)
+@click.argument("src", type=checkpoint_dir, required=False, default=".")
 @click.argument("dst", required=False, type=click.Path(file_okay=False, dir_okay=True))
 @click.option("--world", "world_size", type=click.IntRange(1, 1 << 20), metavar="N", help="Target world size (FSDP2 ranks).  [required unless --mesh]")
 @click.option("--mesh", metavar="R,S", help="HSDP target: R replicas x S shards (N = R*S); shards along dim 0 over S.")
 @click.option("--keep-whole", multiple=True, metavar="GLOB", help="Leave tensors whose fqn matches in one piece (repeatable), e.g. 'model.*.rope.freqs'.")
+@model_prefix_option
 @write_options
 @json_option("ckpttool.reshard/1")
 @reports_errors
 def reshard(src: str, dst: str | None, quiet: bool, as_json: bool, **options) -> None:
     """Rewrite a DCP checkpoint for another world size: rank r's file holds what FSDP2 on N
-    ranks owns. DST defaults to SRC-world{N} beside SRC."""
+    ranks owns. SRC defaults to the current directory, DST to SRC-world{N} beside SRC."""
     from ckpttool import render
     from ckpttool.commands.reshard import reshard as reshard_checkpoint
 
     # every other option is a keyword of the library function, under the same name
     report = reshard_checkpoint(src, dst, progress=byte_progress(quiet), **options)
-    show(render.reshard_document(report) if as_json else None, render.reshard_text(report),
-         render.problem_lines(report.problems))
+    notes = render.problem_lines(report.problems)
+    if dst is None:
+        notes.append(render.default_destination_line(report))
+    show(render.reshard_document(report) if as_json else None, render.reshard_text(report), notes)
 
 EXIT_DIFFERENT = 1  # cmp and diff: 0 same, 1 different, 2 could not compare
 EXIT_COULD_NOT_COMPARE = 2
@@ -249,6 +263,8 @@ def cannot_compare_exits_2(command):
 @click.option("--rename-b", "renames_b", multiple=True, metavar="REGEX=REPL", help="Rewrite B's keys only (after --rename).")
 @click.option("--atol", type=float, help="Accept floating elements with |a - b| <= atol + rtol * |b|.  [default: bytes must match]")
 @click.option("--rtol", type=float, help="Relative tolerance, with --atol (0 when only one is given).  [default: bytes must match]")
+@click.option("--exact-names", is_flag=True, help="Match entries by their full names only, never by model view (a checkpoint against its consolidation is then all 'only in A/B').")
+@model_prefix_option
 @click.option("--limit", default=20, type=click.IntRange(0), help="Differing entries listed in the text output (0: all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @follow_symlinks_option
@@ -305,6 +321,7 @@ def push(src: str, repo_id: str, quiet: bool, as_json: bool, **options) -> None:
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard, decimal like huggingface_hub, at most 50GB (the Hub's per-file limit).  [default: 5GB]")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights even when no config says tie_word_embeddings (a tied config always does).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite output keys with re.sub (repeatable, in order), before the config check.")
+@model_prefix_option
 @write_options
 @json_option("ckpttool.export/1")
 @reports_errors

@@ -29,10 +29,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
-import signal
 import sys
 import time
 import traceback
@@ -40,12 +38,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, NoReturn, Sequence
 
-from ckpttool import dtypes, io
+from ckpttool import dtypes, io, storage, testpoints
 from ckpttool.errors import UsageError, WriteFailed
-from ckpttool.io import atomic_directory, atomic_output
+from ckpttool.outputs import atomic_directory, atomic_output
+from ckpttool.outputs.multipart import MultipartSink
+from ckpttool.outputs.remote import remote_output
 from ckpttool.plan.operations import Convert, Copy, Operation
-
-FAIL_ENV = "CKPTTOOL_TEST_FAIL"  # test-only: `<rank>:error` or `<rank>:kill`, see `_run_share`
 
 
 class World(NamedTuple):
@@ -276,8 +274,6 @@ def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *
     parts of (`_write_remote`); that needs an output written in order (`streamed`: not a
     .pt file, no --verify).
     """
-    from ckpttool import storage
-
     if storage.is_remote(target):
         if not streamed or not hasattr(target.filesystem, "call_s3"):
             raise UsageError(f"{target}: under torchrun, object storage takes .safetensors, Hub folders and reshard "
@@ -347,14 +343,12 @@ def _write_remote(world: World, shares: list[list[Operation]], target, names: Se
     the edges of shares, filled by two processes, are summed onto rank 0 (each byte written by
     one process, zeros elsewhere) and sent by it; rank 0 collects every part's ETag and
     completes the uploads only when every process succeeded, else aborts them
-    (`uploads.remote_output`)."""
-    from ckpttool import uploads
-
+    (`remote.remote_output`)."""
     if world.rank != 0:
         begun = broadcast(None)
         if isinstance(begun, str):
             raise WriteFailed(f"{target}: rank 0 could not begin the upload ({begun}); nothing was written")
-        sinks = {name: uploads.MultipartSink(target.filesystem, key, f"{target}/{name}", upload_id, size, part_size)
+        sinks = {name: MultipartSink(target.filesystem, key, f"{target}/{name}", upload_id, size, part_size)
                  for name, (key, upload_id, size, part_size) in begun.items()}
         stats, failure = _run_share(world, shares[world.rank], sinks, run_share, target)
         if failure is None:
@@ -367,12 +361,8 @@ def _write_remote(world: World, shares: list[list[Operation]], target, names: Se
         return stats
     announced = gathered = False
     try:
-        with uploads.remote_output(target, force, directory, streamed=True) as output:
-            if directory:
-                streams = uploads.streamed_outputs(output)
-                sinks = {name: streams.sink(name) for name in names}
-            else:
-                sinks = {names[0]: output}
+        with remote_output(target, force, directory, streamed=True) as output:
+            sinks = {name: output.sink(name) for name in names} if directory else {names[0]: output}
             prepare(sinks)
             begun = {name: (sink.key, sink.begin(), sink.size, sink.part_size) for name, sink in sinks.items()}
             broadcast(begun)
@@ -382,7 +372,7 @@ def _write_remote(world: World, shares: list[list[Operation]], target, names: Se
             if failure is not None:
                 raise failure
             _merge_edges(world, sinks)
-            finish(output if directory else Path(target.name), sinks)
+            finish(output.path if directory else Path(target.name), sinks)
     except BaseException as error:
         if not announced:
             broadcast(str(error) or type(error).__name__)  # the others stop too
@@ -429,8 +419,8 @@ def _temporary(target: Path, names: Sequence[str], directory: bool,
     """Yield (temporary path, name -> file path) of a named temporary output beside `target`
     that other processes can open; renamed to `target` when the block succeeds."""
     if directory:
-        with atomic_directory(target, force=force) as temp:
-            yield temp, {name: temp / name for name in names}
+        with atomic_directory(target, force=force) as output:
+            yield output.path, {name: output.path / name for name in names}
     else:
         with atomic_output(target, force=force, unnamed=False) as handle:
             yield Path(handle.name), {names[0]: Path(handle.name)}
@@ -454,13 +444,13 @@ def _run_share(world: World, share: list[Operation], paths: dict, run_share: Run
                target: Path) -> tuple[tuple[ProcessStats, ...], BaseException | None]:
     """Write this rank's share, then gather every rank's outcome; return the stats and, when
     any rank failed, what to raise (this rank's own error, or one naming the rank that failed).
-    `paths`: name -> file path, or name -> `uploads.MultipartSink` of a remote output."""
+    `paths`: name -> file path, or name -> `MultipartSink` of a remote output."""
     started = time.perf_counter()
     failure: BaseException | None = None
     remote = any(not isinstance(path, (str, Path)) for path in paths.values())
     try:
         with (contextlib.nullcontext(paths) if remote else _opened(paths)) as fds:
-            _with_test_failure(world.rank, share, fds, run_share)
+            testpoints.run_share(world.rank, share, fds, run_share)
             for fd in fds.values():
                 io.sync(fd)
     except BaseException as error:  # noqa: BLE001 - reported to every rank, raised by the caller
@@ -474,21 +464,6 @@ def _run_share(world: World, share: list[Operation], paths: dict, run_share: Run
         rank, why = failed[0]
         failure = WriteFailed(f"{target}: process {rank} of {world.world_size} failed ({why}); nothing was committed")
     return stats, failure
-
-
-def _with_test_failure(rank: int, share: list[Operation], fds: dict[str, int], run_share: RunShare) -> None:
-    """Run the share; test-only, with CKPTTOOL_TEST_FAIL=<rank>:error|kill, that rank fails
-    (an EIO, or SIGKILL) half-way through its share."""
-    wanted, _, how = os.environ.get(FAIL_ENV, "").partition(":")
-    if wanted != str(rank):
-        run_share(share, fds)
-        return
-    half = len(share) // 2
-    run_share(share[:half], fds)
-    print(f"ckpttool-test: rank {rank} fails ({how or 'error'})", file=sys.stderr, flush=True)
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise OSError(errno.EIO, f"test failure on rank {rank} ({FAIL_ENV})")
 
 
 def _remove(path: Path) -> None:

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import zlib
@@ -22,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from ckpttool import dtypes, storage, uploads
+from ckpttool import dtypes, storage
 from ckpttool.checkpoint import Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
 from ckpttool.errors import CorruptBlob, VerificationFailed
@@ -59,24 +58,6 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
         for (tensor, index), raw in zip(jobs, pool.map(find, jobs)):
             found[tensor.fqn][index] = raw
     return found
-
-
-@contextlib.contextmanager
-def opened_outputs(directory: Path, names: Iterable[str]) -> Iterator[dict[str, Output]]:
-    """Yield name -> fd of new files `names` in `directory`, open for writing; closed on exit.
-    In the stand-in directory of a streamed remote output they are its uploads instead."""
-    streams = uploads.streamed_outputs(directory)
-    if streams is not None:
-        yield {name: streams.sink(name) for name in names}
-        return
-    fds: dict[str, int] = {}
-    try:
-        for name in names:
-            fds[name] = os.open(directory / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        yield fds
-    finally:
-        for fd in fds.values():
-            os.close(fd)
 
 
 def write_file(path: Path, data: bytes) -> None:

@@ -2,12 +2,14 @@
 
 A DCP fqn such as `model.layers.0._fsdp_wrapped_module.fc1.weight` becomes the key
 `layers.0.fc1.weight`, the name `model.state_dict()` of the unwrapped model has. Rules, in
-order: select (model subtree by default, or everything with `--all`), normalise wrapper
+order: select (the model's entries by default, as `model_view.find_model` finds them, or
+everything with `--all`), normalise wrapper
 names away (unless `--keep-keys`), apply each `--rename REGEX=REPL`, then `--filter GLOB`.
 
 Example:
     >>> rules = KeyRules(renames=(Rename.parse(r"^layers\\.(\\d+)=h.\\1"),))
-    >>> output_keys(["model.layers.0._orig_mod.fc1.weight"], rules, nesting={})
+    >>> output_keys(["model.layers.0._orig_mod.fc1.weight"], rules,
+    ...             model_keys={"model.layers.0._orig_mod.fc1.weight": "layers.0._orig_mod.fc1.weight"})
     {'h.0.fc1.weight': 'model.layers.0._orig_mod.fc1.weight'}
 """
 
@@ -18,7 +20,6 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from ckpttool.checkpoint import group_of
 from ckpttool.errors import KeyCollision, UsageError
 
 # Module wrappers that insert a path component into parameter names:
@@ -27,7 +28,6 @@ from ckpttool.errors import KeyCollision, UsageError
 # (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py _CHECKPOINT_WRAPPED_MODULE).
 WRAPPER_COMPONENTS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
 DDP_PREFIX = "module."  # DistributedDataParallel / DataParallel wrap the whole model
-MODEL_SUBTREE = "model"
 
 
 @dataclass(frozen=True)
@@ -79,35 +79,16 @@ def normalise(key: str) -> str:
     return key.removeprefix(DDP_PREFIX)
 
 
-def base_key(fqn: str, nesting: Mapping[str, tuple], everything: bool,
-             model_subtree: str | None = MODEL_SUBTREE) -> str | None:
-    """Return the key before normalisation, or None when `fqn` is outside the selection.
-
-    The model subtree is `nesting[fqn][0] == model_subtree` (torch's planner_data; `model`,
-    or e.g. Lightning's `state_dict` in a torch.save file), so a model key holding dots stays
-    one key; without nesting the `model_subtree.` prefix is cut. With no model subtree (model
-    fqns at the top level) every model-group fqn is its own key.
-    """
-    if everything:
-        return fqn
-    if model_subtree is None:
-        return fqn if group_of(fqn, None) == "model" else None
-    path = nesting.get(fqn)
-    if path:
-        return ".".join(str(part) for part in path[1:]) if path[0] == model_subtree and len(path) > 1 else None
-    prefix = model_subtree + "."
-    return fqn[len(prefix):] if fqn.startswith(prefix) else None
-
-
-def output_keys(fqns: Iterable[str], rules: KeyRules, nesting: Mapping[str, tuple],
-                model_subtree: str | None = MODEL_SUBTREE) -> dict[str, str]:
-    """Return {output key: fqn} for the selected entries, sorted by output key.
+def output_keys(fqns: Iterable[str], rules: KeyRules, model_keys: Mapping[str, str]) -> dict[str, str]:
+    """Return {output key: fqn} for the selected entries, sorted by output key: every fqn
+    with `rules.everything`, else the model's entries (`model_keys`, fqn -> its key in the
+    model's state dict, from `model_view.find_model`).
 
     Raises KeyCollision naming both fqns when two entries end up with one key.
     """
     chosen: dict[str, str] = {}
     for fqn in sorted(fqns):
-        key = base_key(fqn, nesting, rules.everything, model_subtree)
+        key = fqn if rules.everything else model_keys.get(fqn)
         if key is None:
             continue
         if rules.normalise:

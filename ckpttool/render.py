@@ -7,8 +7,10 @@ version. The schemas are documented in README.md.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Iterable, TextIO
 
 from ckpttool.checkpoint import paused_gc
@@ -99,6 +101,7 @@ def inspect_document(report: InspectReport) -> dict[str, Any]:
                 "tensor_bytes": s.tensor_bytes, "file_bytes": s.file_bytes, "files": s.files,
                 "ranks": list(s.ranks), "parameters": s.parameters,
             },
+            "model_view": model_view_document(report.model_view),
             "groups": {
                 name: {"tensors": g.tensors, "objects": g.objects, "numel": g.numel, "bytes": g.nbytes}
                 for name, g in report.groups.items()
@@ -129,7 +132,7 @@ def _tensor_document(tensor: TensorInfo) -> dict[str, Any]:
 
 
 def _format_name(layout: str, version: str | None) -> str:
-    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist"):  # torch DCP inside
+    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist", "olmo-core"):  # torch DCP inside
         return f"DCP {version or 'unversioned'}"
     return layout
 
@@ -145,6 +148,8 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
         f"{human_bytes(s.tensor_bytes)} of tensor data in {s.files} files ({human_bytes(s.file_bytes)} on disk) from {ranks}",
         f"  model parameters: {human_count(s.parameters)} ({s.parameters:,})",
     ]
+    if report.model_view is not None:
+        lines.append(f"  model: {report.model_view.describe()}")
     if report.filters:
         lines.append(f"  showing entries matching {', '.join(report.filters)}")
     for group in GROUPS:
@@ -230,6 +235,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "format": plan.format,
         "layout": report.layout,
         "selected": report.selected,
+        "model_view": model_view_document(report.model_view),
         "dry_run": report.dry_run,
         "verified": report.verified,
         "files": [
@@ -250,6 +256,14 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }
+
+
+def model_view_document(view) -> dict[str, Any] | None:
+    """Return where the model was found and why: `{"prefix", "selected", "reason", "candidates"}`."""
+    if view is None:
+        return None
+    return {"prefix": view.prefix, "selected": view.selected, "reason": view.reason,
+            "candidates": list(view.candidates)}
 
 
 def processes_document(processes) -> list[dict[str, Any]]:
@@ -323,6 +337,12 @@ RULE_TEXT = {
 }
 
 
+def default_destination_line(report: ReshardReport) -> str:
+    """The stderr line saying where reshard writes when no DST was given."""
+    where = report.destination if not isinstance(report.destination, Path) else os.path.relpath(report.destination)
+    return f"no DST given: {'would write' if report.dry_run else 'writing'} {shown(where)} (SRC-world{report.world_size} beside SRC)"
+
+
 def reshard_document(report: ReshardReport) -> dict[str, Any]:
     """Return the `ckpttool.reshard/1` JSON document: what was (or would be) written."""
     plan = report.plan
@@ -333,6 +353,7 @@ def reshard_document(report: ReshardReport) -> dict[str, Any]:
         "world_size": plan.world_size,
         "mesh": {"replicas": plan.mesh.replicas, "shards": plan.mesh.shards},
         "rule": plan.rule,
+        "model_view": model_view_document(report.model_view),
         "keep_whole": list(plan.keep_whole),
         "dry_run": report.dry_run,
         "verified": report.verified,
@@ -438,6 +459,7 @@ def diff_document(report: "DiffReport") -> dict[str, Any]:
         "objects": [{"key": o.key, "fqn_a": o.fqn_a, "fqn_b": o.fqn_b, "equal": o.equal, "a": o.a, "b": o.b}
                     for o in report.objects],
         "hint": report.hint,
+        "model_views": report.model_views,
         "seconds": round(report.seconds, 3),
         "problems": [dict(entry, side=side) for side, problems in (("a", report.problems_a), ("b", report.problems_b))
                      for entry in problems_document(problems)],
@@ -484,6 +506,8 @@ def diff_text(report: "DiffReport", limit: int = 20) -> str:
     lines += ["  " + item for item in shown_items]
     if len(items) > len(shown_items):
         lines.append(f"  ... and {len(items) - len(shown_items)} more (--limit 0 lists all; --json has every entry)")
+    if report.model_views:
+        lines.insert(1, f"  {shown(report.model_views)}")
     if report.hint:
         lines.append(f"hint: {shown(report.hint)}")
     return "\n".join(lines)

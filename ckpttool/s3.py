@@ -21,7 +21,7 @@ the environment as botocore reads it:
   (`https://BUCKET.s3.REGION.amazonaws.com/KEY`) when the bucket name is a DNS label.
 - TLS: `client_kwargs.verify` (False, or a CA bundle path), `AWS_CA_BUNDLE`.
 
-Errors are the standard exceptions `storage._requests` turns into one line: PermissionError
+Errors are the standard exceptions `storage.request_errors` turns into one line: PermissionError
 (403, refused or missing credentials), FileNotFoundError (NoSuchKey, NoSuchBucket), OSError
 (anything else, with the status and the S3 error code); `ObjectChanged` (an OSError) when the
 object no longer holds the bytes asked for.

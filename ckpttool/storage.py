@@ -7,7 +7,7 @@ and the integrity gate run unchanged. Bytes are read by `RangeReader`: one range
 run of bytes, small reads served from a read-ahead block, never a whole-object download.
 `s3://` is listed and read by `s3.S3Client` (the standard library only: s3fs and aiobotocore
 cost 64 MB before a byte moves); other protocols, and all writes, by fsspec. Outputs to object
-storage are `uploads.py`'s.
+storage are `outputs/`'s.
 
 Credentials and endpoints come from the backend's own configuration (for S3: `AWS_*`
 environment variables, `AWS_ENDPOINT_URL`, `~/.aws`, as `s3.py` lists) plus
@@ -136,7 +136,7 @@ def _s3_client() -> Any:
 
 
 @contextlib.contextmanager
-def _requests(url: str) -> Iterator[None]:
+def request_errors(url: str) -> Iterator[None]:
     """Turn what a backend raises for refused credentials, permissions or the network into a
     one-line StorageError; FileNotFoundError passes through (callers say what is missing)."""
     try:
@@ -224,7 +224,7 @@ class RemotePath(PurePosixPath):
     def _scan(self, key: str) -> None:
         """List everything under `key` once (the key itself, if it is an object)."""
         listing = self._listing
-        with _requests(str(self)):
+        with request_errors(str(self)):
             try:
                 found = (self._s3.find(key) if self._s3 is not None
                          else self._fs.find(key, detail=True, withdirs=True))
@@ -311,7 +311,7 @@ class RangeReader:
         self._lock = threading.Lock()
 
     def _get(self, start: int, end: int) -> bytes:
-        with _requests(self.url), _vanished(self.url), _changed(self.url):
+        with request_errors(self.url), _vanished(self.url), _changed(self.url):
             data = self.fs.cat_file(self.key, start=start, end=end)
         if len(data) != end - start:
             from ckpttool.errors import CorruptBlob
@@ -345,7 +345,7 @@ class RangeReader:
         from ckpttool import s3
 
         if isinstance(self.fs, s3.S3Client):
-            with _requests(self.url), _vanished(self.url), _changed(self.url):
+            with request_errors(self.url), _vanished(self.url), _changed(self.url):
                 yield from self.fs.pieces(self.key, offset, length, buffer)
             return
         for done in range(0, length, len(buffer)):

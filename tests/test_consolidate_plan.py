@@ -6,14 +6,16 @@ import json
 import os
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 
 from ckpttool.dcp.blobs import RawData
-from ckpttool.checkpoint import Blob, Chunk, Tensor
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor
 from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.formats import hub, safetensors
 from ckpttool.keys import KeyRules, Rename, normalise, output_keys
+from ckpttool.model_view import find_model
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.consolidate import plan_tensor, target_dtype
 from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather
@@ -37,32 +39,39 @@ def test_normalise_strips_wrapper_components_and_a_leading_ddp_module():
     assert normalise("layers.module.weight") == "layers.module.weight"  # only a leading `module.`
 
 
+def model_keys(fqns):
+    """The model view of a `{"model": ...}` checkpoint: fqn -> its key under `model.`."""
+    return {fqn: fqn.removeprefix("model.") for fqn in fqns if fqn.startswith("model.")}
+
+
 def test_model_keys_are_the_model_subtree_without_its_prefix():
     nesting = {"model.a.weight": ("model", "a.weight"), "optim.state.a.weight.step": ("optim", "state", "a.weight", "step")}
-    assert output_keys(nesting, KeyRules(), nesting) == {"a.weight": "model.a.weight"}
-    assert set(output_keys(nesting, KeyRules(everything=True), nesting)) == set(nesting)
+    checkpoint = Checkpoint(Path("ckpt"), ".metadata", None,
+                            {fqn: tensor(fqn, (2,), [((0,), (2,))]) for fqn in nesting}, {}, nesting)
+    assert output_keys(nesting, KeyRules(), find_model(checkpoint).keys) == {"a.weight": "model.a.weight"}
+    assert set(output_keys(nesting, KeyRules(everything=True), {})) == set(nesting)
 
 
 def test_rename_rules_apply_in_order_after_normalisation():
     rules = KeyRules(renames=(Rename.parse(r"^layers\.(\d+)\.=h.\1."), Rename.parse("weight$=w")))
-    assert output_keys(["model.layers.3._orig_mod.fc.weight"], rules, {}) == {"h.3.fc.w": "model.layers.3._orig_mod.fc.weight"}
+    assert output_keys(["model.layers.3._orig_mod.fc.weight"], rules, model_keys(["model.layers.3._orig_mod.fc.weight"])) == {"h.3.fc.w": "model.layers.3._orig_mod.fc.weight"}
 
 
 def test_a_rename_that_merges_two_keys_is_an_error_naming_both():
     rules = KeyRules(renames=(Rename.parse(r"\.\d+\.=."),))
     with pytest.raises(KeyCollision, match="model.layers.0.w and model.layers.1.w both become 'layers.w'"):
-        output_keys(["model.layers.0.w", "model.layers.1.w"], rules, {})
+        output_keys(["model.layers.0.w", "model.layers.1.w"], rules, model_keys(["model.layers.0.w", "model.layers.1.w"]))
 
 
 def test_normalisation_collision_suggests_keep_keys():
     with pytest.raises(KeyCollision, match="--keep-keys"):
-        output_keys(["model._orig_mod.w", "model.w"], KeyRules(), {})
+        output_keys(["model._orig_mod.w", "model.w"], KeyRules(), model_keys(["model._orig_mod.w", "model.w"]))
 
 
 def test_filter_matches_the_fqn_or_the_output_key():
     fqns = ["model.a.weight", "model.b.weight", "model.b.bias"]
-    assert list(output_keys(fqns, KeyRules(filters=("b.*",)), {})) == ["b.bias", "b.weight"]
-    assert list(output_keys(fqns, KeyRules(filters=("model.a.*",)), {})) == ["a.weight"]
+    assert list(output_keys(fqns, KeyRules(filters=("b.*",)), model_keys(fqns))) == ["b.bias", "b.weight"]
+    assert list(output_keys(fqns, KeyRules(filters=("model.a.*",)), model_keys(fqns))) == ["a.weight"]
 
 
 def test_bad_rename_is_a_usage_error():

@@ -19,7 +19,7 @@ import torch
 
 from conftest import FIXTURES, assert_same_bytes, flatten
 
-from ckpttool.io import TEMP_PREFIX
+from ckpttool.outputs.temps import TEMP_PREFIX
 
 CASES = 48  # seeded mutations; each costs ~0.1 s through every command
 

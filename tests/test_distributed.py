@@ -30,9 +30,9 @@ from conftest import FIXTURES
 from ckpttool import dtypes
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
-from ckpttool.distributed import FAIL_ENV, environment, split
-from ckpttool.io import PAUSE_ENV
+from ckpttool.distributed import environment, split
 from ckpttool.plan.operations import Convert, Copy, Gather
+from ckpttool.testpoints import FAIL_ENV, PAUSE_ENV
 
 SOURCE = FIXTURES / "fsdp2_world2_adamw"
 

@@ -41,7 +41,7 @@ import pytest
 from conftest import FIXTURES
 from test_validate import rewrite_metadata, storage_key
 
-from ckpttool.io import TEMP_PREFIX
+from ckpttool.outputs.temps import TEMP_PREFIX
 
 FRAMEWORKS = FIXTURES / "frameworks"
 TORCHTITAN = FRAMEWORKS / "torchtitan"

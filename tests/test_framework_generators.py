@@ -1,10 +1,13 @@
 """Regenerate the framework fixtures with the frameworks themselves and cross-check them.
 
 Optional (marker `frameworks`): runs only when CKPTTOOL_FRAMEWORKS_PYTHON names a Python
-that has torchtitan, accelerate, Lightning, verl and megatron-core installed (the versions each
-`fixtures/frameworks/generate_*.py` names), e.g.
+that has torchtitan, accelerate, Lightning, verl, megatron-core and ai2-olmo-core installed (the
+versions each `fixtures/frameworks/generate_*.py` names), e.g.
 
     CKPTTOOL_FRAMEWORKS_PYTHON=/work/fwvenv/bin/python python -m pytest -m frameworks
+
+Composer pins an older torch, so it has its own venv (generate_composer.py says how it is made):
+CKPTTOOL_COMPOSER_PYTHON names its Python (default: CKPTTOOL_FRAMEWORKS_PYTHON).
 
 Each generator runs on a copy of the scripts in a temporary directory, so the committed
 fixtures are untouched. The regenerated tensors must be the committed ones (names, shapes,
@@ -25,6 +28,7 @@ import pytest
 from conftest import FIXTURES, tensor_bytes
 
 FRAMEWORKS_PYTHON = os.environ.get("CKPTTOOL_FRAMEWORKS_PYTHON")
+PYTHONS = {"composer": os.environ.get("CKPTTOOL_COMPOSER_PYTHON", FRAMEWORKS_PYTHON)}
 GENERATORS = FIXTURES / "frameworks"
 # layout -> (checkpoint inside the generated folder, consolidate options giving expected.json's bytes)
 CASES = {
@@ -33,6 +37,9 @@ CASES = {
     "lightning": ("checkpoints/epoch=0-step=2.ckpt", []),
     "megatron": ("checkpoints", []),
     "verl": ("checkpoints/global_step_2/actor", ["--dtype", "bf16"]),
+    "torchtitan_model_only": ("checkpoint/step-2", []),
+    "olmo_core": ("run/step2/model_and_optim", []),
+    "composer": ("checkpoints/ep0-ba2", []),
 }
 
 pytestmark = [
@@ -53,7 +60,8 @@ def test_regenerated_fixture_matches_the_committed_one_and_consolidates_to_it(la
 
     for script in GENERATORS.glob("*.py"):
         shutil.copy(script, tmp_path / script.name)
-    run = subprocess.run([FRAMEWORKS_PYTHON, str(tmp_path / f"generate_{layout}.py")], capture_output=True, text=True,
+    python = PYTHONS.get(layout, FRAMEWORKS_PYTHON)
+    run = subprocess.run([python, str(tmp_path / f"generate_{layout}.py")], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
 

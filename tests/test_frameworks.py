@@ -206,6 +206,21 @@ def test_lightning_consolidate_equals_lightning_consolidate_checkpoint(consolida
     assert_same_state(ours, reference["state_dict"])
 
 
+def test_lightning_consolidate_all_carries_meta_pt_as_lightning_consolidate_checkpoint_does(run, outputs):
+    import torch
+
+    out = outputs / "lightning-meta.pt"
+    assert run("consolidate", LIGHTNING_DIR.src, out, "--all", "--quiet").exit_code == 0
+    ours = torch.load(out, weights_only=True)
+    reference = torch.load(LIGHTNING_CONSOLIDATED, weights_only=True)
+    meta = set(reference) - {"state_dict", "optimizer_states"}  # Lightning's names for model, optimizer_0
+    assert meta == {"epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks", "lr_schedulers",
+                    "hparams_name", "hyper_parameters"}
+    for key in meta:
+        assert type(ours[key]) is type(reference[key]) and ours[key] == reference[key], key
+    assert_same_state(ours["model"], reference["state_dict"])
+
+
 # -- consolidate --all: everything, nested as saved ------------------------------------------------
 
 @dcp_by_id
@@ -219,6 +234,8 @@ def test_consolidate_all_exports_everything_nested_as_saved(run, outputs, torch_
     saved = {}
     for path in case.dcp_dirs:  # accelerate: the model dir and optimizer_0 hold disjoint top keys
         saved.update(torch_saved(path))
+    if case is LIGHTNING_DIR:  # meta.pt's entries beside them, as Lightning's consolidate_checkpoint merges them
+        saved.update(torch.load(LIGHTNING / "meta.pt", weights_only=True))
     assert sorted(ours) == sorted(saved)
     assert any(key.startswith("optimizer") for key in ours), sorted(ours)
     assert_same_state(ours, saved)

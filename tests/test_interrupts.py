@@ -1,7 +1,7 @@
 """Interrupted runs leave nothing behind, whatever the signal.
 
 A real `ckpttool` subprocess is paused at a known point of its run (the test-only
-`CKPTTOOL_TEST_PAUSE=<phase>:<seconds>` hook in `ckpttool.io`, which prints
+`CKPTTOOL_TEST_PAUSE=<phase>:<seconds>` hook in `ckpttool.testpoints`, which prints
 `ckpttool-test: paused at <phase>` on stderr), then sent SIGINT, SIGTERM, SIGHUP or SIGKILL.
 Each run is bounded by `TIMEOUT`: a watchdog kills a run that never pauses or never ends.
 """
@@ -22,9 +22,10 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool import io
+from ckpttool import io, outputs, testpoints
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
+from ckpttool.outputs import local, signals, temps
 
 SOURCE = FIXTURES / "fsdp2_world3_uneven"
 PREVIOUS_SOURCE = FIXTURES / "fsdp2_world2"  # what an earlier run wrote at OUT
@@ -46,7 +47,7 @@ def default_signals() -> None:
 
 def run_until(phase: str, *args) -> subprocess.Popen:
     """Start `python -m ckpttool ARGS --quiet`; return it once it is paused at `phase`."""
-    env = {**os.environ, io.PAUSE_ENV: f"{phase}:{TIMEOUT}"}
+    env = {**os.environ, testpoints.PAUSE_ENV: f"{phase}:{TIMEOUT}"}
     process = subprocess.Popen(
         [sys.executable, "-m", "ckpttool", *map(str, args), "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_signals,
@@ -172,7 +173,7 @@ def test_a_signal_while_reshard_force_removes_the_old_destination_finishes_the_r
     shutil.rmtree(out)
     write_previous(out)
     process = run_until("remove-old", "reshard", SOURCE, out, "--world", "2", "--force")
-    assert len(list(tmp_path.glob(io.OLD_PREFIX + "out.*"))) == 1  # the old one, partly removed
+    assert len(list(tmp_path.glob(temps.OLD_PREFIX + "out.*"))) == 1  # the old one, partly removed
     returncode, stderr = stop(process, signum)
     assert returncode == 128 + signum
     assert stderr == one_line_for(signum)
@@ -222,7 +223,7 @@ def test_after_sigkill_the_next_run_removes_the_leftover_directory_and_says_so(t
     args = [str(out) if part == "{out}" else part for part in command]
     process = run_until("copy", *args)
     stop(process, signal.SIGKILL)
-    [leftover] = tmp_path.glob(io.WRITING_PREFIX + "out.*")
+    [leftover] = tmp_path.glob(temps.WRITING_PREFIX + "out.*")
     returncode, stderr = run(*args)
     assert returncode == 0, stderr
     assert f"removed stale temp {leftover} left by a killed run (pid {process.pid})" in stderr
@@ -234,7 +235,7 @@ def test_after_sigkill_during_removal_of_the_old_destination_the_next_run_finish
     write_previous(out)
     process = run_until("remove-old", "reshard", SOURCE, out, "--world", "2", "--force")
     stop(process, signal.SIGKILL)
-    [old] = tmp_path.glob(io.OLD_PREFIX + "out.*")
+    [old] = tmp_path.glob(temps.OLD_PREFIX + "out.*")
     written = snapshot(out)
     returncode, stderr = run("reshard", SOURCE, out, "--world", "2")  # no --force: refuses, but cleans up
     assert returncode == 2
@@ -250,8 +251,8 @@ def test_a_run_killed_between_its_two_renames_gets_the_previous_destination_back
     process = run_until("commit", "reshard", SOURCE, out, "--world", "2", "--force")
     stop(process, signal.SIGKILL)
     # the state a kill between "old destination aside" and "new one into place" leaves
-    [new] = tmp_path.glob(io.WRITING_PREFIX + "out.*")
-    old = tmp_path / new.name.replace(io.WRITING_PREFIX, io.OLD_PREFIX)
+    [new] = tmp_path.glob(temps.WRITING_PREFIX + "out.*")
+    old = tmp_path / new.name.replace(temps.WRITING_PREFIX, temps.OLD_PREFIX)
     out.rename(old)
     returncode, stderr = run("reshard", SOURCE, out, "--world", "2")
     assert returncode == 2  # the previous destination is back, so it exists
@@ -265,7 +266,7 @@ def test_a_temp_of_a_live_process_is_left_alone(tmp_path):
     out = tmp_path / "out"
     process = run_until("copy", "reshard", SOURCE, out, "--world", "2", "--threads", "1")
     stop(process, signal.SIGKILL)
-    [leftover] = tmp_path.glob(io.WRITING_PREFIX + "out.*")
+    [leftover] = tmp_path.glob(temps.WRITING_PREFIX + "out.*")
     live = leftover.with_name(leftover.name.replace(f".{process.pid}.", f".{os.getpid()}."))
     leftover.rename(live)  # as if this test process were writing it
     returncode, stderr = run("reshard", SOURCE, out, "--world", "2")
@@ -279,7 +280,7 @@ def test_a_temp_of_a_live_process_is_left_alone(tmp_path):
 
 def test_interruptible_turns_sigterm_into_interrupted_and_restores_the_handler():
     before = signal.getsignal(SIGTERM)
-    with pytest.raises(io.Interrupted) as raised, io.interruptible():
+    with pytest.raises(signals.Interrupted) as raised, signals.interruptible():
         os.kill(os.getpid(), SIGTERM)
         time.sleep(TIMEOUT)
     assert (raised.value.exit_code, str(raised.value)) == (143, "interrupted by SIGTERM")
@@ -289,7 +290,7 @@ def test_interruptible_turns_sigterm_into_interrupted_and_restores_the_handler()
 def test_atomic_output_has_no_name_while_written(tmp_path):
     if not supports_unnamed_files(tmp_path):
         pytest.skip("the filesystem of tmp_path has no O_TMPFILE")
-    with io.atomic_output(tmp_path / "model.safetensors") as handle:
+    with outputs.atomic_output(tmp_path / "model.safetensors") as handle:
         handle.write(b"tensor bytes")
         assert entries(tmp_path) == []
     assert (tmp_path / "model.safetensors").read_bytes() == b"tensor bytes"
@@ -304,17 +305,17 @@ def test_atomic_output_falls_back_to_a_named_temp_where_o_tmpfile_is_unsupported
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", no_unnamed_files)
-    monkeypatch.setattr(io, "_unnamed_files_work", {})  # forget what the filesystem allowed so far
+    monkeypatch.setattr(local, "_unnamed_files_work", {})  # forget what the filesystem allowed so far
     out = tmp_path / "model.safetensors"
     out.write_bytes(b"previous")
-    with pytest.raises(io.Interrupted), io.atomic_output(out) as handle:
+    with pytest.raises(signals.Interrupted), outputs.atomic_output(out) as handle:
         handle.write(b"half")
         handle.flush()
-        [temp] = tmp_path.glob(io.WRITING_PREFIX + "model.safetensors.*")
+        [temp] = tmp_path.glob(temps.WRITING_PREFIX + "model.safetensors.*")
         assert temp.read_bytes() == b"half"
-        raise io.Interrupted(SIGTERM)
+        raise signals.Interrupted(SIGTERM)
     assert entries(tmp_path) == ["model.safetensors"] and out.read_bytes() == b"previous"
-    with io.atomic_output(out) as handle:
+    with outputs.atomic_output(out) as handle:
         handle.write(b"new")
     assert entries(tmp_path) == ["model.safetensors"] and out.read_bytes() == b"new"
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import FIXTURES, tensor_bytes
 from test_validate import rewrite_metadata, storage_key
 
-from ckpttool.io import TEMP_PREFIX
+from ckpttool.outputs.temps import TEMP_PREFIX
 
 MEGATRON = FIXTURES / "frameworks" / "megatron"
 RUN_DIR = MEGATRON / "checkpoints"

@@ -23,8 +23,9 @@ from conftest import FIXTURES
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from ckpttool import storage, uploads  # noqa: E402
+from ckpttool import storage  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
+from ckpttool.outputs import multipart  # noqa: E402
 
 BUCKET = "ckpts"
 SOURCE = FIXTURES / "fsdp2_world2"
@@ -213,7 +214,7 @@ def test_streamed_outputs_are_sent_in_parts_as_they_fill_and_equal_the_local_byt
     parts, cut anywhere in a tensor, filled by 4 threads at once; the object is the local bytes."""
     import moto.s3.models
 
-    monkeypatch.setattr(uploads, "PART", 256)
+    monkeypatch.setattr(multipart, "PART", 256)
     monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 256)
     args = {"safetensors": ["consolidate", SOURCE, "{out}/model.safetensors"],
             "hub": ["consolidate", SOURCE, "{out}/hub", "--max-shard-size", "20KB"],
@@ -446,9 +447,9 @@ def test_a_multipart_sink_sends_each_part_once_and_refuses_bytes_for_a_sent_part
             self.calls.append((method, params.get("PartNumber"), bytes(params.get("Body") or b"")))
             return {"UploadId": "u1", "ETag": f"e{params.get('PartNumber')}"}
 
-    monkeypatch.setattr(uploads, "PART", 8)
+    monkeypatch.setattr(multipart, "PART", 8)
     fs = Recorder()
-    sink = uploads.MultipartSink(fs, "bucket/model.safetensors", "s3://bucket/model.safetensors")
+    sink = multipart.MultipartSink(fs, "bucket/model.safetensors", "s3://bucket/model.safetensors")
     sink.reserve(20)
     sink.write_at(b"abcdefgh", 0)  # part 1 full: sent at once
     sink.write_at(b"ijkl", 8)  # part 2 half full: kept
@@ -482,7 +483,7 @@ def test_a_commit_failing_half_way_deletes_what_it_had_made_visible(s3, monkeypa
     """The second of a Hub folder's shards fails to complete: the first, already visible, is
     deleted again, the rest aborted; the destination stays empty."""
     completed = []
-    real_complete = uploads.MultipartSink.complete
+    real_complete = multipart.MultipartSink.complete
 
     def complete(sink):
         if completed:
@@ -490,7 +491,7 @@ def test_a_commit_failing_half_way_deletes_what_it_had_made_visible(s3, monkeypa
         completed.append(sink.key)
         real_complete(sink)
 
-    monkeypatch.setattr(uploads.MultipartSink, "complete", complete)
+    monkeypatch.setattr(multipart.MultipartSink, "complete", complete)
     key = f"{BUCKET}/half-committed/hub"
     code, _, err = run_cli("consolidate", SOURCE, f"s3://{key}", "--max-shard-size", "1KB")
     assert code == 1 and "injected" in err, err

@@ -38,7 +38,8 @@ def test_missing_rows_in_the_source_are_reported_with_the_tensor_name():
 
 
 def test_sharding_rule_follows_the_source_then_the_optimizer_state():
-    optimized = frozenset({"embed.weight"})
+    # sharded_by_optimizer's set: the parameters the optimizer state names, and that state
+    optimized = frozenset({"model.embed.weight", "optim.state.embed.weight.exp_avg", "optim.state.embed.weight.step"})
     whole = [((0, 0), (13, 8))]
     assert is_sharded(tensor("model.embed.weight", (13, 8), whole), optimized)
     assert is_sharded(tensor("optim.state.embed.weight.exp_avg", (13, 8), whole), optimized)

@@ -91,12 +91,12 @@ def test_nested_keys_flatten_as_dcp_names_them_and_plain_values_are_left_out(sav
     from ckpttool.readers import open_checkpoint
 
     checkpoint = open_checkpoint(saved["nested"])
-    assert checkpoint.model_subtree == "model" and checkpoint.objects == {}
+    assert checkpoint.model_prefix == "model" and checkpoint.objects == {}
     assert checkpoint.nesting["history.1.weight"] == ("history", 1, "weight")
     assert checkpoint.nesting["optimizer.state.0.exp_avg"] == ("optimizer", "state", 0, "exp_avg")
     assert set(checkpoint.tensors) == set(tensors_of(loaded(saved["nested"])))
-    assert open_checkpoint(saved["flat"]).model_subtree is None
-    assert open_checkpoint(saved["lightning"]).model_subtree == "state_dict"
+    assert open_checkpoint(saved["flat"]).model_prefix == ""
+    assert open_checkpoint(saved["lightning"]).model_prefix == "state_dict"
 
 
 def test_tied_weights_and_views_are_raw_ranges_of_the_file(saved):

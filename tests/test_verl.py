@@ -61,7 +61,7 @@ def test_reader_places_each_rank_shard_as_dtensor_does():
     from ckpttool.readers import open_checkpoint
 
     checkpoint = open_checkpoint(RUN)
-    assert checkpoint.model_subtree is None and not checkpoint.objects
+    assert checkpoint.model_prefix == "" and not checkpoint.objects
     assert checkpoint.path == ACTOR and checkpoint.metadata_file == "model_world_size_2_rank_*.pt"
     assert {fqn: list(t.shape) for fqn, t in checkpoint.tensors.items()} == {
         name: doc["shape"] for name, doc in EXPECTED.items()}

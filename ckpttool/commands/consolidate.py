@@ -18,16 +18,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ckpttool import distributed, dtypes, execute, integrity, io, readers, storage
-from ckpttool.checkpoint import Checkpoint, Tensor
+from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
 from ckpttool.integrity import Problem
-from ckpttool.io import (DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, atomic_output,
-                         check_destination, no_progress, parse_size, refuse_overlap, write_at)
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size, write_at
 from ckpttool.keys import KeyRules, Rename
-from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Tie, plan_consolidate, select
+from ckpttool.model_view import ModelView, find_model
+from ckpttool.outputs import atomic_directory, atomic_output, check_destination, refuse_overlap
+from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, select
+from ckpttool.readers.detect import LIGHTNING, LIGHTNING_METADATA
 from ckpttool.torchsave import ptfile
 
 DTYPE_CHOICES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -58,6 +60,7 @@ class ConsolidateReport:
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
     layout: str = "dcp"  # what readers.detect found
     selected: str = "everything"  # which entries were exported: see `selection_text`
+    model_view: ModelView | None = None  # where the model was found, and why
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
 
     @property
@@ -125,13 +128,16 @@ def consolidate(
     verify: bool = False,
     follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
+    model_prefix: str | None = None,
 ) -> ConsolidateReport:
     """Return a report after writing the checkpoint at `src` as one full state dict at `out`.
 
     `out` ending in `.safetensors` is one file; `.pt`/`.bin` a torch.save nested dict; any
     other path a directory of `model-0000K-of-0000N.safetensors` shards plus
     `model.safetensors.index.json` (huggingface_hub's layout; one shard is `model.safetensors`).
-    Model weights only, keys as `model.state_dict()` names them, unless `everything`.
+    Model weights only, keys as `model.state_dict()` names them, unless `everything`; the
+    model is found from the checkpoint's structure (`model_view.find_model`) unless
+    `model_prefix` names its subtree (`""`: the top level).
     Nothing is left at `out` unless the whole export (and `verify`) succeeded.
 
     Example:
@@ -150,11 +156,14 @@ def consolidate(
         check_destination(target, force)
     detection, checkpoint = readers.read(src, follow_symlinks)
     warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
-    selection = select(checkpoint, rules, kind)
+    view = find_model(checkpoint, model_prefix)
+    selection = select(checkpoint, view, rules, kind)
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
         located = execute.locate_chunks(files, tensors.values(), threads)
         objects = load_objects(checkpoint, files, selection.objects) if kind.kind == "torch" else {}
+        if everything and kind.kind == "torch" and detection.layout == LIGHTNING:
+            selection, objects = with_lightning_metadata(selection, objects, files, checkpoint.path)
         plan = plan_consolidate(
             checkpoint, selection, located, name=target.name, kind=kind, dtype=default_dtype,
             dtype_map=per_key_dtype, ties=find_ties(files, tensors, located), drop_tied=drop_tied, objects=objects,
@@ -167,18 +176,36 @@ def consolidate(
         source=checkpoint.path, output=target, format=plan.format, files=written, tensors=len(plan.tensors),
         objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=time.perf_counter() - started,
         plan=plan, ties=plan.ties, dropped=plan.dropped, dry_run=dry_run, verified=verify and not dry_run,
-        layout=detection.describe(), selected=selection_text(checkpoint, rules),
+        layout=detection.describe(), selected=selection_text(view, rules), model_view=view,
         problems=warnings, processes=processes,
     )
 
 
-def selection_text(checkpoint: Checkpoint, rules: KeyRules) -> str:
-    """Say which entries consolidate exports, e.g. `model weights (the model. subtree)`."""
+def selection_text(view: ModelView, rules: KeyRules) -> str:
+    """Say which entries consolidate exports, e.g. `model weights (the app.model. subtree,
+    found by optimizer-state)`."""
     if rules.everything:
         return "every entry (--all), under its full name"
-    if checkpoint.model_subtree is None:
-        return "model weights (the top-level keys besides optimizer and training state)"
-    return f"model weights (the {checkpoint.model_subtree}. subtree)"
+    where = f"the {view.prefix}. subtree" if view.prefix else "the top-level keys besides optimizer and training state"
+    return f"model weights ({where}; {view.selected}: {view.reason})"
+
+
+def with_lightning_metadata(selection: Selection, objects: dict[str, Any], files: DataFiles,
+                            source: Path) -> tuple[Selection, dict[str, Any]]:
+    """Return the selection and values with `meta.pt`'s top-level entries added beside the
+    DCP ones (epoch, global_step, loops, hyper_parameters, ...), as Lightning's own
+    `consolidate_checkpoint` merges them into its output."""
+    where = f"{files.path(LIGHTNING_METADATA)}"
+    meta = decode_object(blob_bytes(files, Blob(LIGHTNING_METADATA, 0, files.size(LIGHTNING_METADATA)), where), where)
+    if not isinstance(meta, dict) or not all(isinstance(key, str) for key in meta):
+        raise CorruptMetadata(f"{where}: not a dict of named entries (Lightning writes one)")
+    clash = sorted(key for key in meta if key in selection.tensors or key in selection.objects
+                   or any(path[0] == key for path in selection.paths.values()))
+    if clash:
+        raise CorruptMetadata(f"{where}: {clash[0]!r} is also an entry of {source}'s DCP state; which to keep is unclear")
+    fqns = {key: f"{LIGHTNING_METADATA}:{key}" for key in meta}
+    return (Selection(selection.tensors, {**selection.objects, **fqns}, {**selection.paths, **{k: (k,) for k in meta}}),
+            {**objects, **meta})
 
 
 def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: execute.Located) -> tuple[Tie, ...]:
@@ -245,11 +272,11 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, k
             with atomic_output(target, force=force, streamed=streamed) as handle:
                 _fill(plan, files, {plan.files[0].name: io.writable(handle)}, budget, threads, verify, progress)
         else:
-            with atomic_directory(target, force=force, streamed=streamed) as directory:
-                with execute.opened_outputs(directory, names) as fds:
+            with atomic_directory(target, force=force, streamed=streamed) as output:
+                with output.opened(names) as fds:
                     _fill(plan, files, fds, budget, threads, verify, progress)
                 if plan.index is not None:
-                    execute.write_file(directory / plan.index_name, plan.index)
+                    execute.write_file(output.path / plan.index_name, plan.index)
         moved = sum(op.output_length for op in plan.operations)
         return (written if kind.sharded else (target,)), (ProcessStats(0, moved, time.perf_counter() - started),)
     except OSError as error:

@@ -30,13 +30,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ckpttool import dtypes, integrity, numerics
-from ckpttool.checkpoint import Checkpoint, Chunk, Object, Tensor, group_of
+from ckpttool.checkpoint import Checkpoint, Chunk, Object, Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate, read_chunk
 from ckpttool.errors import CorruptMetadata, KeyCollision, UsageError
 from ckpttool.integrity import Problem
 from ckpttool.io import ProgressFactory, no_progress
-from ckpttool.keys import Rename, base_key, normalise
+from ckpttool.keys import Rename, normalise
 from ckpttool.layout import Box, intersect, row_major_runs, volume
+from ckpttool.model_view import ModelView, find_model
 from ckpttool.readers import open_checkpoint
 from ckpttool.torchsave.archive import tensor_bytes
 
@@ -130,6 +131,7 @@ class DiffReport:
     problems_a: tuple[Problem, ...] = ()  # the integrity gate's warnings
     problems_b: tuple[Problem, ...] = ()
     hint: str | None = None
+    model_views: str | None = None  # said when the model views were compared, not every entry
 
     @property
     def different(self) -> tuple[TensorDiff, ...]:
@@ -171,6 +173,8 @@ def diff(
     follow_symlinks: bool = False,
     block_size: int = BLOCK_SIZE,
     progress: ProgressFactory | None = None,
+    exact_names: bool = False,
+    model_prefix: str | None = None,
 ) -> DiffReport:
     """Return what differs between the checkpoints at `a` and `b`, reading every tensor byte
     of the entries both hold (each side passes the integrity gate first).
@@ -178,7 +182,11 @@ def diff(
     Keys match exactly unless `normalize` (model subtree and wrapper names stripped, as
     consolidate names its keys); `renames` (`REGEX=REPL`) rewrite keys of both sides, then
     `renames_a`/`renames_b` of one. `only` keeps groups (model, optimizer, other; a bare weights
-    file is all model), `filters` globs on the fqn or the key of either side.
+    file is all model), `filters` globs on the fqn or the key of either side. Given none of
+    these, when the names do not meet but the model views do (a checkpoint against its
+    consolidation or Hub export), the model views are compared (`model_views` says so) unless
+    `exact_names`. `model_prefix` names the model subtree of each side whose layout does not
+    fix it (a weights file's model is its top level).
 
     Example:
         >>> diff("run/step-100", "run/step-100-world3").verdict
@@ -198,14 +206,21 @@ def diff(
     checkpoint_a, checkpoint_b = open_checkpoint(a, follow_symlinks), open_checkpoint(b, follow_symlinks)
     warnings_a = tuple(integrity.gate(checkpoint_a, follow_symlinks).problems)
     warnings_b = tuple(integrity.gate(checkpoint_b, follow_symlinks).problems)
-    keys_a = entry_keys(checkpoint_a, normalize, rules_a, tuple(only), tuple(filters))
-    keys_b = entry_keys(checkpoint_b, normalize, rules_b, tuple(only), tuple(filters))
+    view_a, view_b = (find_model(c, model_prefix if c.model_prefix is None else None) for c in (checkpoint_a, checkpoint_b))
+    keys_a = entry_keys(checkpoint_a, normalize, rules_a, tuple(only), tuple(filters), view_a)
+    keys_b = entry_keys(checkpoint_b, normalize, rules_b, tuple(only), tuple(filters), view_b)
+    model_views = None
+    if not (exact_names or normalize or only or renames or renames_a or renames_b) and keys_a.keys() != keys_b.keys():
+        model_views = _model_views(checkpoint_a, checkpoint_b, view_a, view_b, keys_a, keys_b, tuple(filters))
+        if model_views is not None:
+            keys_a = entry_keys(checkpoint_a, True, (), ("model",), tuple(filters), view_a)
+            keys_b = entry_keys(checkpoint_b, True, (), ("model",), tuple(filters), view_b)
     common = sorted(keys_a.keys() & keys_b.keys())
     only_a = tuple(_only(checkpoint_a, key, keys_a[key]) for key in sorted(keys_a.keys() - keys_b.keys()))
     only_b = tuple(_only(checkpoint_b, key, keys_b[key]) for key in sorted(keys_b.keys() - keys_a.keys()))
     hint = None
-    if not normalize and keys_a and keys_b and not common:
-        hint = _normalize_hint(checkpoint_a, checkpoint_b, rules_a, rules_b, tuple(only), tuple(filters))
+    if not normalize and model_views is None and keys_a and keys_b and not common:
+        hint = _normalize_hint(checkpoint_a, checkpoint_b, rules_a, rules_b, tuple(only), tuple(filters), view_a, view_b)
 
     mismatches, pairs, object_pairs = [], [], []
     for key in common:
@@ -233,12 +248,14 @@ def diff(
         atol=atol, rtol=rtol, only_a=only_a, only_b=only_b, mismatches=tuple(mismatches), tensors=tensors,
         objects=objects, bytes_compared=counter.compared, bytes_shared=counter.shared,
         seconds=time.perf_counter() - started, problems_a=warnings_a, problems_b=warnings_b, hint=hint,
+        model_views=model_views,
     )
 
 
 def entry_keys(checkpoint: Checkpoint, normalize: bool, renames: Sequence[Rename] = (),
-               only: Sequence[str] = (), filters: Sequence[str] = ()) -> dict[str, str]:
-    """Return {key: fqn} of the checkpoint's selected entries, the keys the two sides match on.
+               only: Sequence[str] = (), filters: Sequence[str] = (), view: ModelView | None = None) -> dict[str, str]:
+    """Return {key: fqn} of the checkpoint's selected entries, the keys the two sides match on
+    (`view`: the checkpoint's model, default `find_model`'s).
 
     Raises KeyCollision when two entries of one side end up with one key.
 
@@ -247,14 +264,14 @@ def entry_keys(checkpoint: Checkpoint, normalize: bool, renames: Sequence[Rename
         'model.layers.0._orig_mod.fc1.weight'
     """
     names = sorted(set(checkpoint.tensors) | set(checkpoint.objects))
-    subtree = checkpoint.model_subtree
+    view = view or find_model(checkpoint)
     chosen: dict[str, str] = {}
     for fqn in names:
-        if only and group_of(fqn, subtree) not in only:
+        if only and view.group(fqn) not in only:
             continue
         key = fqn
         if normalize:
-            key = normalise(base_key(fqn, checkpoint.nesting, False, subtree) or fqn)
+            key = normalise(view.keys.get(fqn) or fqn)
         for rename in renames:
             key = rename.apply(key)
         if filters and not any(fnmatch.fnmatchcase(fqn, g) or fnmatch.fnmatchcase(key, g) for g in filters):
@@ -266,9 +283,32 @@ def entry_keys(checkpoint: Checkpoint, normalize: bool, renames: Sequence[Rename
     return chosen
 
 
-def _normalize_hint(a: Checkpoint, b: Checkpoint, rules_a, rules_b, only, filters) -> str | None:
+def _model_views(a: Checkpoint, b: Checkpoint, view_a: ModelView, view_b: ModelView, keys_a: dict[str, str],
+                 keys_b: dict[str, str], filters: tuple[str, ...]) -> str | None:
+    """Return the line saying the model views are compared, when the names do not meet (or
+    one side is a bare model the other holds with more) but the model views do; else None."""
+    if view_a.prefix is None or view_b.prefix is None:
+        return None
+    bare = any(len(view.keys) == len(c.tensors) + len(c.objects) for view, c in ((view_a, a), (view_b, b)))
+    if keys_a.keys() & keys_b.keys() and not bare:
+        return None
     try:
-        keys_a, keys_b = entry_keys(a, True, rules_a, only, filters), entry_keys(b, True, rules_b, only, filters)
+        model_a = entry_keys(a, True, (), ("model",), filters, view_a)
+        model_b = entry_keys(b, True, (), ("model",), filters, view_b)
+    except KeyCollision:
+        return None
+    if not model_a.keys() & model_b.keys():
+        return None
+    where = " and ".join(f"{side}'s under {view.prefix}." if view.prefix else f"{side}'s at the top level"
+                         for side, view in (("A", view_a), ("B", view_b)))
+    return (f"compared the model views ({where}, keys as model.state_dict() names them); "
+            "--exact-names compares every entry by its full name")
+
+
+def _normalize_hint(a: Checkpoint, b: Checkpoint, rules_a, rules_b, only, filters, view_a=None, view_b=None) -> str | None:
+    try:
+        keys_a = entry_keys(a, True, rules_a, only, filters, view_a)
+        keys_b = entry_keys(b, True, rules_b, only, filters, view_b)
     except KeyCollision:
         return None
     common = sorted(keys_a.keys() & keys_b.keys())

@@ -37,7 +37,8 @@ from ckpttool.execute import write_file
 from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
 from ckpttool.formats.safetensors import SUFFIX
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, parse_size, refuse_overlap
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, parse_size
+from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.readers.hub_folder import INDEX_FILENAME
 from ckpttool.readers.safetensors import read_index
 from ckpttool.torchsave import ptfile
@@ -101,6 +102,7 @@ def export(
     verify: bool = False,
     follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
+    model_prefix: str | None = None,
 ) -> ExportReport:
     """Return a report after writing `src` as a Hub model folder at `outdir`.
 
@@ -133,7 +135,7 @@ def export(
     config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
     tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
     options = dict(dtype=dtype, max_shard_size=shard_size, drop_tied=drop_tied or tied, renames=renames,
-                   max_memory=max_memory, threads=threads, follow_symlinks=follow_symlinks)
+                   max_memory=max_memory, threads=threads, follow_symlinks=follow_symlinks, model_prefix=model_prefix)
     planned = consolidate(src, target, dry_run=True, **options)
     detection, checkpoint = readers.read(src, follow_symlinks)
     extras = _trainer_entries(checkpoint, follow_symlinks)
@@ -182,15 +184,15 @@ def export(
     weights = planned
     if not dry_run:
         try:
-            with atomic_directory(target, force=force) as temp:
-                weights = consolidate(src, temp / _WEIGHTS_DIRECTORY, verify=verify, progress=progress, **options)
+            with atomic_directory(target, force=force) as output:
+                weights = consolidate(src, output.path / _WEIGHTS_DIRECTORY, verify=verify, progress=progress, **options)
                 for name, _ in weight_files:
-                    os.rename(temp / _WEIGHTS_DIRECTORY / name, temp / name)
-                os.rmdir(temp / _WEIGHTS_DIRECTORY)
+                    os.rename(output.path / _WEIGHTS_DIRECTORY / name, output.path / name)
+                os.rmdir(output.path / _WEIGHTS_DIRECTORY)
                 for name in copied:
-                    _copy_regular(asset_dir / name, temp / name)
+                    _copy_regular(asset_dir / name, output.path / name)
                 for name, data in documents.items():
-                    write_file(temp / name, data)
+                    write_file(output.path / name, data)
         except OSError as error:
             raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left there") from None
     return ExportReport(

@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import dataclasses
 import os
 import time
@@ -29,7 +31,9 @@ from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, raw_ran
 from ckpttool.commands.reshard import ReshardReport, write_dcp
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import UsageError
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, check_destination, parse_size, refuse_overlap
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, parse_size
+from ckpttool.model_view import find_model
+from ckpttool.outputs import check_destination, refuse_overlap
 from ckpttool.plan.reshard import parse_mesh, plan_reshard
 from ckpttool.readers.detect import DCP_HF, HUB_FOLDER, SAFETENSORS, TORCH_PT
 
@@ -46,10 +50,12 @@ class ImportReport(ReshardReport):
     prefix: str = DEFAULT_PREFIX
 
 
-def nest_under(checkpoint: Checkpoint, prefix: str, located: execute.Located) -> Checkpoint:
-    """Return `checkpoint` with every entry renamed `prefix + fqn` and nested under the
-    prefix's parts in the state dict (`model.` -> `{"model": {fqn: ...}}`); each located chunk's
-    blob becomes its raw byte range, so the renamed entry needs no header lookup by name.
+def nest_under(checkpoint: Checkpoint, prefix: str, located: execute.Located,
+               keys: Mapping[str, str] | None = None) -> Checkpoint:
+    """Return `checkpoint` with every entry of `keys` (fqn -> model key; default every entry
+    under its fqn) renamed `prefix + key` and nested under the prefix's parts in the state dict
+    (`model.` -> `{"model": {key: ...}}`); each located chunk's blob becomes its raw byte range,
+    so the renamed entry needs no header lookup by name.
 
     Example:
         >>> nest_under(checkpoint, "model.", located).nesting["model.lm_head.weight"]
@@ -63,15 +69,16 @@ def nest_under(checkpoint: Checkpoint, prefix: str, located: execute.Located) ->
             return old
         return Chunk(old.offsets, old.sizes, Blob(raw.file, raw.offset, raw.length, raw_range_transforms(raw.crc32)))
 
+    keys = keys if keys is not None else {fqn: fqn for fqn in (*checkpoint.tensors, *checkpoint.objects)}
     tensors = {
-        prefix + fqn: Tensor(prefix + fqn, t.dtype, t.shape, tuple(chunk(t, i) for i in range(len(t.chunks))))
-        for fqn, t in checkpoint.tensors.items()
+        prefix + key: Tensor(prefix + key, t.dtype, t.shape, tuple(chunk(t, i) for i in range(len(t.chunks))))
+        for fqn, key in keys.items() if (t := checkpoint.tensors.get(fqn)) is not None
     }
-    objects = {prefix + fqn: Object(prefix + fqn, o.blob) for fqn, o in checkpoint.objects.items()}
-    nesting = {prefix + fqn: (*parts, *checkpoint.nesting.get(fqn, (fqn,)))
-               for fqn in (*checkpoint.tensors, *checkpoint.objects)}
+    objects = {prefix + key: Object(prefix + key, checkpoint.objects[fqn].blob)
+               for fqn, key in keys.items() if fqn in checkpoint.objects}
+    nesting = {prefix + key: (*parts, key) for key in sorted(keys.values())}
     return dataclasses.replace(checkpoint, tensors=tensors, objects=objects, nesting=nesting,
-                               model_subtree=parts[0] if parts else None)
+                               model_prefix=".".join(parts))
 
 
 def import_checkpoint(
@@ -116,7 +123,7 @@ def import_checkpoint(
     warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         located = execute.locate_chunks(files, checkpoint.tensors.values(), threads)
-        nested = nest_under(checkpoint, prefix, located)
+        nested = nest_under(checkpoint, prefix, located, find_model(checkpoint).require().keys)
         plan = plan_reshard(nested, target_mesh)
         report = dict(source=checkpoint.path, destination=destination, plan=plan, tensor_bytes=plan.nbytes,
                       problems=warnings, layout=detection.describe(), prefix=prefix)

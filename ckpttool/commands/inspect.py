@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 from ckpttool import readers
-from ckpttool.checkpoint import Checkpoint, Tensor, group_of, paused_gc
+from ckpttool.checkpoint import Checkpoint, Tensor, paused_gc
 from ckpttool.layout import Sharding, classify
+from ckpttool.model_view import ModelView, find_model
 from ckpttool.readers.dcp import DATA_FILE_PATTERN
 
 GROUPS = ("model", "optimizer", "other")
@@ -85,7 +86,7 @@ class Summary:
     file_bytes: int
     files: int
     ranks: tuple[int, ...]
-    parameters: int  # elements of tensors under the `model` key
+    parameters: int  # elements of the model's tensors (model_view.find_model)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class InspectReport:
     files: tuple[FileInfo, ...]
     filters: tuple[str, ...] = ()
     layout: str = "dcp"  # readers.detect's name for the on-disk layout
+    model_view: ModelView | None = None  # where the model was found, and why
 
 
 def matches(fqn: str, patterns: Sequence[str]) -> bool:
@@ -105,14 +107,14 @@ def matches(fqn: str, patterns: Sequence[str]) -> bool:
     return not patterns or any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
 
 
-def _tensor_info(tensor: Tensor, model_subtree: str | None) -> TensorInfo:
+def _tensor_info(tensor: Tensor, group: str) -> TensorInfo:
     chunks = tuple(
         ChunkInfo(c.offsets, c.sizes, c.blob.file, c.blob.offset, c.blob.length, c.numel * tensor.itemsize)
         if c.blob else ChunkInfo(c.offsets, c.sizes, None, None, None, c.numel * tensor.itemsize)
         for c in tensor.chunks
     )
     sharding = classify([(c.offsets, c.sizes) for c in tensor.chunks], tensor.shape)
-    return TensorInfo(tensor.fqn, group_of(tensor.fqn, model_subtree), tensor.dtype, tensor.shape, tensor.numel,
+    return TensorInfo(tensor.fqn, group, tensor.dtype, tensor.shape, tensor.numel,
                       tensor.nbytes, sharding, chunks)
 
 
@@ -132,22 +134,25 @@ def rank_of(file: str) -> int | None:
     return int(match.group(1)) - 1 if match else None
 
 
-def inspect(src: str | os.PathLike, filters: Sequence[str] = ()) -> InspectReport:
+def inspect(src: str | os.PathLike, filters: Sequence[str] = (), model_prefix: str | None = None) -> InspectReport:
     """Return what the checkpoint at `src` holds, reading only its `.metadata`.
 
     `filters` are fqn globs (`model.layers.*`); summary, groups and files count all entries,
-    `tensors` and `objects` list only the matching ones.
+    `tensors` and `objects` list only the matching ones. The model group is found from the
+    structure (`model_view.find_model`) unless `model_prefix` names it.
     """
     detection, checkpoint = readers.read(src)
     with paused_gc():
-        return build_report(checkpoint, tuple(filters), detection.layout)
+        return build_report(checkpoint, tuple(filters), detection.layout, model_prefix)
 
 
-def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: str = "dcp") -> InspectReport:
+def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: str = "dcp",
+                 model_prefix: str | None = None) -> InspectReport:
     """Return the inspect report of already-read metadata."""
-    tensors = [_tensor_info(t, checkpoint.model_subtree) for t in checkpoint.tensors.values()]
+    view = find_model(checkpoint, model_prefix)
+    tensors = [_tensor_info(t, view.group(t.fqn)) for t in checkpoint.tensors.values()]
     objects = [
-        ObjectInfo(o.fqn, group_of(o.fqn, checkpoint.model_subtree), o.blob.file if o.blob else None, o.blob.length if o.blob else None)
+        ObjectInfo(o.fqn, view.group(o.fqn), o.blob.file if o.blob else None, o.blob.length if o.blob else None)
         for o in checkpoint.objects.values()
     ]
 
@@ -186,5 +191,5 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
     return InspectReport(
         checkpoint.path, summary, groups, tensors=tuple(t for t in tensors if matches(t.fqn, filters)),
         objects=tuple(o for o in objects if matches(o.fqn, filters)), files=tuple(files), filters=filters,
-        layout=layout,
+        layout=layout, model_view=view,
     )

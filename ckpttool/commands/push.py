@@ -29,7 +29,8 @@ from typing import Any, Iterator
 
 from ckpttool import integrity, readers
 from ckpttool.errors import HubError, UsageError
-from ckpttool.io import TEMP_PREFIX, ProgressFactory
+from ckpttool.io import ProgressFactory
+from ckpttool.outputs.temps import TEMP_PREFIX
 from ckpttool.readers.detect import HUB_FOLDER, detect
 
 # Above this many bytes, huggingface_hub versions that have `upload_large_folder` (their

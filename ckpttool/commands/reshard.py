@@ -31,8 +31,10 @@ from ckpttool.dcp.writer import metadata_bytes
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CheckpointError, UsageError, VerificationFailed, WriteFailed
 from ckpttool.integrity import Problem
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, atomic_directory, check_destination, no_progress, parse_size, refuse_overlap
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
+from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.plan.operations import Record
+from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
 from ckpttool.readers.dcp import METADATA_FILENAME, read_checkpoint
 
@@ -53,6 +55,7 @@ class ReshardReport:
     verified: bool = False
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
+    model_view: ModelView | None = None  # the model the sharding rule took parameters from
 
     @property
     def world_size(self) -> int:
@@ -60,7 +63,9 @@ class ReshardReport:
 
 
 def default_destination(source: Path, mesh: Mesh) -> Path:
-    """Return `SRC-world{N}` beside SRC."""
+    """Return `SRC-world{N}` beside SRC (`../NAME-world{N}` for `.`, the directory one is in)."""
+    if source.name in ("", ".", ".."):
+        source = source.resolve()
     return source.parent / f"{source.name}-world{mesh.world_size}"
 
 
@@ -78,6 +83,7 @@ def reshard(
     keep_whole: Sequence[str] = (),
     follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
+    model_prefix: str | None = None,
 ) -> ReshardReport:
     """Return a report after writing `src` resharded for `world_size` ranks (or an HSDP `mesh`
     of R replicas x S shards) as a DCP checkpoint at `dst` (default `SRC-world{N}`).
@@ -104,17 +110,18 @@ def reshard(
     refuse_overlap(destination, source)
     checkpoint = readers.open_checkpoint(source, follow_symlinks, as_saved=True)  # DCP keys kept as the framework saved them
     warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
-    plan = plan_reshard(checkpoint, target_mesh, keep_whole)
+    view = find_model(checkpoint, model_prefix)
+    plan = plan_reshard(checkpoint, target_mesh, keep_whole, view)
     if dry_run:
         return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
-                             dry_run=True, problems=warnings)
+                             dry_run=True, problems=warnings, model_view=view)
     check_destination(destination, force)
     save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, force=force,
                                       verify=verify, threads=threads, budget=budget, progress=progress)
     return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,
-                         verified=verify, problems=warnings, processes=processes)
+                         verified=verify, problems=warnings, processes=processes, model_view=view)
 
 
 def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, destination: Path, *, save_id: str,
@@ -151,11 +158,11 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
                                           prepare=prepare, run_share=run_share, finish=finish, streamed=not verify)
         else:
             written = time.perf_counter()
-            with atomic_directory(destination, force=force, streamed=not verify) as temp:
-                with execute.opened_outputs(temp, names) as fds:
+            with atomic_directory(destination, force=force, streamed=not verify) as output:
+                with output.opened(names) as fds:
                     prepare(fds)
                     run_share(writes.operations, fds)
-                    finish(temp, fds)
+                    finish(output.path, fds)
             processes = (ProcessStats(0, sum(op.output_length for op in writes.operations),
                                       time.perf_counter() - written),)
     except OSError as error:

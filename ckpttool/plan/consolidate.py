@@ -6,7 +6,7 @@ python objects (IO), and `plan_consolidate` turns all of that into output files 
 headers or a .pt zip layout) and the operations that fill them (`plan.operations`).
 
 Example:
-    >>> selection = select(checkpoint, KeyRules(), OutputFormat("safetensors", False, None))
+    >>> selection = select(checkpoint, find_model(checkpoint), KeyRules(), OutputFormat("safetensors", False, None))
     >>> plan = plan_consolidate(checkpoint, selection, located, name="m.safetensors", kind=...)
     >>> plan.tensors[0].operations[0]
     Copy(src='__0_0.distcp', src_offset=1216, dst='m.safetensors', dst_offset=96, length=208, crc32=...)
@@ -25,6 +25,7 @@ from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.formats import hub, safetensors
 from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys
 from ckpttool.layout import row_major_runs
+from ckpttool.model_view import ModelView
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather, Operation
 from ckpttool.torchsave import ptfile
@@ -125,22 +126,29 @@ class ConsolidatePlan:
         return [op for tensor in self.tensors for op in tensor.operations]
 
 
-def select(checkpoint: Checkpoint, rules: KeyRules, kind: OutputFormat) -> Selection:
-    """Return the output keys for `rules`, in the order the state dict was saved.
+def select(checkpoint: Checkpoint, view: ModelView, rules: KeyRules, kind: OutputFormat) -> Selection:
+    """Return the output keys for `rules` (the model entries of `view`, or all), in the order
+    the state dict was saved.
 
     planner_data keeps `model.state_dict()` order, so shards group tensors as save_pretrained
     would; entries it does not name come after, sorted. Raises UsageError when nothing is
     selected or python objects would go into safetensors.
     """
     source = str(checkpoint.path)
-    chosen = output_keys(list(checkpoint.tensors) + list(checkpoint.objects), rules, checkpoint.nesting,
-                         checkpoint.model_subtree)
+    if not rules.everything:
+        view.require()
+    chosen = output_keys(list(checkpoint.tensors) + list(checkpoint.objects), rules, view.keys)
     saved_order = {fqn: position for position, fqn in enumerate(checkpoint.nesting)}
     chosen = dict(sorted(chosen.items(), key=lambda item: (saved_order.get(item[1], len(saved_order)), item[0])))
     tensors = {key: fqn for key, fqn in chosen.items() if fqn in checkpoint.tensors}
     objects = {key: fqn for key, fqn in chosen.items() if fqn in checkpoint.objects}
     if not tensors and not objects:
-        what = "--filter matched nothing" if rules.filters else "the checkpoint has no `model` entries (use --all)"
+        if rules.filters:
+            what = "--filter matched nothing"
+        elif view.prefix is None:
+            what = f"no model found ({view.reason}); name its subtree with --model-prefix, or pass --all"
+        else:
+            what = f"the model subtree {view.prefix or '(the top level)'!s} holds no entries; check --model-prefix"
         raise UsageError(f"{source}: nothing to export: {what}")
     if objects and kind.kind == "safetensors":
         names = ", ".join(sorted(objects)[:4]) + (", ..." if len(objects) > 4 else "")

@@ -17,8 +17,9 @@ The sharding rule (`ReshardPlan.rule`), chosen from the source:
   sharded; a single-chunk tensor is sharded only when it is a parameter by the optimizer's
   account (below), else it is replicated (a buffer) and stays whole.
 - `optimizer-state`: a single-rank source (saved at world 1 or without a process group) with
-  optimizer state: a `model.<name>` tensor is a parameter when `optim.state.<name>.*` entries
-  exist; parameters and their non-0-d optimizer state are sharded, everything else (buffers,
+  optimizer state: a model tensor is a parameter when the optimizer's state is keyed by its
+  name (`<opt>.state.<name>.*`, wherever `model_view.find_model` finds the model and the
+  optimizer); parameters and their non-0-d optimizer state are sharded, everything else (buffers,
   0-d `step`, non-model entries) stays whole. Parameters without optimizer state (frozen
   ones) cannot be told from buffers and stay whole (DCP still loads them).
 - `every-tensor`: a single-rank source without optimizer state: parameters cannot be told
@@ -38,11 +39,12 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from ckpttool.checkpoint import MODEL_KEYS, OPTIMIZER_KEYS, Blob, Checkpoint, Tensor
+from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
 from ckpttool.layout import Box, intersect, row_major_runs, split_dim0, volume
+from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.operations import Copy, Gather, Operation, Record
 from ckpttool.torchsave.record import record_layout
 
@@ -176,21 +178,18 @@ class ReshardPlan:
         return sum(f.nbytes for f in self.files)
 
 
-def _split_fqn(fqn: str) -> tuple[str, str]:
-    top, _, rest = fqn.partition(".")
-    return top, rest
+def sharded_by_optimizer(checkpoint: Checkpoint, view: ModelView) -> frozenset[str]:
+    """Return the fqns the optimizer's account shards: the model's parameters its state is
+    keyed by, and that state (`<opt>.state.<name>.<key>`).
 
-
-def parameters_with_optimizer_state(checkpoint: Checkpoint) -> frozenset[str]:
-    """Return the names `<name>` for which the checkpoint holds `optim.state.<name>.<key>`."""
-    names = set()
-    for fqn in checkpoint.tensors:
-        top, rest = _split_fqn(fqn)
-        if top in OPTIMIZER_KEYS and rest.startswith("state."):
-            name, _, _key = rest[len("state."):].rpartition(".")
-            if name:
-                names.add(name)
-    return frozenset(names)
+    Raises AmbiguousModel when the state names parameters but the model could be either of
+    two subtrees (`--model-prefix` decides).
+    """
+    states = {prefix + ".state." if prefix else "state." for prefix in view.optimizers}
+    state = {fqn for fqn in checkpoint.tensors if any(fqn.startswith(s) for s in states)}
+    if state and not view.parameters and view.candidates[1:]:
+        view.require()
+    return frozenset(view.parameters | state)
 
 
 SOURCE_RULE, OPTIMIZER_STATE_RULE, EVERY_TENSOR_RULE = "source", "optimizer-state", "every-tensor"
@@ -205,15 +204,11 @@ def sharding_rule(checkpoint: Checkpoint, optimized: frozenset[str]) -> str:
 
 def is_sharded(tensor: Tensor, optimized: frozenset[str], rule: str = SOURCE_RULE,
                keep_whole: Sequence[str] = ()) -> bool:
-    """Return True when FSDP2 would shard `tensor` along dim 0 (the rule in the module doc)."""
+    """Return True when FSDP2 would shard `tensor` along dim 0 (the rule in the module doc);
+    `optimized` is `sharded_by_optimizer`'s set."""
     if not tensor.shape or any(fnmatch.fnmatchcase(tensor.fqn, glob) for glob in keep_whole):
         return False
-    if len(tensor.chunks) > 1 or rule == EVERY_TENSOR_RULE:
-        return True
-    top, rest = _split_fqn(tensor.fqn)
-    if top in MODEL_KEYS:
-        return rest in optimized
-    return top in OPTIMIZER_KEYS and rest.startswith("state.")
+    return len(tensor.chunks) > 1 or rule == EVERY_TENSOR_RULE or tensor.fqn in optimized
 
 
 def _zip_runs(source: list[tuple[int, int]], target: list[tuple[int, int]], chunk_index: int) -> Iterator[Run]:
@@ -296,14 +291,16 @@ def _target_boxes(tensor: Tensor, sharded: bool, mesh: Mesh) -> list[tuple[Box, 
     return [(box, tuple(sorted(holders))) for box, holders in by_offsets.values()]
 
 
-def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] = ()) -> ReshardPlan:
+def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] = (),
+                 view: ModelView | None = None) -> ReshardPlan:
     """Return the plan that lays `checkpoint` out for `mesh` (reads no data files); tensors
-    matching a `keep_whole` glob are not sharded.
+    matching a `keep_whole` glob are not sharded; `view` is the model found in it (default:
+    `find_model`'s).
 
     Raises UnsupportedFormat for dtypes of unknown size and CorruptMetadata when a tensor's
     chunks do not cover it.
     """
-    optimized = parameters_with_optimizer_state(checkpoint)
+    optimized = sharded_by_optimizer(checkpoint, view or find_model(checkpoint))
     rule = sharding_rule(checkpoint, optimized)
     order = _state_dict_order(checkpoint)
     layouts: dict[str, TensorLayout] = {}

@@ -33,7 +33,8 @@ from ckpttool.readers.torch_pt import read_torch_pt
 from ckpttool.readers.verl import read_verl
 
 
-# layouts whose top-level keys are the model's own fqns (torchtitan too, unless it nests `model`)
+# layouts that hold only the model, its fqns at the top level (model_view.find_model finds the
+# model of every other layout from its structure)
 TOP_LEVEL_MODEL = frozenset({DCP_HF, HUB_FOLDER, SAFETENSORS, VERL})
 
 
@@ -52,14 +53,9 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool 
         checkpoint = _with_accelerate_optimizer(checkpoint)
     if detection.layout == MEGATRON and not as_saved:  # layers taken apart, model tensors under `model.`
         checkpoint = megatron_model_view(checkpoint, follow_symlinks)
-    if detection.layout in TOP_LEVEL_MODEL or (detection.layout == TORCHTITAN and not _nests_model(checkpoint)):
-        checkpoint = dataclasses.replace(checkpoint, model_subtree=None)
+    if detection.layout in TOP_LEVEL_MODEL:
+        checkpoint = dataclasses.replace(checkpoint, model_prefix="")
     return detection, checkpoint
-
-
-def _nests_model(checkpoint: Checkpoint) -> bool:
-    """Older torchtitan nests the model under `model.` rather than at the top level."""
-    return any(fqn.startswith("model.") for fqn in (*checkpoint.tensors, *checkpoint.objects))
 
 
 def _with_accelerate_optimizer(model: Checkpoint) -> Checkpoint:

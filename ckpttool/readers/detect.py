@@ -9,6 +9,8 @@ Layouts (one name each, as `inspect` shows them):
 - `accelerate`: a folder with `pytorch_model_fsdp_0/` (and `optimizer_0/`) DCP dirs
   (accelerate/utils/constants.py FSDP_MODEL_NAME, fsdp_utils.py save_fsdp_model).
 - `lightning`: DCP + `meta.pt` (lightning/fabric/strategies/fsdp.py _METADATA_FILENAME).
+- `olmo-core`: a step folder whose `model_and_optim/` is DCP, beside `train/` (OLMo-core's
+  olmo_core/train/checkpoint.py `Checkpointer.save`).
 - `megatron-torch-dist`: DCP + `common.pt` + `metadata.json` whose `sharded_backend` is
   `torch_dist` (megatron/core/dist_checkpointing/core.py CONFIG_FNAME).
 - `verl`: `model_world_size_W_rank_R.pt` per rank, in the folder or its `actor/`
@@ -18,10 +20,10 @@ Layouts (one name each, as `inspect` shows them):
   `model.safetensors.index.json`.  `torch-pt`: one torch.save file (`.pt`, `.pth`, `.bin`, `.ckpt`)
   or a folder with `pytorch_model.bin`.
 
-A run directory holds checkpoints (`step-*`, `iter_*`, `global_step_*`, `checkpoint-*`,
-`checkpoint_*`); the newest is the one a `latest` link or file, or
-`latest_checkpointed_iteration.txt` (Megatron `iter_%07d`, verl `global_step_N`), names,
-else the highest number.
+A run directory holds checkpoints (`step-*`, `step*` (OLMo-core), `iter_*`, `global_step_*`,
+`checkpoint-*`, `checkpoint_*`, `ep*-ba*` (Composer, by batch)); the newest is the one a
+`latest` link or file, Composer's `latest-rank0.pt` link, or `latest_checkpointed_iteration.txt`
+(Megatron `iter_%07d`, verl `global_step_N`), names, else the highest number.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from ckpttool.readers.safetensors import read_header
 
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
-LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT)
-DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON})  # read as torch DCP
+OLMO_CORE = "olmo-core"
+LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT)
+DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE})  # read as torch DCP
 
 TORCHTITAN_KEYS = frozenset({"lr_scheduler", "dataloader", "train_state"})  # beside "optimizer"
 ACCELERATE_MODEL_DIR = "pytorch_model_fsdp_0"  # f"{FSDP_MODEL_NAME}_{model_index}"
 ACCELERATE_OPTIMIZER_DIR = "optimizer_0"  # f"{OPTIMIZER_NAME}_{optimizer_index}"
+OLMO_CORE_DIR = "model_and_optim"  # olmo_core/train/checkpoint.py: f"{dir}/model_and_optim"
 LIGHTNING_METADATA = "meta.pt"
 MEGATRON_CONFIG = "metadata.json"
 MEGATRON_COMMON = "common.pt"
@@ -57,15 +61,16 @@ VERL_SUBDIRS = ("", "actor")
 TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's single-file checkpoints
 HUB_TORCH_FILE = "pytorch_model.bin"  # transformers WEIGHTS_NAME
 
-RUN_ENTRY_PATTERN = re.compile(r"^(step-|iter_|global_step_|checkpoint-|checkpoint_)(\d+)$")
+RUN_ENTRY_PATTERN = re.compile(r"^(step-|step|iter_|global_step_|checkpoint-|checkpoint_|ep\d+-ba)(\d+)$")
 LATEST_POINTER = "latest"  # train_minimal, DeepSpeed, many trainers: a link or a small text file
+COMPOSER_LATEST = "latest-rank0.pt"  # composer/callbacks/checkpoint_saver.py: a link to the newest save
 ITERATION_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, verl
 MAX_POINTER_BYTES = 4096
 LOOKED_FOR = (
     ".metadata (dcp), shard-*.safetensors with DCP_SHARDING_INFO (dcp-hf), model.safetensors or "
-    "model.safetensors.index.json (hub-folder), pytorch_model_fsdp_0/ (accelerate), "
-    "model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
-    "step-*, iter_*, global_step_*, checkpoint-* (run directory)"
+    "model.safetensors.index.json (hub-folder), pytorch_model_fsdp_0/ (accelerate), model_and_optim/ "
+    "(olmo-core), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
+    "step-*, step*, iter_*, global_step_*, checkpoint-*, ep*-ba* (run directory)"
 )
 
 
@@ -129,7 +134,7 @@ def _detect(requested: Path) -> tuple[Detection, object]:
 
 
 def _read_path(layout: str, path: Path) -> Path:
-    return path / ACCELERATE_MODEL_DIR if layout == ACCELERATE else path
+    return path / {ACCELERATE: ACCELERATE_MODEL_DIR, OLMO_CORE: OLMO_CORE_DIR}.get(layout, "")
 
 
 def _file_layout(path: Path) -> str | None:
@@ -171,6 +176,8 @@ def _directory_layout(path: Path) -> tuple[str | None, object]:
         return (TORCHTITAN if is_torchtitan(checkpoint.tensors.keys() | checkpoint.objects.keys()) else DCP), checkpoint
     if _is_dcp(path / ACCELERATE_MODEL_DIR):
         return ACCELERATE, None
+    if _is_dcp(path / OLMO_CORE_DIR):
+        return OLMO_CORE, None
     if any(verl_files(path / sub) for sub in VERL_SUBDIRS):
         return VERL, None
     layout = _safetensors_layout(path)
@@ -243,7 +250,7 @@ def run_checkpoints(path: Path) -> list[str]:
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
-    return (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or any(verl_files(path / s) for s in VERL_SUBDIRS)
+    return (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR) or any(verl_files(path / s) for s in VERL_SUBDIRS)
             or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
             or (path / HUB_TORCH_FILE).is_file())  # an index alone: a save whose data went missing, not "no checkpoint"
 
@@ -251,14 +258,14 @@ def _looks_like_checkpoint(path: Path) -> bool:
 def newest_checkpoint(path: Path, found: list[str]) -> tuple[str, str]:
     """Return the newest of `found` and what said so: the `latest` link or file, Megatron's
     and verl's iteration tracker, or else the highest number."""
-    pointer = path / LATEST_POINTER
-    named = None
-    if pointer.is_symlink():
-        named = Path(os.readlink(pointer)).name
-    elif pointer.is_file():
-        named = Path(_small_text(pointer)).name
-    if named in found:
-        return named, LATEST_POINTER
+    for pointer in (path / LATEST_POINTER, path / COMPOSER_LATEST):
+        named = None
+        if pointer.is_symlink():
+            named = Path(os.readlink(pointer)).name
+        elif pointer.is_file() and pointer.name == LATEST_POINTER:
+            named = Path(_small_text(pointer)).name
+        if named in found:
+            return named, pointer.name
     iteration = _small_text(path / ITERATION_TRACKER)
     if iteration.isdigit():
         for name in (f"iter_{int(iteration):07d}", f"global_step_{int(iteration)}"):

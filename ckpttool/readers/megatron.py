@@ -15,7 +15,7 @@ layer its dim-0 offset names, pointing at the same stored bytes (the layer axis 
 every chunk, so they are the same row-major bytes). Each such chunk's torch.save record is read
 (its data.pkl, never the tensor bytes) and checked to hold that chunk, dtype and shape `(1, ...)`;
 the chunk then refers to the record's storage bytes as a raw range with the record's CRC-32
-(`checkpoint.RAW_RANGE_TRANSFORM`), since the record's own shape keeps the layer axis. A tensor
+(`dcp.blobs.RAW_RANGE_TRANSFORM`), since the record's own shape keeps the layer axis. A tensor
 is kept stacked, as saved, unless each chunk is one layer, each layer's chunks add up to the
 layer, and each record reads as a plain one: a damaged one is then named by the integrity gate
 (beyond-eof, blob-overlap, overlap, ...) exactly as for any DCP checkpoint. The model tensors are placed under a
@@ -37,9 +37,10 @@ import dataclasses
 import math
 import re
 
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, group_of, raw_range_transforms
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
 from ckpttool.dcp.blobs import DataFiles, read_tensor_record
 from ckpttool.errors import CheckpointError, CorruptMetadata
+from ckpttool.model_view import OPTIMIZER_KEYS, TRAINING_STATE_KEYS
 
 LAYERS = "layers"  # TransformerBlock: f'{prefix}layers.'
 MODEL_SUBTREE = "model"  # Megatron-LM's generate_state_dict: state_dict['model']
@@ -109,7 +110,7 @@ def model_view(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Checkpo
     nesting: dict[str, tuple[str, str]] = {}
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         parts = {fqn: _split(tensor, files) for fqn, tensor in checkpoint.tensors.items()
-                 if group_of(fqn, None) == "model"}
+                 if fqn.split(".", 1)[0] not in (*OPTIMIZER_KEYS, *TRAINING_STATE_KEYS)}
     for fqn, tensor in checkpoint.tensors.items():
         if fqn not in parts:
             tensors[fqn] = tensor
@@ -122,7 +123,7 @@ def model_view(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Checkpo
             nesting[name] = (MODEL_SUBTREE, part.fqn)
     order = sorted(nesting, key=_natural)
     return dataclasses.replace(checkpoint, tensors=dict(sorted(tensors.items())),
-                               nesting={name: nesting[name] for name in order}, model_subtree=MODEL_SUBTREE)
+                               nesting={name: nesting[name] for name in order}, model_prefix=MODEL_SUBTREE)
 
 
 def _split(tensor: Tensor, files: DataFiles) -> list[Tensor]:

@@ -19,7 +19,7 @@ as it is raises UnsupportedFormat. Other values (ints, floats, strings, lists, N
 left out: the Checkpoint holds the file's tensors only.
 
 The model's weights: under `state_dict` (Lightning), `model` or `module` (DeepSpeed) when that
-top-level value is a dict; otherwise the top-level keys are the model's (`model_subtree=None`).
+top-level value is a dict; otherwise the top-level keys are the model's (`model_prefix=""`).
 
 Example:
     >>> checkpoint = read_torch_pt("pytorch_model.bin")
@@ -136,7 +136,7 @@ def read_torch_pt(path: str | os.PathLike, follow_symlinks: bool = False) -> Che
     tensors = dict(sorted(tensors.items()))
     refuse_bad_names(file, list(tensors), set(), tensors, {})
     return Checkpoint(path=root, metadata_file=name, version=None, tensors=tensors, objects={}, nesting=nesting,
-                      notes=tuple(notes), model_subtree=_model_subtree(state))
+                      notes=tuple(notes), model_prefix=_model_subtree(state))
 
 
 def _refuse_legacy(head: bytes, where: str) -> None:
@@ -191,10 +191,10 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def _model_subtree(state: dict) -> str | None:
+def _model_subtree(state: dict) -> str:
     for key in MODEL_SUBTREES:
         if isinstance(state.get(key), dict) and _holds_tensor(state[key]):
             return key
-    return None
+    return ""
 
 

@@ -15,7 +15,7 @@ one mesh dim after the other), and the local tensor's storage (`data/<key>`), st
 stride. A contiguous local tensor's bytes are a plain byte range of the .pt file, kept as a
 raw-range blob (`checkpoint.RAW_RANGE_TRANSFORM`) that `locate` returns as it is. Fqns are the
 state dict's keys, as verl's own merger names them (verl/model_merger/fsdp_model_merger.py):
-no prefix to strip; every tensor is a model tensor (`model_subtree=None`).
+no prefix to strip; every tensor is a model tensor (`model_prefix=""`).
 
 Example:
     >>> checkpoint = read_verl("checkpoints/global_step_2/actor")
@@ -183,7 +183,7 @@ def read_verl(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpo
     metadata_file = MODEL_FILES_GLOB.format(world_size=world_size)
     refuse_bad_names(root / metadata_file, list(tensors), set(), tensors, {})
     return Checkpoint(path=root, metadata_file=metadata_file, version=None, tensors=tensors, objects={},
-                      notes=tuple(notes), model_subtree=None)
+                      notes=tuple(notes), model_prefix="")
 
 
 def _rank_files(root: Path) -> tuple[int, list[str]]:

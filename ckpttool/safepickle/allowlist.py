@@ -64,6 +64,13 @@ for _name in ("SavePlan", "WriteItem", "TensorWriteData"):
 
 _ALLOWED[(_PLANNER_MODULE, "WriteItemType")] = _write_item_type
 
+# OLMo-core's own filesystem writer pickles its copy of torch's storage records
+# (olmo_core/distributed/checkpoint/filesystem.py `_StorageInfo(relative_path, offset, length)`,
+# `_StoragePrefix(prefix)`, the fields of torch's before transform descriptors were added).
+_OLMO_CORE_MODULE = "olmo_core.distributed.checkpoint.filesystem"
+for _name in ("_StorageInfo", "_StoragePrefix"):
+    _ALLOWED[(_OLMO_CORE_MODULE, _name)] = _RECORD_TYPES[_name]
+
 
 
 def _find_allowed(allowed: dict[tuple[str, str], Any], source: str, module: str, name: str) -> Any:

@@ -1,0 +1,248 @@
+"""Outputs on object storage: a file or a directory that becomes visible only when complete.
+
+Two ways (`remote_output`):
+
+- streamed (S3 through s3fs, for outputs written in order: `.safetensors`, Hub folders,
+  DCP): each data file is a multipart upload to its final key, parts sent as soon as they
+  are filled (`multipart.MultipartSink`), so no local copy of the output is needed and at
+  most a few parts are in memory. Nothing is visible until the commit completes the uploads
+  (small files such as `.metadata` and indexes are put last); any failure or SIGTERM aborts
+  them.
+- staged (torch.save `.pt` outputs, whose zip headers are written after the data; `--verify`,
+  which reads the output back; backends other than s3fs): built in a local temporary
+  directory, uploaded to a temporary key `.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside the
+  destination, then copied to the final keys (data files first, `.metadata` and indexes last)
+  and the temporary keys deleted; any failure or SIGTERM deletes them instead.
+
+A killed run's leftovers (temporary keys, a streamed run's marker key and unfinished uploads)
+are removed by the next run that writes the same destination (`remove_stale_temps`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from ckpttool import testpoints
+from ckpttool.errors import OutputExists, StorageError
+from ckpttool.outputs.notices import Replaced, tell
+from ckpttool.outputs.replacing import is_ours, replacement
+from ckpttool.outputs.local import OutputDirectory
+from ckpttool.outputs.multipart import MultipartSink, put
+from ckpttool.outputs.signals import deferred
+from ckpttool.outputs.temps import WRITING_PREFIX, StaleTemp, dead_entries, new_token, temp_name
+from ckpttool.storage import RemotePath, request_errors
+
+LAST_KEYS = (".metadata", ".index.json")  # copied last: a reader sees the checkpoint only when all else is there
+
+
+def check(path: RemotePath, force: bool) -> None:
+    """Raise OutputExists when something is at `path` (an object or a prefix) and `force` is
+    off, and StorageError when its bucket does not exist: before any work is done. First
+    removes the temporary keys that killed runs on this host left beside `path`
+    (`remove_stale_temps`, each told to `notices.reporting` callbacks)."""
+    fs, bucket = path.filesystem, path.key.split("/", 1)[0]
+    with request_errors(str(path)):
+        fs.invalidate_cache(path.key)  # an earlier run in this process may have written it
+        for stale in remove_stale_temps(path):
+            tell(stale)
+        exists = fs.exists(path.key)
+        with contextlib.suppress(PermissionError):  # a role that may write but not list buckets: the upload will tell
+            if not exists and not fs.exists(bucket):
+                raise StorageError(f"{path}: the bucket {path._protocol}://{bucket} does not exist (create it "
+                                   "first, or check the endpoint)", "no-bucket")
+    if exists and not force:
+        raise OutputExists(f"{path}: already exists; pass --force to replace it")
+
+
+def remove_stale_temps(target: RemotePath) -> list[StaleTemp]:
+    """Remove and return the `.ckpttool-tmp-NAME.HOST.PID.TOKEN` keys beside `target` whose
+    run, on this host, is gone: what a SIGKILL leaves (a staged run's temporary upload, or a
+    streamed run's empty marker key, whose unfinished multipart uploads to `target` are
+    aborted too when no live run writes there). Keys of live runs and of other hosts are left
+    alone."""
+    fs, parent = target.filesystem, target.parent.key
+    try:
+        names = [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(parent, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return []
+    dead, found = dead_entries(names, target.name, kinds=("tmp",))
+    removed = []
+    for entry in dead:
+        if len(dead) == found:  # no live run writes `target`: unfinished uploads there are the dead runs'
+            _abort_uploads(target, f"{parent}/{entry.name}")
+        fs.rm(f"{parent}/{entry.name}", recursive=True)
+        removed.append(StaleTemp(target.parent / entry.name, target, entry.pid))
+    return removed
+
+
+def _abort_uploads(target: RemotePath, marker: str) -> None:
+    """Abort the unfinished multipart uploads to `target` (or keys under it), when `marker`
+    is the empty key a killed streamed run put beside it."""
+    fs = target.filesystem
+    if not hasattr(fs, "call_s3") or not fs.isfile(marker) or fs.size(marker):
+        return
+    bucket, key, _ = fs.split_path(target.key)
+    listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    for upload in listing.get("Uploads", []):
+        if upload["Key"] == key or upload["Key"].startswith(key + "/"):
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+
+class Streams:
+    """The multipart uploads of one streamed output, by file name (`sink` opens one)."""
+
+    def __init__(self, target: RemotePath, directory: bool):
+        self.target, self.directory = target, directory
+        self.sinks: dict[str, MultipartSink] = {}
+
+    def key(self, name: str) -> str:
+        return f"{self.target.key}/{name}" if self.directory else self.target.key
+
+    def sink(self, name: str) -> MultipartSink:
+        sink = self.sinks[name] = MultipartSink(self.target.filesystem, self.key(name), f"{self.target}/{name}")
+        return sink
+
+    def commit(self, local: Path, force: bool) -> None:
+        """Send what is left, then, with signals deferred and the old output replaced as
+        `_replacing` says: complete every upload, then put the small local files (`.metadata`
+        and indexes last)."""
+        for sink in self.sinks.values():
+            sink.finish()
+            testpoints.pause("upload")  # on the main thread, where signals arrive
+        small = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) if self.directory else []
+        small.sort(key=lambda name: name.endswith(LAST_KEYS))
+        fs, target = self.target.filesystem, self.target
+        with request_errors(str(target)), deferred(), _replacing(target, force, self.directory) as made:
+            for name, sink in self.sinks.items():
+                sink.complete()
+                made.append(self.key(name))
+            for name in small:
+                put(fs, local / name, self.key(name))
+                made.append(self.key(name))
+
+    def abort(self) -> None:
+        for sink in self.sinks.values():
+            sink.abort()
+
+
+@contextlib.contextmanager
+def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bool = False) -> Iterator[Any]:
+    """Yield where to write `target`; when the block succeeds, make it visible at `target` as
+    the module docstring describes.
+
+    A directory: an `OutputDirectory` whose path is a local directory under $TMPDIR (staged:
+    the whole output; streamed, when `streamed` and the backend is s3fs: the small files, its
+    data files opened as uploads by `OutputDirectory.opened`). One file: a local file open for
+    writing (staged), or a `MultipartSink` (streamed). On any exception (SIGTERM and Ctrl-C
+    included) the uploads are aborted, local files and temporary keys removed, and `target`
+    is left as it was. After SIGKILL, unfinished multipart uploads (invisible; an S3 lifecycle
+    rule `AbortIncompleteMultipartUpload` removes them) or temporary keys may remain, never an
+    object at the destination key.
+    """
+    check(target, force)
+    local = Path(tempfile.mkdtemp(prefix=WRITING_PREFIX))
+    fs, temp = target.filesystem, f"{target.parent.key}/{temp_name(target.name, 'tmp', new_token())}"
+    streams = Streams(target, directory) if streamed and hasattr(fs, "call_s3") else None
+    output = local / target.name
+    try:
+        if streams is not None:  # an empty key naming this run: a later run aborts our uploads if we are killed
+            with request_errors(str(target)):
+                fs.pipe_file(temp, b"")
+        if directory:
+            output.mkdir()
+        testpoints.pause("start")
+        with _written(output, directory, streams) as written:
+            yield written
+        testpoints.pause("commit")
+        if streams is not None:
+            streams.commit(output, force)
+            with request_errors(str(target)):
+                fs.rm_file(temp)
+        else:
+            _upload(output, target, temp, force, directory)
+    except BaseException:
+        with deferred():  # network calls: a signal now (torchrun stopping us) must not cut them short
+            if streams is not None:
+                streams.abort()
+            with contextlib.suppress(Exception), request_errors(str(target)):
+                fs.invalidate_cache(target.parent.key)
+                if fs.exists(temp):
+                    fs.rm(temp, recursive=True)
+        raise
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _written(output: Path, directory: bool, streams: Streams | None) -> Iterator[Any]:
+    """Yield what the writer of `remote_output` is given for the local stand-in `output`."""
+    if directory:
+        yield OutputDirectory(output, streams.sink if streams is not None else None)
+    elif streams is not None:
+        yield streams.sink(streams.target.name)
+    else:
+        with open(output, "x+b") as handle:
+            yield handle
+            handle.flush()
+
+
+@contextlib.contextmanager
+def _replacing(target: RemotePath, force: bool, directory: bool) -> Iterator[list[str]]:
+    """Yield the list the block appends each key it makes visible at `target` to (both commit
+    paths). Before: with `force`, the old output's index and `.metadata` keys are removed (so
+    no reader pairs them with new data; the old checkpoint is unreadable, never mixed), an old
+    directory where one file goes removed. After: what is left of ckpttool's own files of the
+    old output is removed, and everything else kept (`replacing.replacement`); the keys
+    replaced that were not ckpttool's are named (`notices.Replaced`). Should the block fail,
+    the keys it made are deleted again, so a new destination stays empty."""
+    fs, prefix = target.filesystem, target.key + "/"
+    found = set(fs.find(target.key)) if force and directory else set()  # the prefix's keys; or one object at it
+    old = {key[len(prefix):] for key in found if key.startswith(prefix)}
+    first = {name for name in old if is_ours(name) and name.endswith(LAST_KEYS)}
+    made: list[str] = []
+    try:
+        for name in sorted(first):
+            fs.rm_file(prefix + name)
+        if force and not directory and fs.isdir(target.key):
+            fs.rm(target.key, recursive=True)
+        yield made
+    except BaseException:
+        for key in made:
+            if key[len(prefix):] not in old or is_ours(key[len(prefix):]):  # a user's file now holds the new one: keep it
+                with contextlib.suppress(Exception):
+                    fs.rm_file(key)
+        raise
+    written = {key[len(prefix):] for key in made}
+    plan = replacement(old, written)
+    for name in sorted(old - set(plan.keep) - written - first):
+        fs.rm_file(prefix + name)
+    for key in found - {prefix + name for name in old}:  # an object where a directory now goes
+        fs.rm_file(key)
+    fs.invalidate_cache()
+    if plan.replaced:
+        tell(Replaced(str(target), plan.replaced))
+
+
+def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: bool) -> None:
+    fs = target.filesystem
+    if directory:
+        names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+        names.sort(key=lambda name: name.endswith(LAST_KEYS))  # stable: data files first
+    else:
+        names = [""]
+    with request_errors(str(target)):
+        for position, name in enumerate(names):
+            put(fs, local / name if name else local, f"{temp}/{name}" if name else temp)
+            if position == 0:
+                testpoints.pause("upload")
+        with deferred():  # from here the destination changes: finish before any signal is handled
+            with _replacing(target, force, directory) as made:
+                for name in names:
+                    final = f"{target.key}/{name}" if name else target.key
+                    fs.copy(f"{temp}/{name}" if name else temp, final)
+                    made.append(final)
+            fs.rm(temp, recursive=True)

@@ -1,0 +1,67 @@
+"""What tests set through the environment of a real `ckpttool` process; nothing happens unless
+they do.
+
+`tests/test_interrupts.py` pauses a run at a known point to send it a signal there,
+`tests/test_distributed.py` makes one torchrun rank fail half-way through its share, and
+`tests/test_remote.py` makes multipart uploads of a few bytes send many parts. Production
+code only names the point (`pause("commit")`); how a test uses it lives here, in one place.
+
+Example:
+    $ CKPTTOOL_TEST_PAUSE=commit:30 ckpttool reshard ckpt out --world 2
+    ckpttool-test: paused at commit
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+PAUSE_ENV = "CKPTTOOL_TEST_PAUSE"  # `<phase>:<seconds>`, see `pause`
+FAIL_ENV = "CKPTTOOL_TEST_FAIL"  # `<rank>:error` or `<rank>:kill`, see `run_share`
+PART_SIZE_ENV = "CKPTTOOL_PART_SIZE"  # bytes, see `smallest_part`
+
+_paused: set[str] = set()
+
+
+def pause(phase: str) -> None:
+    """With `CKPTTOOL_TEST_PAUSE=<phase>:<seconds>` set, print `ckpttool-test: paused at
+    <phase>` on stderr and sleep, the first time `phase` is reached. Phases: `start`
+    (temporary output created), `copy` (first IO task done), `commit` (written and fsynced,
+    before the rename), `remove-old` (a replaced directory partly removed), `upload` (a remote
+    output's first file uploaded to its temporary key, or all parts of a streamed one's first
+    file sent)."""
+    setting = os.environ.get(PAUSE_ENV)
+    if not setting or phase in _paused:
+        return
+    wanted, _, seconds = setting.partition(":")
+    if wanted != phase:
+        return
+    _paused.add(phase)
+    print(f"ckpttool-test: paused at {phase}", file=sys.stderr, flush=True)
+    time.sleep(float(seconds or 60))
+
+
+def run_share(rank: int, share: list, outputs: Any, run: Callable[[list, Any], None]) -> None:
+    """Run `run(share, outputs)`; with `CKPTTOOL_TEST_FAIL=<rank>:error|kill` naming this
+    rank, run only the first half of the share, then fail (an EIO, or SIGKILL)."""
+    wanted, _, how = os.environ.get(FAIL_ENV, "").partition(":")
+    if wanted != str(rank):
+        run(share, outputs)
+        return
+    half = len(share) // 2
+    run(share[:half], outputs)
+    print(f"ckpttool-test: rank {rank} fails ({how or 'error'})", file=sys.stderr, flush=True)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.EIO, f"test failure on rank {rank} ({FAIL_ENV})")
+
+
+def smallest_part() -> int | None:
+    """Return the multipart part size `CKPTTOOL_PART_SIZE` asks for (so a small test output is
+    sent in many parts), or None."""
+    setting = os.environ.get(PART_SIZE_ENV)
+    return int(setting) if setting else None

@@ -1,0 +1,112 @@
+"""The shape of the code (STYLE.md): imports run one way, modules and functions stay readable.
+
+Every module of the package is parsed (never imported); an import counts wherever it is
+written, function-local imports included, since a lazy import still ties two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ckpttool"
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 100
+
+
+def modules() -> dict[str, Path]:
+    """Return dotted module name -> file, for every module of the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Return the package's modules that module `name` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            candidates = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in known:
+                candidate = candidate.rpartition(".")[0]
+            # a module importing its own package's __init__ (or its submodule) is not a loop
+            if candidate and candidate != name and not name.startswith(candidate + "."):
+                targets.add(candidate)
+    return targets
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Return the strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_between_modules_counting_function_local_imports():
+    known = modules()
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_loop_through_a_function_local_import(tmp_path):
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from ckpttool import io\n")
+    assert imported("ckpttool.m", module, {"ckpttool": PACKAGE, "ckpttool.io": PACKAGE / "io.py"}) == {"ckpttool.io"}
+
+
+def test_no_module_over_800_lines_and_no_function_over_100():
+    offenders = []
+    for name, path in modules().items():
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            offenders.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    offenders.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
+    assert offenders == []
