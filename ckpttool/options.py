@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from ckpttool import dtypes, storage
@@ -59,6 +60,9 @@ class SourceOptions:
     follow_symlinks: bool = False
     storage: Mapping[str, Any] = field(default_factory=dict, hash=False)
     model_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "storage", MappingProxyType(dict(self.storage)))  # read-only, like the rest
 
     def locate(self, path: str | Any) -> Path | storage.RemotePath:
         """Return `path` as a local Path or a RemotePath carrying these storage options."""

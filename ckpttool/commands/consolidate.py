@@ -1,10 +1,11 @@
 """`consolidate`: export a sharded checkpoint to one full state dict, streaming.
 
-The pipeline: read `.metadata` -> integrity gate -> choose keys (`plan.consolidate.select`)
--> locate the chosen chunks' raw bytes, find tied pairs, decode python objects for a .pt
-(the only reads before writing: record headers and, for ties, candidate bytes) -> plan
-(`plan_consolidate`, pure) -> `execute.run` into atomic outputs -> .pt zip records ->
-optional `--verify` -> fsync and rename. Memory holds only the buffers of running operations:
+The pipeline, in two steps that export shares: `plan_output` reads `.metadata` -> integrity
+gate -> choose keys (`plan.consolidate.select`) -> locate the chosen chunks' raw bytes, find
+tied pairs, decode python objects for a .pt (the only reads before writing: record headers
+and, for ties, candidate bytes) -> plan (`plan_consolidate`, pure) = a `Planned` value; then
+`write_output` runs it: `execute.run` into atomic outputs -> .pt zip records -> optional
+`--verify` -> fsync and rename. Memory holds only the buffers of running operations:
 FSDP's dim-0 chunks move with `copy_file_range` and never enter user space.
 """
 

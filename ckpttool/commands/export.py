@@ -1,12 +1,13 @@
 """`export`: a checkpoint as a folder `transformers` and the Hugging Face Hub accept.
 
-The pipeline: plan the weights with consolidate (a dry run: metadata only) -> read the
-assets' `config.json` (or the trainer's stored `train.config`) -> check the planned keys and
-shapes against what the config's architecture expects (and a reference index's key set) ->
-lay out every other file (config.json with the written dtype, generation and tokenizer
-files, the model card) -> in one temporary directory, consolidate writes the weights (the
-same streaming, byte-exact copy, `{"format": "pt"}` headers, shards + index or one
-`model.safetensors`), the other files join them -> rename into place. A refused check
+The pipeline: plan the weights once with consolidate's planning step (`plan_output`: the
+source read once, gated, selected, located; no byte written) -> read the assets'
+`config.json` (or the trainer's stored `train.config`) -> check the planned keys and shapes
+against what the config's architecture expects (and a reference index's key set) -> lay out
+every other file (config.json with the written dtype, generation and tokenizer files, the
+model card) -> in one temporary directory, consolidate's writing step (`write_output`) runs
+that same plan (the streaming, byte-exact copy, `{"format": "pt"}` headers, shards + index or
+one `model.safetensors`), the other files join them -> rename into place. A refused check
 writes nothing.
 
 Example:
@@ -113,7 +114,7 @@ def export(
         'bfloat16'
     """
     started = time.perf_counter()
-    target = Path(outdir)
+    target = source.locate(outdir)  # a URL carries the storage options to the upload
     asset_dir = _check_arguments(target, assets, convert)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)

@@ -24,7 +24,6 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckpttool import execute, integrity, readers
 from ckpttool.commands.reshard import ReshardReport, write_dcp
@@ -103,7 +102,7 @@ def import_checkpoint(
         'every-tensor'
     """
     started = time.perf_counter()
-    origin, destination = Path(src), Path(dst)
+    origin, destination = source.locate(src), source.locate(dst)  # a URL carries the storage options
     target_mesh = parse_mesh(world_size, mesh)
     if prefix and (not prefix.endswith(".") or any(not part for part in prefix[:-1].split("."))):
         raise UsageError(f"--prefix {prefix!r}: dotted names ending in a dot, e.g. 'model.' (or '' for none)")
