@@ -5,6 +5,8 @@ The public API, imported lazily so that `import ckpttool` stays cheap (no torch)
     >>> import ckpttool
     >>> ckpttool.inspect("runs/gpt/step-00000200").summary.parameters
     >>> ckpttool.validate("runs/gpt/step-00000200", deep=True).valid
+    >>> ckpttool.consolidate("runs/gpt/step-00000200", "model.safetensors",
+    ...                      ckpttool.ConvertOptions(dtype="bf16"), ckpttool.WriteOptions(verify=True)).files
     >>> ckpttool.read_checkpoint("runs/gpt/step-00000200").tensors["model.tok_emb.weight"].shape
 """
 
@@ -27,6 +29,9 @@ _API = {
     "CheckpointError": ("ckpttool.errors", "CheckpointError"),
     "export": ("ckpttool.commands.export", "export"),
     "import_checkpoint": ("ckpttool.commands.import_", "import_checkpoint"),
+    "ConvertOptions": ("ckpttool.options", "ConvertOptions"),
+    "SourceOptions": ("ckpttool.options", "SourceOptions"),
+    "WriteOptions": ("ckpttool.options", "WriteOptions"),
 }
 
 __all__ = ["__version__", *_API]

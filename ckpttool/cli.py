@@ -2,11 +2,13 @@
 
 Exit codes: 0 ok, 1 invalid or corrupt checkpoint (or a failed operation on one), 2 usage.
 Human text and `--json` documents come from `render` (the only module that formats output);
-options shared by the writing commands are declared once, in `write_options`.
+options shared by the writing commands are declared once, in `write_options`, and become one
+`options.WriteOptions` there; `reads_source` makes the `options.SourceOptions` of the source flags.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import wraps
 
@@ -18,28 +20,43 @@ from ckpttool.errors import EXIT_INVALID, CheckpointError
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "show_default": True}
 
 
-def reports_errors(command):
+def _shown(text) -> str:  # render.shown, imported only when there is something to show
+    from ckpttool.render import shown
+
+    return shown(text)
+
+
+def print_notice(notice) -> None:
+    """The CLI's `WriteOptions.notify`: each notice (a replaced file, a killed run's leftovers
+    removed) as one line on stderr."""
+    click.echo(_shown(notice), err=True)
+
+
+@contextlib.contextmanager
+def errors_reported():
     """Turn a CheckpointError into one line on stderr and its exit code (no traceback), and
     SIGINT, SIGTERM or SIGHUP into one line and 128 + the signal number (130, 143, 129)."""
-    from ckpttool.outputs import notices, signals
+    from ckpttool.outputs import signals
 
-    def shown(text) -> str:  # render.shown, imported only when there is something to show
-        from ckpttool.render import shown
+    try:
+        yield
+    except CheckpointError as error:
+        click.echo(f"error: [{error.code}] {_shown(error)}", err=True)
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt as interrupt:  # signals.Interrupted for each of the three signals
+        interrupt = interrupt if isinstance(interrupt, signals.Interrupted) else signals.Interrupted()
+        click.echo(f"{interrupt}; nothing was left half-written", err=True)
+        sys.exit(interrupt.exit_code)
 
-        return shown(text)
+
+def reports_errors(command):
+    """Run the command with `errors_reported`, signals turned into `Interrupted`."""
+    from ckpttool.outputs import signals
 
     @wraps(command)
     def run(*args, **kwargs):
-        try:
-            with signals.interruptible(), notices.reporting(lambda notice: click.echo(shown(notice), err=True)):
-                return command(*args, **kwargs)
-        except CheckpointError as error:
-            click.echo(f"error: [{error.code}] {shown(error)}", err=True)
-            sys.exit(error.exit_code)
-        except KeyboardInterrupt as interrupt:  # signals.Interrupted for each of the three signals
-            interrupt = interrupt if isinstance(interrupt, signals.Interrupted) else signals.Interrupted()
-            click.echo(f"{interrupt}; nothing was left half-written", err=True)
-            sys.exit(interrupt.exit_code)
+        with errors_reported(), signals.interruptible():
+            return command(*args, **kwargs)
 
     return run
 
@@ -65,14 +82,8 @@ class CheckpointLocation(click.Path):
 checkpoint_dir = CheckpointLocation(file_okay=True, dir_okay=True, exists=True)  # a directory, one file, or a URL
 
 
-def _set_storage_options(ctx, param, values):
-    from ckpttool import storage
-
-    storage.configure(dict(storage.parse_option(value) for value in values))
-
-
 storage_option = click.option(
-    "--storage-option", multiple=True, metavar="KEY=VALUE", expose_value=False, callback=_set_storage_options,
+    "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
     help="fsspec storage option for s3://, gs://, az:// paths (repeatable), e.g. endpoint_url=http://host:9000; "
          "credentials also come from the backend's usual configuration (AWS_* variables).")
 
@@ -104,8 +115,40 @@ follow_symlinks_option = click.option(
     "--follow-symlinks", is_flag=True, help="Read data files that are symlinks to places outside the checkpoint directory.")
 
 
+def reads_source(command):
+    """Give the command `source`, the `SourceOptions` of whichever of --follow-symlinks,
+    --storage-option and --model-prefix it declares, built (and checked) once."""
+
+    @wraps(command)
+    def run(*args, **kwargs):
+        from ckpttool import storage
+        from ckpttool.options import SourceOptions
+
+        with errors_reported():
+            source = SourceOptions(
+                follow_symlinks=kwargs.pop("follow_symlinks", False),
+                storage=dict(storage.parse_option(value) for value in kwargs.pop("storage_options", ())),
+                model_prefix=kwargs.pop("model_prefix", None),
+            )
+        return command(*args, source=source, **kwargs)
+
+    return run
+
+
 def write_options(command):
-    """Options every writing command shares: --force --dry-run --verify --threads --max-memory --quiet."""
+    """Options every writing command shares: --force --dry-run --verify --threads --max-memory
+    --quiet (given to the command as `write`, one `WriteOptions`), --follow-symlinks and
+    --storage-option (for `reads_source`)."""
+
+    @wraps(command)
+    def run(*args, max_memory, threads, force, dry_run, verify, quiet, **kwargs):
+        from ckpttool.options import WriteOptions
+
+        with errors_reported():
+            write = WriteOptions(force=force, dry_run=dry_run, verify=verify, threads=threads, max_memory=max_memory,
+                                 progress=byte_progress(quiet), notify=print_notice)
+        return command(*args, write=write, **kwargs)
+
     for option in reversed((
         click.option("--max-memory", default="512MB", metavar="SIZE", help="Bound on read/convert buffers in flight."),
         click.option("--threads", default=4, type=click.IntRange(1, 64), help="Parallel reads/writes."),
@@ -116,8 +159,8 @@ def write_options(command):
         follow_symlinks_option,
         storage_option,
     )):
-        command = option(command)
-    return command
+        run = option(run)
+    return run
 
 
 def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None:
@@ -140,15 +183,15 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
 @click.option("--by-file", is_flag=True, help="Bytes per data file (rank), split into model/optimizer/other.")
 @model_prefix_option
 @storage_option
+@reads_source
 @reports_errors
-def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool,
-            model_prefix: str | None) -> None:
+def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool, source) -> None:
     """Show what is in a checkpoint, reading only its metadata (no tensor bytes). SRC defaults
     to the current directory."""
     from ckpttool import render
     from ckpttool.commands.inspect import inspect as inspect_checkpoint
 
-    report = inspect_checkpoint(src, filters, model_prefix)
+    report = inspect_checkpoint(src, filters, source)
     if as_json:
         show(render.inspect_document(report), None)
     else:
@@ -161,14 +204,15 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
 @follow_symlinks_option
 @storage_option
 @json_option("ckpttool.validate/1")
+@reads_source
 @reports_errors
-def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None:
+def validate(src: str, deep: bool, as_json: bool, source) -> None:
     """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid. SRC defaults
     to the current directory."""
     from ckpttool import render
     from ckpttool.commands.validate import validate as validate_checkpoint
 
-    report = validate_checkpoint(src, deep=deep, follow_symlinks=follow_symlinks)
+    report = validate_checkpoint(src, deep=deep, source=source)
     show(render.validate_document(report) if as_json else None, render.validate_text(report))
     if not report.valid:
         sys.exit(EXIT_INVALID)
@@ -188,15 +232,20 @@ def validate(src: str, deep: bool, follow_symlinks: bool, as_json: bool) -> None
 @model_prefix_option
 @write_options
 @json_option("ckpttool.consolidate/1")
+@reads_source
 @reports_errors
-def consolidate(src: str, out: str, quiet: bool, as_json: bool, **options) -> None:
+def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], keep_keys: bool,
+                renames: tuple[str, ...], dtype: str | None, dtype_map: tuple[str, ...], drop_tied: bool,
+                max_shard_size: str | None, as_json: bool, write, source) -> None:
     """Write a sharded checkpoint as one full state dict: OUT.safetensors, OUT.pt/.bin, or a
     directory of Hub-style safetensors shards with model.safetensors.index.json."""
     from ckpttool import render
     from ckpttool.commands.consolidate import consolidate as consolidate_checkpoint
+    from ckpttool.options import ConvertOptions
 
-    # every other option is a keyword of the library function, under the same name
-    report = consolidate_checkpoint(src, out, progress=byte_progress(quiet), **options)
+    convert = ConvertOptions(everything=everything, filters=filters, keep_keys=keep_keys, renames=renames, dtype=dtype,
+                             dtype_map=dtype_map, drop_tied=drop_tied, max_shard_size=max_shard_size)
+    report = consolidate_checkpoint(src, out, convert, write, source)
     show(render.consolidate_document(report) if as_json else None, render.consolidate_text(report),
          render.consolidate_notes(report))
 
@@ -210,15 +259,16 @@ def consolidate(src: str, out: str, quiet: bool, as_json: bool, **options) -> No
 @model_prefix_option
 @write_options
 @json_option("ckpttool.reshard/1")
+@reads_source
 @reports_errors
-def reshard(src: str, dst: str | None, quiet: bool, as_json: bool, **options) -> None:
+def reshard(src: str, dst: str | None, world_size: int | None, mesh: str | None, keep_whole: tuple[str, ...],
+            as_json: bool, write, source) -> None:
     """Rewrite a DCP checkpoint for another world size: rank r's file holds what FSDP2 on N
     ranks owns. SRC defaults to the current directory, DST to SRC-world{N} beside SRC."""
     from ckpttool import render
     from ckpttool.commands.reshard import reshard as reshard_checkpoint
 
-    # every other option is a keyword of the library function, under the same name
-    report = reshard_checkpoint(src, dst, progress=byte_progress(quiet), **options)
+    report = reshard_checkpoint(src, dst, world_size, mesh, keep_whole=keep_whole, write=write, source=source)
     notes = render.problem_lines(report.problems)
     if dst is None:
         notes.append(render.default_destination_line(report))
@@ -269,17 +319,21 @@ def cannot_compare_exits_2(command):
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @follow_symlinks_option
 @json_option("ckpttool.diff/1")
+@reads_source
 @reports_errors
 @cannot_compare_exits_2
-def diff(a: str, b: str, as_json: bool, limit: int, quiet: bool, **options) -> None:
+def diff(a: str, b: str, normalize: bool, only: tuple[str, ...], filters: tuple[str, ...], renames: tuple[str, ...],
+         renames_a: tuple[str, ...], renames_b: tuple[str, ...], atol: float | None, rtol: float | None,
+         exact_names: bool, as_json: bool, limit: int, quiet: bool, source) -> None:
     """Compare two checkpoints of any layouts and shardings, entry by entry and byte for byte.
 
     Exit 0 identical (or within --atol/--rtol), 1 different, 2 could not compare."""
     from ckpttool import render
     from ckpttool.commands.diff import diff as diff_checkpoints
 
-    # every other option is a keyword of the library function, under the same name
-    report = diff_checkpoints(a, b, progress=byte_progress(quiet), **options)
+    report = diff_checkpoints(a, b, normalize=normalize, only=only, filters=filters, renames=renames,
+                              renames_a=renames_a, renames_b=renames_b, atol=atol, rtol=rtol, exact_names=exact_names,
+                              progress=byte_progress(quiet), source=source)
     show(render.diff_document(report) if as_json else None, render.diff_text(report, limit=limit),
          render.diff_notes(report))
     sys.exit(0 if report.same else EXIT_DIFFERENT)
@@ -295,8 +349,10 @@ def diff(a: str, b: str, as_json: bool, limit: int, quiet: bool, **options) -> N
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @follow_symlinks_option
 @json_option("ckpttool.push/1")
+@reads_source
 @reports_errors
-def push(src: str, repo_id: str, quiet: bool, as_json: bool, **options) -> None:
+def push(src: str, repo_id: str, revision: str | None, private: bool, commit_message: str | None, dry_run: bool,
+         quiet: bool, as_json: bool, source) -> None:
     """Upload a checkpoint to a Hugging Face Hub model repository (created if missing): a
     Hub-style folder as it is, any other checkpoint exported to a temporary folder first.
 
@@ -308,8 +364,8 @@ def push(src: str, repo_id: str, quiet: bool, as_json: bool, **options) -> None:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    # every other option is a keyword of the library function, under the same name
-    report = push_checkpoint(src, repo_id, progress=byte_progress(quiet), **options)
+    report = push_checkpoint(src, repo_id, revision=revision, private=private, commit_message=commit_message,
+                             dry_run=dry_run, progress=byte_progress(quiet), source=source)
     show(render.push_document(report) if as_json else None, render.push_text(report), render.push_notes(report))
 
 
@@ -324,15 +380,19 @@ def push(src: str, repo_id: str, quiet: bool, as_json: bool, **options) -> None:
 @model_prefix_option
 @write_options
 @json_option("ckpttool.export/1")
+@reads_source
 @reports_errors
-def export(src: str, outdir: str, quiet: bool, as_json: bool, **options) -> None:
+def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_shard_size: str | None, drop_tied: bool,
+           renames: tuple[str, ...], as_json: bool, write, source) -> None:
     """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
     shards (or model.safetensors), config.json, tokenizer files and a README.md model card."""
     from ckpttool import render
     from ckpttool.commands.export import export as export_checkpoint
 
-    # every other option is a keyword of the library function, under the same name
-    report = export_checkpoint(src, outdir, progress=byte_progress(quiet), **options)
+    from ckpttool.options import ConvertOptions
+
+    convert = ConvertOptions(renames=renames, dtype=dtype, drop_tied=drop_tied, max_shard_size=max_shard_size)
+    report = export_checkpoint(src, outdir, assets, convert, write, source)
     show(render.export_document(report) if as_json else None, render.export_text(report), render.export_notes(report))
 
 
@@ -344,14 +404,15 @@ def export(src: str, outdir: str, quiet: bool, as_json: bool, **options) -> None
 @click.option("--prefix", default="model.", metavar="PREFIX", help="Nest every key under this prefix, as `dcp.save({'model': get_model_state_dict(model)})` does ('' for none).")
 @write_options
 @json_option("ckpttool.import/1")
+@reads_source
 @reports_errors
-def import_(src: str, dst: str, quiet: bool, as_json: bool, **options) -> None:
+def import_(src: str, dst: str, world_size: int | None, mesh: str | None, prefix: str, as_json: bool, write,
+            source) -> None:
     """Write full model weights (a .safetensors file, a Hub folder, a .pt) as a DCP checkpoint
     laid out for N FSDP2 ranks that dcp.load and `train_minimal --resume` read."""
     from ckpttool import render
     from ckpttool.commands.import_ import import_checkpoint
 
-    # every other option is a keyword of the library function, under the same name
-    report = import_checkpoint(src, dst, progress=byte_progress(quiet), **options)
+    report = import_checkpoint(src, dst, world_size, mesh, prefix=prefix, write=write, source=source)
     show(render.import_document(report) if as_json else None, render.import_text(report),
          render.problem_lines(report.problems))

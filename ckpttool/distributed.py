@@ -42,6 +42,7 @@ from ckpttool import dtypes, io, storage, testpoints
 from ckpttool.errors import UsageError, WriteFailed
 from ckpttool.outputs import atomic_directory, atomic_output
 from ckpttool.outputs.multipart import MultipartSink
+from ckpttool.outputs.notices import Notify, ignore
 from ckpttool.outputs.remote import remote_output
 from ckpttool.plan.operations import Convert, Copy, Operation
 
@@ -260,7 +261,8 @@ Finish = Callable[[Path, dict[str, int]], None]  # rank 0, all shares written: i
 
 
 def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *, directory: bool, force: bool,
-          prepare: Prepare, run_share: RunShare, finish: Finish, streamed: bool = True) -> tuple[ProcessStats, ...]:
+          prepare: Prepare, run_share: RunShare, finish: Finish, streamed: bool = True,
+          notify: Notify = ignore) -> tuple[ProcessStats, ...]:
     """Return what each process wrote, after all the processes of this torchrun job wrote
     `operations` together into files `names` and rank 0 renamed them into place at `target`.
 
@@ -281,14 +283,14 @@ def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *
                              "from a single process")
         world = init()
         return _write_remote(world, split(operations, world.world_size), target, names, directory, force,
-                             prepare, run_share, finish)
+                             prepare, run_share, finish, notify)
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(target)):  # a URL (Path("s3://b/k") reads "s3:/b/k")
         raise UsageError(f"{target}: under torchrun the output must be a path every process can open (local disk, "
                          "NFS) or an s3:// URL")
     world = init()
     shares = split(operations, world.world_size)
     if world.rank == 0:
-        return _lead(shares, target, names, directory, force, prepare, run_share, finish)
+        return _lead(shares, target, names, directory, force, prepare, run_share, finish, notify)
     paths = broadcast(None)
     if isinstance(paths, str):
         raise WriteFailed(f"{target}: rank 0 could not create the output ({paths}); nothing was written")
@@ -302,7 +304,7 @@ def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *
 
 
 def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], directory: bool, force: bool,
-          prepare: Prepare, run_share: RunShare, finish: Finish) -> tuple[ProcessStats, ...]:
+          prepare: Prepare, run_share: RunShare, finish: Finish, notify: Notify) -> tuple[ProcessStats, ...]:
     world = environment()
     assert world is not None
     gathered = False  # every rank reported: each now waits for the commit-or-cleanup all-reduce
@@ -310,7 +312,7 @@ def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], dir
     try:
         with contextlib.ExitStack() as stack:
             try:
-                root, paths = stack.enter_context(_temporary(target, names, directory, force))
+                root, paths = stack.enter_context(_temporary(target, names, directory, force, notify))
                 with _opened(paths) as fds:
                     prepare(fds)
             except BaseException as error:
@@ -336,7 +338,8 @@ def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], dir
 
 
 def _write_remote(world: World, shares: list[list[Operation]], target, names: Sequence[str], directory: bool,
-                  force: bool, prepare: Prepare, run_share: RunShare, finish: Finish) -> tuple[ProcessStats, ...]:
+                  force: bool, prepare: Prepare, run_share: RunShare, finish: Finish,
+                  notify: Notify) -> tuple[ProcessStats, ...]:
     """The commit protocol for an S3 `target`: rank 0 begins one multipart upload per output
     file (heads written into its first parts) and broadcasts the upload ids; every process
     sends the parts its share fills whole, numbered by their place in the file; the parts at
@@ -361,7 +364,7 @@ def _write_remote(world: World, shares: list[list[Operation]], target, names: Se
         return stats
     announced = gathered = False
     try:
-        with remote_output(target, force, directory, streamed=True) as output:
+        with remote_output(target, force, directory, streamed=True, notify=notify) as output:
             sinks = {name: output.sink(name) for name in names} if directory else {names[0]: output}
             prepare(sinks)
             begun = {name: (sink.key, sink.begin(), sink.size, sink.part_size) for name, sink in sinks.items()}
@@ -415,14 +418,14 @@ def _merge_edges(world: World, sinks: dict) -> None:
 
 @contextlib.contextmanager
 def _temporary(target: Path, names: Sequence[str], directory: bool,
-               force: bool) -> Iterator[tuple[Path, dict[str, Path]]]:
+               force: bool, notify: Notify) -> Iterator[tuple[Path, dict[str, Path]]]:
     """Yield (temporary path, name -> file path) of a named temporary output beside `target`
     that other processes can open; renamed to `target` when the block succeeds."""
     if directory:
-        with atomic_directory(target, force=force) as output:
+        with atomic_directory(target, force=force, notify=notify) as output:
             yield output.path, {name: output.path / name for name in names}
     else:
-        with atomic_output(target, force=force, unnamed=False) as handle:
+        with atomic_output(target, force=force, unnamed=False, notify=notify) as handle:
             yield Path(handle.name), {names[0]: Path(handle.name)}
 
 

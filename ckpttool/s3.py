@@ -6,7 +6,7 @@ memory before a byte moves, more than a whole consolidate from local disk. This 
 connection per thread, retries with backoff, region redirects followed. Writes still go
 through s3fs (`storage.remote_output`).
 
-Configuration, in fsspec/s3fs spelling first (`storage.configure`, `--storage-option`), then
+Configuration, in fsspec/s3fs spelling first (the options `storage.location` was given: `--storage-option`), then
 the environment as botocore reads it:
 
 - credentials: `key`/`secret`/`token`; `anon=true` for unsigned requests; `AWS_ACCESS_KEY_ID`,

@@ -10,8 +10,9 @@ cost 64 MB before a byte moves); other protocols, and all writes, by fsspec. Out
 storage are `outputs/`'s.
 
 Credentials and endpoints come from the backend's own configuration (for S3: `AWS_*`
-environment variables, `AWS_ENDPOINT_URL`, `~/.aws`, as `s3.py` lists) plus
-`configure({"key": value})`, which the CLI's `--storage-option key=value` sets.
+environment variables, `AWS_ENDPOINT_URL`, `~/.aws`, as `s3.py` lists) plus the storage options
+given to `location(url, {"key": value})` (the CLI's `--storage-option key=value`), which the
+location, and every path joined under it, carries.
 
 Example:
     >>> root = location("s3://bucket/runs/x/step-100")
@@ -48,7 +49,6 @@ READ_AHEAD = 256 << 10  # a small read (record header, safetensors length) fetch
 CACHED_BLOCKS = 16  # read-ahead blocks kept per reader (4 MiB)
 
 TEXT_OPTIONS = frozenset({"key", "secret", "token", "password", "account_key", "sas_token", "account_name"})  # never decoded: a secret may look like a number
-_options: dict[str, Any] = {}
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -73,37 +73,35 @@ def parse_option(text: str) -> tuple[str, Any]:
     return key, decoded if isinstance(decoded, (bool, int, float, dict, list)) else value
 
 
-def configure(options: Mapping[str, Any]) -> None:
-    """Set the storage options every remote location opened from now on is given (fsspec's
-    `storage_options`, e.g. `endpoint_url`, `key`, `secret`, `client_kwargs`)."""
-    _options.clear()
-    _options.update(options)
-
-
 def is_remote(path: Any) -> bool:
     """True for an object-storage URL (or a `RemotePath`), False for a local path or `file://`."""
     return isinstance(path, RemotePath) or bool(_URL.match(str(path)))
 
 
-def location(path: str | os.PathLike) -> Path | "RemotePath":
-    """Return `path` as a `RemotePath` for a storage URL, else as a local `Path` (`file://` URLs too)."""
+def location(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> Path | "RemotePath":
+    """Return `path` as a `RemotePath` for a storage URL, else as a local `Path` (`file://` URLs too).
+
+    A RemotePath carries `storage_options` (fsspec's, e.g. `endpoint_url`, `key`, `secret`,
+    `client_kwargs`), and so does every path joined under it; a RemotePath passed in is
+    returned as it is, with the options it was made with.
+    """
     if isinstance(path, RemotePath):
         return path
     text = os.fspath(path)
     match = _URL.match(text)
     if match:
-        protocol = match["protocol"]
-        native = _s3_client() if protocol in S3_PROTOCOLS else None
-        fs = None if native is not None else open_filesystem(protocol)  # s3fs only when something is written
+        protocol, options = match["protocol"], dict(storage_options or {})
+        native = _s3_client(options) if protocol in S3_PROTOCOLS else None
+        fs = None if native is not None else open_filesystem(protocol, options)  # s3fs only when something is written
         cls = type(f"{protocol.upper()}Path", (RemotePath,), {"_fs": fs, "_s3": native, "_protocol": protocol,
-                                                              "_listing": _Listing()})
+                                                              "_listing": _Listing(), "_options": options})
         return cls(f"{match['protocol']}:", *(match["key"] or "").strip("/").split("/"))
     match = _FILE_URL.match(text)
     return Path(match["path"]) if match else Path(path)
 
 
 def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """Return the fsspec filesystem for `protocol`, configured by `configure` and `storage_options`;
+    """Return the fsspec filesystem for `protocol`, configured by `storage_options`;
     raise StorageError naming the extra to install when its backend is missing."""
     import fsspec
 
@@ -113,23 +111,23 @@ def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = N
     except ImportError:
         raise StorageError(f"{protocol}:// needs the `{package}` package: pip install 'ckpttool[{extra}]'",
                            "backend-missing") from None
-    return fsspec.filesystem(protocol, **{**_options, **(storage_options or {})})
+    return fsspec.filesystem(protocol, **(storage_options or {}))
 
 
 _s3_clients: dict[str, Any] = {}  # storage options and AWS_* environment -> the S3Client made for them
 
 
-def _s3_client() -> Any:
-    """The `s3.S3Client` of the current storage options and environment (one per setting, so
+def _s3_client(options: Mapping[str, Any]) -> Any:
+    """The `s3.S3Client` of these storage options and the environment (one per setting, so
     every location opened with them shares its connections)."""
     from ckpttool import s3
 
-    setting = json.dumps([_options, {k: v for k, v in os.environ.items() if k.startswith("AWS_")}],
+    setting = json.dumps([options, {k: v for k, v in os.environ.items() if k.startswith("AWS_")}],
                          sort_keys=True, default=str)
     client = _s3_clients.get(setting)
     if client is None:
         try:
-            client = _s3_clients[setting] = s3.S3Client(_options)
+            client = _s3_clients[setting] = s3.S3Client(options)
         except ValueError as error:
             raise StorageError(f"s3://: {error}") from None
     return client
@@ -182,6 +180,7 @@ class RemotePath(PurePosixPath):
     _s3: Any = None  # s3.S3Client for s3://: listings and reads without s3fs
     _protocol = ""
     _listing: _Listing
+    _options: Mapping[str, Any] = {}  # the storage options `location` was given
 
     def __str__(self) -> str:
         return f"{self._protocol}://{self.key}"
@@ -202,7 +201,7 @@ class RemotePath(PurePosixPath):
         """The fsspec filesystem, opened on first use (s3:// reads never need it, writes do)."""
         cls = type(self)
         if cls._fs is None:
-            cls._fs = open_filesystem(self._protocol)
+            cls._fs = open_filesystem(self._protocol, self._options)
         return cls._fs
 
     @property
@@ -282,7 +281,7 @@ class RemotePath(PurePosixPath):
 
     def relative_to(self, other: Any, *more: Any) -> PurePosixPath:  # type: ignore[override]
         """A plain relative path (`.metadata`), not a RemotePath that would print as a URL."""
-        base = other.parts if isinstance(other, PurePosixPath) else location(other).parts
+        base = other.parts if isinstance(other, PurePosixPath) else location(other, self._options).parts
         return PurePosixPath(*self.parts).relative_to(PurePosixPath(*base), *more)
 
     def resolve(self, strict: bool = False) -> "RemotePath":
@@ -400,7 +399,7 @@ def reader(path: RemotePath) -> RangeReader:
 def overlaps(output: Any, source: Any) -> str | None:
     """Return how `output` relates to `source` ("is", "lies inside", "contains") when either is
     remote, compared as URLs; None when they are apart."""
-    out, src = str(location(output)).rstrip("/"), str(location(source)).rstrip("/")
+    out, src = _url(output).rstrip("/"), _url(source).rstrip("/")
     if out == src:
         return "is"
     if out.startswith(src + "/"):
@@ -408,3 +407,15 @@ def overlaps(output: Any, source: Any) -> str | None:
     if src.startswith(out + "/"):
         return "contains"
     return None
+
+
+def _url(path: Any) -> str:
+    """The URL (or local path) `path` names, without opening a client for it."""
+    if isinstance(path, RemotePath):
+        return str(path)
+    text = os.fspath(path)
+    match = _URL.match(text)
+    if match:
+        return f"{match['protocol']}://{(match['key'] or '').strip('/')}"
+    match = _FILE_URL.match(text)
+    return str(Path(match["path"]) if match else Path(text))

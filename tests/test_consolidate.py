@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, assert_same_bytes, flatten
 
+from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool import execute
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.errors import VerificationFailed
@@ -150,7 +151,7 @@ def test_pt_of_every_fixture_loads_with_weights_only_and_is_byte_identical(fixtu
 
 @pytest.mark.parametrize("name", ["fsdp2_world2_adamw", "fsdp2_world3_uneven"])
 def test_all_to_pt_equals_dcp_to_torch_save_with_optimizer_state_and_objects(name, reference, tmp_path):
-    report = consolidate(FIXTURES / name, tmp_path / "everything.pt", everything=True, verify=True)
+    report = consolidate(FIXTURES / name, tmp_path / "everything.pt", convert=ConvertOptions(everything=True), write=WriteOptions(verify=True))
     loaded = torch.load(tmp_path / "everything.pt", weights_only=True)
     assert isinstance(loaded["optim"]["param_groups"], list)  # nested as saved
     assert loaded["extra"] == {"step": 7, "note": "fixture"} or "extra" in loaded
@@ -179,15 +180,15 @@ def test_safetensors_and_zstd_serialised_checkpoints_consolidate_to_the_saved_by
     # a SAFETENSORS-format checkpoint back at all (its FileSystemReader torch.loads every
     # tensor blob: "Unsupported operand 176"); ckpttool reads it
     expected = flatten(state)
-    consolidate(tmp_path / "ckpt", tmp_path / "model.safetensors", verify=True)
+    consolidate(tmp_path / "ckpt", tmp_path / "model.safetensors", write=WriteOptions(verify=True))
     assert_same_state(load_file(tmp_path / "model.safetensors"), model_part(expected))
-    consolidate(tmp_path / "ckpt", tmp_path / "all.pt", everything=True, verify=True)
+    consolidate(tmp_path / "ckpt", tmp_path / "all.pt", convert=ConvertOptions(everything=True), write=WriteOptions(verify=True))
     assert_same_state(flatten(torch.load(tmp_path / "all.pt", weights_only=True)), expected)
     # resharded (to torch_save records), the same bytes come out
     from ckpttool.commands.reshard import reshard
 
-    reshard(tmp_path / "ckpt", tmp_path / "world3", 3, verify=True)
-    consolidate(tmp_path / "world3", tmp_path / "world3.pt", everything=True)
+    reshard(tmp_path / "ckpt", tmp_path / "world3", 3, write=WriteOptions(verify=True))
+    consolidate(tmp_path / "world3", tmp_path / "world3.pt", convert=ConvertOptions(everything=True))
     assert_same_state(flatten(torch.load(tmp_path / "world3.pt", weights_only=True)), expected)
 
 
@@ -195,7 +196,7 @@ def test_safetensors_and_zstd_serialised_checkpoints_consolidate_to_the_saved_by
 def test_trainer_and_spawned_layouts_are_byte_identical_to_torch(name, written, reference, tmp_path):
     checkpoint = written[name]
     expected = model_part(reference(checkpoint))
-    consolidate(checkpoint, tmp_path / "model.safetensors", verify=True)
+    consolidate(checkpoint, tmp_path / "model.safetensors", write=WriteOptions(verify=True))
     assert_same_state(load_file(tmp_path / "model.safetensors"), expected)
     consolidate(checkpoint, tmp_path / "model.pt")
     assert_same_state(torch.load(tmp_path / "model.pt", weights_only=True), expected)
@@ -203,12 +204,12 @@ def test_trainer_and_spawned_layouts_are_byte_identical_to_torch(name, written, 
 
 @pytest.mark.parametrize("name", ["fsdp2_world3_bf16", "hsdp_2x2"])
 def test_trainer_optimizer_state_with_all_equals_torch(name, written, reference, tmp_path):
-    consolidate(written[name], tmp_path / "everything.pt", everything=True)
+    consolidate(written[name], tmp_path / "everything.pt", convert=ConvertOptions(everything=True))
     assert_same_state(flatten(torch.load(tmp_path / "everything.pt", weights_only=True)), reference(written[name]))
 
 
 def test_block_sharding_and_hsdp_replicas_are_planned_as_expected(written):
-    report = consolidate(written["block_tied_buffers"], "unused.safetensors", dry_run=True)
+    report = consolidate(written["block_tied_buffers"], "unused.safetensors", write=WriteOptions(dry_run=True))
     operations = {t.key: t.operations for t in report.plan.tensors}
     assert len(operations["block.weight"]) == 4  # 2x2 blocks, each gathered and scattered
     assert all(isinstance(op, Copy) for op in operations["fc.weight"])
@@ -246,7 +247,7 @@ def test_shards_are_what_huggingface_hub_save_torch_state_dict_writes(reference,
     state = {key: part[key].clone() for key in saved}
     (tmp_path / "hub").mkdir()
     save_torch_state_dict(state, tmp_path / "hub", max_shard_size=1000)
-    consolidate(FIXTURES / "fsdp2_world2", tmp_path / "ours", max_shard_size="1000")
+    consolidate(FIXTURES / "fsdp2_world2", tmp_path / "ours", convert=ConvertOptions(max_shard_size="1000"))
     theirs = sorted(p.name for p in (tmp_path / "hub").iterdir())
     assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == theirs
     for name in theirs:
@@ -271,7 +272,7 @@ def test_all_to_safetensors_refuses_python_objects_and_says_to_write_pt(tmp_path
 
 
 def test_filter_selects_optimizer_tensors_for_safetensors(reference, tmp_path):
-    consolidate(FIXTURES / "fsdp2_world2_adamw", tmp_path / "o.safetensors", everything=True, filters=["optim.state.*"])
+    consolidate(FIXTURES / "fsdp2_world2_adamw", tmp_path / "o.safetensors", convert=ConvertOptions(everything=True, filters=["optim.state.*"]))
     expected = {k: v for k, v in reference(FIXTURES / "fsdp2_world2_adamw").items() if k.startswith("optim.state.")}
     assert_same_state(load_file(tmp_path / "o.safetensors"), expected)
 
@@ -294,7 +295,7 @@ def test_rename_collision_exits_1_and_writes_nothing(tmp_path, cli):
 
 
 def test_dtype_bf16_equals_tensor_to_bfloat16_and_leaves_integers_alone(reference, tmp_path):
-    consolidate(FIXTURES / "fsdp2_world3_uneven", tmp_path / "m.safetensors", dtype="bf16", verify=True)
+    consolidate(FIXTURES / "fsdp2_world3_uneven", tmp_path / "m.safetensors", convert=ConvertOptions(dtype="bf16"), write=WriteOptions(verify=True))
     expected = {
         k: v.to(torch.bfloat16) if v.is_floating_point() else v
         for k, v in model_part(reference(FIXTURES / "fsdp2_world3_uneven")).items()
@@ -303,7 +304,7 @@ def test_dtype_bf16_equals_tensor_to_bfloat16_and_leaves_integers_alone(referenc
 
 
 def test_dtype_map_keeps_norms_in_fp32(reference, tmp_path):
-    consolidate(FIXTURES / "fsdp2_world2", tmp_path / "m.pt", dtype="fp16", dtype_map=["*norm*=fp32"])
+    consolidate(FIXTURES / "fsdp2_world2", tmp_path / "m.pt", convert=ConvertOptions(dtype="fp16", dtype_map=["*norm*=fp32"]))
     loaded = torch.load(tmp_path / "m.pt", weights_only=True)
     assert loaded["layers.0.norm.weight"].dtype == torch.float32
     assert_same_bytes(loaded["layers.0.fc1.weight"], reference(FIXTURES / "fsdp2_world2")["model.layers.0.fc1.weight"].half())
@@ -314,7 +315,7 @@ def test_tied_weights_are_reported_and_drop_tied_keeps_the_embedding(written, tm
     result = cli("consolidate", checkpoint, tmp_path / "both.safetensors", "--quiet")
     assert "tied: lm_head.weight is the same tensor as tok_emb.weight" in result.output
     assert {"lm_head.weight", "tok_emb.weight"} <= set(load_file(tmp_path / "both.safetensors"))
-    report = consolidate(checkpoint, tmp_path / "one.safetensors", drop_tied=True)
+    report = consolidate(checkpoint, tmp_path / "one.safetensors", convert=ConvertOptions(drop_tied=True))
     assert report.dropped == ("lm_head.weight",)
     loaded = load_file(tmp_path / "one.safetensors")
     assert "lm_head.weight" not in loaded and "tok_emb.weight" in loaded
@@ -382,7 +383,7 @@ def test_verify_failure_keeps_nothing(monkeypatch, tmp_path):
 
     monkeypatch.setattr(execute, "copy_range", corrupting_copy)
     with pytest.raises(VerificationFailed, match="differs from the source"):
-        consolidate(FIXTURES / "fsdp2_world2", tmp_path / "m.safetensors", verify=True)
+        consolidate(FIXTURES / "fsdp2_world2", tmp_path / "m.safetensors", write=WriteOptions(verify=True))
     assert list(tmp_path.iterdir()) == []
 
 

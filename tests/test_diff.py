@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
+from ckpttool.options import ConvertOptions
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.diff import diff, overlapping_chunks, slabs
 from ckpttool.numerics import float8_table
@@ -30,7 +31,7 @@ def derived(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("diff")
     reshard(SOURCE, root / "world2", world_size=2)
     consolidate(SOURCE, root / "single" / "model.safetensors")
-    consolidate(SOURCE, root / "hub", max_shard_size="1kB")
+    consolidate(SOURCE, root / "hub", convert=ConvertOptions(max_shard_size="1kB"))
     return {"world2": root / "world2", "safetensors": root / "single" / "model.safetensors", "hub": root / "hub"}
 
 

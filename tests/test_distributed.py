@@ -27,6 +27,7 @@ import pytest
 import torchrun_cases
 from conftest import FIXTURES
 
+from ckpttool.options import ConvertOptions
 from ckpttool import dtypes
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
@@ -127,9 +128,9 @@ KINDS = {  # kind: (OUT name, ckpttool args, one-process call); bf16 splits Conv
     "safetensors": ("model.safetensors", ["consolidate", "{src}", "{out}", "--json"],
                     lambda src, out: consolidate(src, out)),
     "hub": ("hub", ["consolidate", "{src}", "{out}", "--max-shard-size", "1KB", "--json", "--verify"],
-            lambda src, out: consolidate(src, out, max_shard_size="1KB")),
+            lambda src, out: consolidate(src, out, convert=ConvertOptions(max_shard_size="1KB"))),
     "pt": ("everything.pt", ["consolidate", "{src}", "{out}", "--all", "--dtype", "bf16"],
-           lambda src, out: consolidate(src, out, everything=True, dtype="bf16")),
+           lambda src, out: consolidate(src, out, convert=ConvertOptions(everything=True, dtype="bf16"))),
     "reshard": ("world3", ["reshard", "{src}", "{out}", "--world", "3", "--json", "--verify"],
                 lambda src, out: reshard(src, out, world_size=3)),
 }

@@ -22,6 +22,7 @@ import pytest
 
 from conftest import FIXTURES
 
+from ckpttool.options import ConvertOptions
 from ckpttool import io, outputs, testpoints
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
@@ -183,7 +184,7 @@ def test_a_signal_while_reshard_force_removes_the_old_destination_finishes_the_r
 
 def test_a_signal_while_consolidate_force_removes_the_old_shard_directory_finishes_the_removal(tmp_path):
     out = tmp_path / "shards"
-    consolidate(SOURCE, tmp_path / "reference", max_shard_size="1kB")
+    consolidate(SOURCE, tmp_path / "reference", convert=ConvertOptions(max_shard_size="1kB"))
     expected = snapshot(tmp_path / "reference")
     shutil.rmtree(tmp_path / "reference")
     write_previous(out)

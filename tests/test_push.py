@@ -22,6 +22,7 @@ import pytest
 
 from conftest import FIXTURES
 from hub_server import HubServer
+from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.export import export
 from ckpttool.commands.push import push
@@ -69,7 +70,7 @@ def hub(hub_server, tmp_path, monkeypatch) -> HubServer:
 def hub_folder(tmp_path_factory) -> Path:
     """SOURCE as Hub shards of at most 2 kB plus the index, with a config and a model card."""
     folder = tmp_path_factory.mktemp("push") / "hub"
-    consolidate(SOURCE, folder, max_shard_size="2kB")
+    consolidate(SOURCE, folder, convert=ConvertOptions(max_shard_size="2kB"))
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt", "vocab_size": 64}))
     (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
     return folder
@@ -166,7 +167,7 @@ def test_dry_run_lists_files_and_contacts_no_hub(hub, cli, hub_folder, tmp_path,
     if source == "hub-folder":
         expected = sorted((p.name, p.stat().st_size) for p in hub_folder.iterdir())
     else:
-        expected = sorted(export(SOURCE, tmp_path / "planned", dry_run=True).files)
+        expected = sorted(export(SOURCE, tmp_path / "planned", write=WriteOptions(dry_run=True)).files)
     assert [(f["path"], f["bytes"]) for f in document["files"]] == expected
     assert len(hub.requests) == requests and "tester/never" not in hub.repos and staged(tmp_path) == []
     text = cli("push", src, "tester/never", "--dry-run")

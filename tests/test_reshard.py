@@ -24,6 +24,7 @@ import torch
 from conftest import FIXTURE_NAMES, FIXTURES, assert_same_bytes, flatten, tensor_bytes
 from fsdp_loads import LoadJob, load_all, read_reads
 
+from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool.commands.reshard import reshard
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.outputs.temps import TEMP_PREFIX
@@ -251,7 +252,7 @@ def test_resharding_is_deterministic_byte_for_byte(tmp_path):
     # (the same destination: torch records the checkpoint path in the metadata)
     reshard(FIXTURES / "fsdp2_world2_adamw", tmp_path / "out", 3)
     first = {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()}
-    reshard(FIXTURES / "fsdp2_world2_adamw", tmp_path / "out", 3, threads=1, max_memory="1KB", force=True)
+    reshard(FIXTURES / "fsdp2_world2_adamw", tmp_path / "out", 3, write=WriteOptions(threads=1, max_memory="1KB", force=True))
     assert {path.name: path.read_bytes() for path in (tmp_path / "out").iterdir()} == first
 
 
@@ -295,12 +296,12 @@ def test_consolidate_of_resharded_checkpoint_equals_consolidate_of_its_source(tm
 
     for name in ("fsdp2_world2_bf16", "fsdp2_world3_uneven"):
         consolidate(FIXTURES / name, tmp_path / f"{name}-source.safetensors")
-        consolidate(FIXTURES / name, tmp_path / f"{name}-source.pt", everything=True)
+        consolidate(FIXTURES / name, tmp_path / f"{name}-source.pt", convert=ConvertOptions(everything=True))
         for world_size in (1, 4, 5):
             resharded = tmp_path / f"{name}-{world_size}"
             reshard(FIXTURES / name, resharded, world_size)
             consolidate(resharded, tmp_path / f"{name}-{world_size}.safetensors")
-            consolidate(resharded, tmp_path / f"{name}-{world_size}.pt", everything=True)
+            consolidate(resharded, tmp_path / f"{name}-{world_size}.pt", convert=ConvertOptions(everything=True))
             for suffix in (".safetensors", ".pt"):
                 assert (tmp_path / f"{name}-{world_size}{suffix}").read_bytes() == \
                     (tmp_path / f"{name}-source{suffix}").read_bytes(), f"{name} -> {world_size} {suffix}"
@@ -350,7 +351,7 @@ def test_verify_catches_a_byte_that_differs_from_the_source_and_keeps_nothing(mo
 
     monkeypatch.setattr(execute, "write_at", write_at_then_flip_the_first_tensor_byte)
     with pytest.raises(VerificationFailed, match="differs from the source"):
-        reshard(FIXTURES / "fsdp2_world3_uneven", tmp_path / "out", 2, threads=1, verify=True)
+        reshard(FIXTURES / "fsdp2_world3_uneven", tmp_path / "out", 2, write=WriteOptions(threads=1, verify=True))
     assert flipped and list(tmp_path.iterdir()) == []
 
 
@@ -430,7 +431,7 @@ def test_trainer_resumed_from_resharded_checkpoint_has_bit_identical_losses(trai
 
     original = trainer_checkpoints[source_world]
     resharded = tmp_path / "resharded" / original.name  # keep the step-0000000S name
-    reshard(original, resharded, world_size, verify=True)
+    reshard(original, resharded, world_size, write=WriteOptions(verify=True))
     run_trainer(tmp_path / "from-original", "--resume", str(original), nproc=world_size, steps=4)
     run_trainer(tmp_path / "from-resharded", "--resume", str(resharded), nproc=world_size, steps=4)
     expected, got = losses(tmp_path / "from-original"), losses(tmp_path / "from-resharded")

@@ -8,6 +8,7 @@ import pytest
 from conftest import FIXTURES
 
 from ckpttool.checkpoint import Blob, Chunk, Tensor
+from ckpttool.options import WriteOptions
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.errors import CorruptMetadata, UsageError
 from ckpttool.plan.reshard import EVERY_TENSOR_RULE, Mesh, fill_runs, is_sharded, parse_mesh, plan_reshard, sharding_rule
@@ -93,7 +94,7 @@ def test_dry_run_text_lists_the_rule_and_every_target_rank(tmp_path):
     from ckpttool import render
     from ckpttool.commands.reshard import reshard
 
-    text = render.reshard_text(reshard(FIXTURES / "fsdp2_world2", tmp_path / "out", 3, dry_run=True))
+    text = render.reshard_text(reshard(FIXTURES / "fsdp2_world2", tmp_path / "out", 3, write=WriteOptions(dry_run=True)))
     lines = text.splitlines()
     assert lines[0].startswith("reshard to 3 ranks (mesh 3): 16 tensors (14 sharded, 2 whole)")
     assert lines[1].startswith("  rule: source")

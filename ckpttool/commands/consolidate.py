@@ -1,10 +1,11 @@
 """`consolidate`: export a sharded checkpoint to one full state dict, streaming.
 
-The pipeline: read `.metadata` -> integrity gate -> choose keys (`plan.consolidate.select`)
--> locate the chosen chunks' raw bytes, find tied pairs, decode python objects for a .pt
-(the only reads before writing: record headers and, for ties, candidate bytes) -> plan
-(`plan_consolidate`, pure) -> `execute.run` into atomic outputs -> .pt zip records ->
-optional `--verify` -> fsync and rename. Memory holds only the buffers of running operations:
+The pipeline, in two steps that export shares: `plan_output` reads `.metadata` -> integrity
+gate -> choose keys (`plan.consolidate.select`) -> locate the chosen chunks' raw bytes, find
+tied pairs, decode python objects for a .pt (the only reads before writing: record headers
+and, for ties, candidate bytes) -> plan (`plan_consolidate`, pure) = a `Planned` value; then
+`write_output` runs it: `execute.run` into atomic outputs -> .pt zip records -> optional
+`--verify` -> fsync and rename. Memory holds only the buffers of running operations:
 FSDP's dim-0 chunks move with `copy_file_range` and never enter user space.
 """
 
@@ -15,24 +16,23 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ckpttool import distributed, dtypes, execute, integrity, io, readers, storage
+from ckpttool import distributed, execute, integrity, io, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
 from ckpttool.integrity import Problem
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size, write_at
-from ckpttool.keys import KeyRules, Rename
+from ckpttool.io import parse_size, write_at
+from ckpttool.keys import KeyRules
 from ckpttool.model_view import ModelView, find_model
+from ckpttool.options import ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.outputs import atomic_directory, atomic_output, check_destination, refuse_overlap
 from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, select
 from ckpttool.readers.detect import LIGHTNING, LIGHTNING_METADATA
 from ckpttool.torchsave import ptfile
-
-DTYPE_CHOICES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # Known tied pairs (embedding <-> output projection): transformers' `_tied_weights_keys`
 # names the head side, which the Hub convention drops from the file.
@@ -87,97 +87,91 @@ def output_format(out: Path, max_shard_size: str | int | None) -> OutputFormat:
     return OutputFormat("safetensors", True, size)
 
 
-def parse_dtype(name: str, option: str = "--dtype") -> str:
-    """Return the torch dtype name for `bf16|fp16|fp32` (or a torch spelling of them)."""
-    try:
-        canonical = dtypes.canonical(name.lower())
-    except KeyError:
-        canonical = None
-    if canonical not in DTYPE_CHOICES.values():
-        raise UsageError(f"{option} {name!r}: choose one of {', '.join(DTYPE_CHOICES)}")
-    return canonical
+@dataclass(frozen=True)
+class Planned:
+    """What consolidate's planning step found: the source read once and past the gate, the
+    model found, the entries chosen and located, and the plan (no output byte written yet)."""
 
-
-def parse_dtype_map(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """Return (glob, dtype) pairs from `GLOB=DTYPE` strings."""
-    pairs = []
-    for item in items:
-        glob, separator, name = item.rpartition("=")
-        if not separator or not glob:
-            raise UsageError(f"--dtype-map {item!r}: expected 'GLOB=DTYPE', e.g. '*norm*=fp32'")
-        pairs.append((glob, parse_dtype(name, "--dtype-map")))
-    return tuple(pairs)
+    checkpoint: Checkpoint
+    layout: str  # what readers.detect found, described
+    view: ModelView
+    rules: KeyRules
+    kind: OutputFormat
+    plan: ConsolidatePlan
+    problems: tuple[Problem, ...]  # the integrity gate's warnings
 
 
 def consolidate(
     src: str | os.PathLike,
     out: str | os.PathLike,
-    *,
-    everything: bool = False,
-    filters: Sequence[str] = (),
-    keep_keys: bool = False,
-    renames: Sequence[str] = (),
-    dtype: str | None = None,
-    dtype_map: Sequence[str] = (),
-    drop_tied: bool = False,
-    max_shard_size: str | int | None = None,
-    max_memory: str | int = DEFAULT_MAX_MEMORY,
-    threads: int = DEFAULT_THREADS,
-    force: bool = False,
-    dry_run: bool = False,
-    verify: bool = False,
-    follow_symlinks: bool = False,
-    progress: ProgressFactory | None = None,
-    model_prefix: str | None = None,
+    convert: ConvertOptions = ConvertOptions(),
+    write: WriteOptions = WriteOptions(),
+    source: SourceOptions = SourceOptions(),
 ) -> ConsolidateReport:
     """Return a report after writing the checkpoint at `src` as one full state dict at `out`.
 
     `out` ending in `.safetensors` is one file; `.pt`/`.bin` a torch.save nested dict; any
     other path a directory of `model-0000K-of-0000N.safetensors` shards plus
     `model.safetensors.index.json` (huggingface_hub's layout; one shard is `model.safetensors`).
-    Model weights only, keys as `model.state_dict()` names them, unless `everything`; the
-    model is found from the checkpoint's structure (`model_view.find_model`) unless
-    `model_prefix` names its subtree (`""`: the top level).
-    Nothing is left at `out` unless the whole export (and `verify`) succeeded.
+    Model weights only, keys as `model.state_dict()` names them, unless `convert.everything`;
+    the model is found from the checkpoint's structure (`model_view.find_model`) unless
+    `source.model_prefix` names its subtree (`""`: the top level).
+    Nothing is left at `out` unless the whole export (and `write.verify`) succeeded.
 
     Example:
-        >>> consolidate("ckpt/step-00000100", "model.safetensors", dtype="bf16").tensor_bytes
+        >>> consolidate("ckpt/step-00000100", "model.safetensors", ConvertOptions(dtype="bf16")).tensor_bytes
         1048576
     """
     started = time.perf_counter()
-    target = storage.location(out)
-    kind = output_format(target, max_shard_size)
-    budget = parse_size(max_memory)
-    rules = KeyRules(everything, not keep_keys, tuple(Rename.parse(r) for r in renames), tuple(filters))
-    default_dtype = parse_dtype(dtype) if dtype else None
-    per_key_dtype = parse_dtype_map(dtype_map)
+    target = source.locate(out)
+    kind = output_format(target, convert.max_shard_size)
     refuse_overlap(target, src)
-    if not dry_run:
-        check_destination(target, force)
-    detection, checkpoint = readers.read(src, follow_symlinks)
-    warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
-    view = find_model(checkpoint, model_prefix)
-    selection = select(checkpoint, view, rules, kind)
-    with DataFiles(checkpoint.path, follow_symlinks) as files:
+    if not write.dry_run:
+        check_destination(target, write.force, write.notify)
+    planned = plan_output(src, target.name, kind, convert, source, write.threads)
+    written, processes = write_output(planned, target, write, source) if not write.dry_run else ((), ())
+    return report_of(planned, target, written, processes, write.verify and not write.dry_run, write.dry_run,
+                     time.perf_counter() - started)
+
+
+def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: ConvertOptions,
+                source: SourceOptions, threads: int) -> Planned:
+    """Return consolidate's plan of `src` written as `kind` (`name`: the output's file name):
+    read the source once, gate it, choose the entries, locate their bytes, find ties, plan."""
+    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
+    warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
+    view = find_model(checkpoint, source.model_prefix)
+    selection = select(checkpoint, view, convert.rules, kind)
+    with DataFiles(checkpoint.path, source.follow_symlinks) as files:
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
         located = execute.locate_chunks(files, tensors.values(), threads)
         objects = load_objects(checkpoint, files, selection.objects) if kind.kind == "torch" else {}
-        if everything and kind.kind == "torch" and detection.layout == LIGHTNING:
+        if convert.everything and kind.kind == "torch" and detection.layout == LIGHTNING:
             selection, objects = with_lightning_metadata(selection, objects, files, checkpoint.path)
         plan = plan_consolidate(
-            checkpoint, selection, located, name=target.name, kind=kind, dtype=default_dtype,
-            dtype_map=per_key_dtype, ties=find_ties(files, tensors, located), drop_tied=drop_tied, objects=objects,
+            checkpoint, selection, located, name=name, kind=kind, dtype=convert.cast, dtype_map=convert.cast_map,
+            ties=find_ties(files, tensors, located), drop_tied=convert.drop_tied, objects=objects,
         )
-        written: tuple[Path, ...] = ()
-        processes: tuple[ProcessStats, ...] = ()
-        if not dry_run:
-            written, processes = _write(plan, files, target, force, kind, budget, threads, verify, progress or no_progress)
+    return Planned(checkpoint, detection.describe(), view, convert.rules, kind, plan, warnings)
+
+
+def write_output(planned: Planned, target: Path, write: WriteOptions,
+                 source: SourceOptions) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
+    """Return the files written at `target` by running `planned`'s plan, and what each process wrote."""
+    with DataFiles(planned.checkpoint.path, source.follow_symlinks) as files:
+        return _write(planned.plan, files, target, planned.kind, write)
+
+
+def report_of(planned: Planned, target: Path, written: tuple[Path, ...], processes: tuple[ProcessStats, ...],
+              verified: bool, dry_run: bool, seconds: float) -> ConsolidateReport:
+    """Return the report of `planned` written (or not, with `dry_run`) at `target`."""
+    plan = planned.plan
     return ConsolidateReport(
-        source=checkpoint.path, output=target, format=plan.format, files=written, tensors=len(plan.tensors),
-        objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=time.perf_counter() - started,
-        plan=plan, ties=plan.ties, dropped=plan.dropped, dry_run=dry_run, verified=verify and not dry_run,
-        layout=detection.describe(), selected=selection_text(view, rules), model_view=view,
-        problems=warnings, processes=processes,
+        source=planned.checkpoint.path, output=target, format=plan.format, files=written, tensors=len(plan.tensors),
+        objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=seconds, plan=plan, ties=plan.ties,
+        dropped=plan.dropped, dry_run=dry_run, verified=verified, layout=planned.layout,
+        selected=selection_text(planned.view, planned.rules), model_view=planned.view,
+        problems=planned.problems, processes=processes,
     )
 
 
@@ -253,28 +247,29 @@ def load_objects(checkpoint: Checkpoint, files: DataFiles, keys: dict[str, str])
     return values
 
 
-def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, kind: OutputFormat, budget: int,
-           threads: int, verify: bool, progress: ProgressFactory) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
+def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, kind: OutputFormat,
+           write: WriteOptions) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
     started = time.perf_counter()
     names = [f.name for f in plan.files]
     written = tuple(target / name for name in names + ([plan.index_name] if plan.index_name else []))
-    streamed = not verify and not plan.zip_layouts  # written in order, never read back
+    streamed = not write.verify and not plan.zip_layouts  # written in order, never read back
     try:
         if distributed.active() is not None:  # under torchrun: every process writes a share
             processes = distributed.write(
-                sorted(plan.operations, key=execute.first_offset), target, names, directory=kind.sharded, force=force,
+                sorted(plan.operations, key=execute.first_offset), target, names, directory=kind.sharded, force=write.force,
                 prepare=lambda fds: _prepare_outputs(plan, fds),
-                run_share=lambda operations, fds: _run(plan, operations, files, fds, budget, threads, verify, progress),
+                run_share=lambda operations, fds: _run(plan, operations, files, fds, write),
                 finish=lambda temp, fds: _finish(plan, fds, temp if kind.sharded else None), streamed=streamed,
+                notify=write.notify,
             )
             return (written if kind.sharded else (target,)), processes
         if not kind.sharded:
-            with atomic_output(target, force=force, streamed=streamed) as handle:
-                _fill(plan, files, {plan.files[0].name: io.writable(handle)}, budget, threads, verify, progress)
+            with atomic_output(target, force=write.force, streamed=streamed, notify=write.notify) as handle:
+                _fill(plan, files, {plan.files[0].name: io.writable(handle)}, write)
         else:
-            with atomic_directory(target, force=force, streamed=streamed) as output:
+            with atomic_directory(target, force=write.force, streamed=streamed, notify=write.notify) as output:
                 with output.opened(names) as fds:
-                    _fill(plan, files, fds, budget, threads, verify, progress)
+                    _fill(plan, files, fds, write)
                 if plan.index is not None:
                     execute.write_file(output.path / plan.index_name, plan.index)
         moved = sum(op.output_length for op in plan.operations)
@@ -283,10 +278,9 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, force: bool, k
         raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left at the destination") from None
 
 
-def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], budget: int, threads: int, verify: bool,
-          progress: ProgressFactory) -> None:
+def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], write: WriteOptions) -> None:
     _prepare_outputs(plan, fds)
-    _run(plan, sorted(plan.operations, key=execute.first_offset), files, fds, budget, threads, verify, progress)
+    _run(plan, sorted(plan.operations, key=execute.first_offset), files, fds, write)
     _finish(plan, fds, None)
 
 
@@ -297,19 +291,19 @@ def _prepare_outputs(plan: ConsolidatePlan, fds: dict[str, int]) -> None:
             write_at(fds[output.name], output.head, 0)
 
 
-def _run(plan: ConsolidatePlan, operations: list, files: DataFiles, fds: dict[str, int], budget: int, threads: int,
-         verify: bool, progress: ProgressFactory) -> None:
+def _run(plan: ConsolidatePlan, operations: list, files: DataFiles, fds: dict[str, int], write: WriteOptions) -> None:
     """Write `operations` (all of the plan's, or this process's share) and optionally verify them."""
     total = sum(op.output_length for op in operations)
-    with progress("consolidate", total) as bar:
+    threads, budget = write.threads, write.max_memory
+    with write.progress("consolidate", total) as bar:
         execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update)
-    if verify:
+    if write.verify:
         def describe(op) -> str:  # by output position: a process's share holds parts of operations
             at = execute.first_offset(op)
             where = next((t for t in plan.tensors if t.file == op.dst and t.offset <= at < t.offset + max(1, t.nbytes)), None)
             return f"{where.file}: {where.key} (from {where.fqn})" if where else f"{op.dst}: byte {at}"
 
-        with progress("verify", total) as bar:
+        with write.progress("verify", total) as bar:
             execute.verify(operations, files, fds, threads=threads, max_memory=budget, describe=describe,
                            on_done=bar.update)
 

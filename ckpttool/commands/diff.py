@@ -38,6 +38,7 @@ from ckpttool.io import ProgressFactory, no_progress
 from ckpttool.keys import Rename, normalise
 from ckpttool.layout import Box, intersect, row_major_runs, volume
 from ckpttool.model_view import ModelView, find_model
+from ckpttool.options import SourceOptions
 from ckpttool.readers import open_checkpoint
 from ckpttool.torchsave.archive import tensor_bytes
 
@@ -170,11 +171,10 @@ def diff(
     renames_b: Sequence[str] = (),
     atol: float | None = None,
     rtol: float | None = None,
-    follow_symlinks: bool = False,
     block_size: int = BLOCK_SIZE,
     progress: ProgressFactory | None = None,
     exact_names: bool = False,
-    model_prefix: str | None = None,
+    source: SourceOptions = SourceOptions(),
 ) -> DiffReport:
     """Return what differs between the checkpoints at `a` and `b`, reading every tensor byte
     of the entries both hold (each side passes the integrity gate first).
@@ -185,7 +185,7 @@ def diff(
     file is all model), `filters` globs on the fqn or the key of either side. Given none of
     these, when the names do not meet but the model views do (a checkpoint against its
     consolidation or Hub export), the model views are compared (`model_views` says so) unless
-    `exact_names`. `model_prefix` names the model subtree of each side whose layout does not
+    `exact_names`. `source.model_prefix` names the model subtree of each side whose layout does not
     fix it (a weights file's model is its top level).
 
     Example:
@@ -193,17 +193,12 @@ def diff(
         'identical'
     """
     started = time.perf_counter()
-    unknown = sorted(set(only) - set(GROUPS))
-    if unknown:
-        raise UsageError(f"--only {unknown[0]!r}: choose from {', '.join(GROUPS)}")
-    for name, value in (("--atol", atol), ("--rtol", rtol)):
-        if value is not None and not value >= 0:
-            raise UsageError(f"{name} {value}: must be a number >= 0")
-    if block_size < 16 or block_size % 16:
-        raise UsageError(f"block size {block_size}: must be a positive multiple of 16 bytes")
+    _check_options(only, atol, rtol, block_size)
     shared = tuple(Rename.parse(r) for r in renames)
     rules_a, rules_b = shared + tuple(Rename.parse(r) for r in renames_a), shared + tuple(Rename.parse(r) for r in renames_b)
-    checkpoint_a, checkpoint_b = open_checkpoint(a, follow_symlinks), open_checkpoint(b, follow_symlinks)
+    follow_symlinks, model_prefix = source.follow_symlinks, source.model_prefix
+    checkpoint_a = open_checkpoint(source.locate(a), follow_symlinks)
+    checkpoint_b = open_checkpoint(source.locate(b), follow_symlinks)
     warnings_a = tuple(integrity.gate(checkpoint_a, follow_symlinks).problems)
     warnings_b = tuple(integrity.gate(checkpoint_b, follow_symlinks).problems)
     view_a, view_b = (find_model(c, model_prefix if c.model_prefix is None else None) for c in (checkpoint_a, checkpoint_b))
@@ -222,17 +217,7 @@ def diff(
     if not normalize and model_views is None and keys_a and keys_b and not common:
         hint = _normalize_hint(checkpoint_a, checkpoint_b, rules_a, rules_b, tuple(only), tuple(filters), view_a, view_b)
 
-    mismatches, pairs, object_pairs = [], [], []
-    for key in common:
-        entry_a, entry_b = _entry(checkpoint_a, keys_a[key]), _entry(checkpoint_b, keys_b[key])
-        found = _mismatch(key, entry_a, entry_b)
-        if found:
-            mismatches.append(found)
-        elif isinstance(entry_a, Tensor):
-            pairs.append((key, entry_a, entry_b))
-        else:
-            object_pairs.append((key, entry_a, entry_b))
-
+    mismatches, pairs, object_pairs = _pairs(common, checkpoint_a, checkpoint_b, keys_a, keys_b)
     tolerance = (atol or 0.0, rtol or 0.0) if atol is not None or rtol is not None else None
     with DataFiles(checkpoint_a.path, follow_symlinks) as files_a, DataFiles(checkpoint_b.path, follow_symlinks) as files_b:
         side_a, side_b = _Side(files_a), _Side(files_b)
@@ -250,6 +235,33 @@ def diff(
         seconds=time.perf_counter() - started, problems_a=warnings_a, problems_b=warnings_b, hint=hint,
         model_views=model_views,
     )
+
+
+def _check_options(only: Sequence[str], atol: float | None, rtol: float | None, block_size: int) -> None:
+    unknown = sorted(set(only) - set(GROUPS))
+    if unknown:
+        raise UsageError(f"--only {unknown[0]!r}: choose from {', '.join(GROUPS)}")
+    for name, value in (("--atol", atol), ("--rtol", rtol)):
+        if value is not None and not value >= 0:
+            raise UsageError(f"{name} {value}: must be a number >= 0")
+    if block_size < 16 or block_size % 16:
+        raise UsageError(f"block size {block_size}: must be a positive multiple of 16 bytes")
+
+
+def _pairs(common: Sequence[str], checkpoint_a: Checkpoint, checkpoint_b: Checkpoint, keys_a: dict[str, str],
+           keys_b: dict[str, str]) -> tuple[list, list, list]:
+    """Return (mismatched entries, tensor pairs, object pairs) of the keys both sides hold."""
+    mismatches, pairs, object_pairs = [], [], []
+    for key in common:
+        entry_a, entry_b = _entry(checkpoint_a, keys_a[key]), _entry(checkpoint_b, keys_b[key])
+        found = _mismatch(key, entry_a, entry_b)
+        if found:
+            mismatches.append(found)
+        elif isinstance(entry_a, Tensor):
+            pairs.append((key, entry_a, entry_b))
+        else:
+            object_pairs.append((key, entry_a, entry_b))
+    return mismatches, pairs, object_pairs
 
 
 def entry_keys(checkpoint: Checkpoint, normalize: bool, renames: Sequence[Rename] = (),

@@ -1,12 +1,13 @@
 """`export`: a checkpoint as a folder `transformers` and the Hugging Face Hub accept.
 
-The pipeline: plan the weights with consolidate (a dry run: metadata only) -> read the
-assets' `config.json` (or the trainer's stored `train.config`) -> check the planned keys and
-shapes against what the config's architecture expects (and a reference index's key set) ->
-lay out every other file (config.json with the written dtype, generation and tokenizer
-files, the model card) -> in one temporary directory, consolidate writes the weights (the
-same streaming, byte-exact copy, `{"format": "pt"}` headers, shards + index or one
-`model.safetensors`), the other files join them -> rename into place. A refused check
+The pipeline: plan the weights once with consolidate's planning step (`plan_output`: the
+source read once, gated, selected, located; no byte written) -> read the assets'
+`config.json` (or the trainer's stored `train.config`) -> check the planned keys and shapes
+against what the config's architecture expects (and a reference index's key set) -> lay out
+every other file (config.json with the written dtype, generation and tokenizer files, the
+model card) -> in one temporary directory, consolidate's writing step (`write_output`) runs
+that same plan (the streaming, byte-exact copy, `{"format": "pt"}` headers, shards + index or
+one `model.safetensors`), the other files join them -> rename into place. A refused check
 writes nothing.
 
 Example:
@@ -26,18 +27,23 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from ckpttool import __version__, readers
+from dataclasses import replace
+
+from ckpttool import __version__
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.commands.consolidate import ConsolidateReport, consolidate, load_objects
+from ckpttool.commands.consolidate import (ConsolidateReport, Planned, load_objects, output_format, plan_output,
+                                           report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CorruptMetadata, InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.execute import write_file
 from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
 from ckpttool.formats.safetensors import SUFFIX
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, parse_size
+from ckpttool.io import parse_size
+from ckpttool.options import ConvertOptions, SourceOptions, WriteOptions
+from ckpttool.plan.consolidate import ConsolidatePlan
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.readers.hub_folder import INDEX_FILENAME
 from ckpttool.readers.safetensors import read_index
@@ -89,66 +95,93 @@ class ExportReport:
 def export(
     src: str | os.PathLike,
     outdir: str | os.PathLike,
-    *,
     assets: str | os.PathLike | None = None,
-    dtype: str | None = None,
-    max_shard_size: str | int | None = None,
-    drop_tied: bool = False,
-    renames: Sequence[str] = (),
-    max_memory: str | int = DEFAULT_MAX_MEMORY,
-    threads: int = DEFAULT_THREADS,
-    force: bool = False,
-    dry_run: bool = False,
-    verify: bool = False,
-    follow_symlinks: bool = False,
-    progress: ProgressFactory | None = None,
-    model_prefix: str | None = None,
+    convert: ConvertOptions = ConvertOptions(),
+    write: WriteOptions = WriteOptions(),
+    source: SourceOptions = SourceOptions(),
 ) -> ExportReport:
     """Return a report after writing `src` as a Hub model folder at `outdir`.
 
-    Weights as consolidate writes a directory; `assets` (a folder with config.json,
-    generation_config.json, tokenizer files) are copied, and its config decides the check:
-    a transformers Llama/Mistral/Qwen2 config must match every key and shape, a
-    `model.safetensors.index.json` beside it every key. A tied config writes one copy of
-    the tied pair. Raises InvalidCheckpoint (`config-mismatch`) and writes nothing when the
-    weights disagree.
+    Weights as consolidate writes a directory (`convert`: dtype, max_shard_size, drop_tied,
+    renames); `assets` (a folder with config.json, generation_config.json, tokenizer files)
+    are copied, and its config decides the check: a transformers Llama/Mistral/Qwen2 config
+    must match every key and shape, a `model.safetensors.index.json` beside it every key. A
+    tied config writes one copy of the tied pair. Raises InvalidCheckpoint
+    (`config-mismatch`) and writes nothing when the weights disagree.
 
     Example:
-        >>> export("ckpt/step-00000010", "out/", assets="config/", dtype="bf16").dtype
+        >>> export("ckpt/step-00000010", "out/", "config/", ConvertOptions(dtype="bf16")).dtype
         'bfloat16'
     """
     started = time.perf_counter()
-    target = Path(outdir)
+    target = source.locate(outdir)  # a URL carries the storage options to the upload
+    asset_dir = _check_arguments(target, assets, convert)
+    if not write.dry_run:
+        check_destination(target, write.force, write.notify)
+    config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
+    tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
+    weights_convert = replace(convert, max_shard_size=convert.shard_bytes or parse_size(hub.DEFAULT_MAX_SHARD_SIZE),
+                              drop_tied=convert.drop_tied or tied)
+    kind = output_format(target, weights_convert.max_shard_size)
+    refuse_overlap(target, src)
+    planned = plan_output(src, target.name, kind, weights_convert, source, write.threads)  # the source is read once, here
+    plan, checkpoint = planned.plan, planned.checkpoint
+    extras = _trainer_entries(checkpoint, source.follow_symlinks)
+    shapes = {t.key: t.shape for t in plan.tensors}
+    oversized = [f for f in plan.files if f.size > HUB_MAX_FILE_SIZE]
+    if oversized:
+        raise UsageError(f"{target / oversized[0].name}: {oversized[0].size} bytes, over the Hub's 50GB per-file limit "
+                         f"(one tensor larger than that cannot be uploaded)")
+    config, config_from, checked, notes = _check_config(config, asset_dir, extras, checkpoint, plan, shapes)
+    written_dtype = _written_dtype(plan)
+    documents: dict[str, bytes] = {}
+    if config is not None:
+        config = {**config, "torch_dtype": written_dtype, "dtype": written_dtype}
+        # transformers' PretrainedConfig.to_json_string: indent 2, sorted keys, a final newline
+        documents[CONFIG_FILENAME] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    copied = [name for name in ASSET_FILES if asset_dir is not None and (asset_dir / name).exists()]
+    step = _step(extras, checkpoint.path)
+    weight_files = tuple((f.name, f.size) for f in plan.files) + (
+        ((plan.index_name, len(plan.index)),) if plan.index_name else ())
+    documents[CARD_FILENAME] = model_card(_card(src, assets, convert, planned, step, written_dtype, config,
+                                                weight_files)).encode()
+    files = weight_files + tuple((name, _size(asset_dir / name)) for name in copied) + tuple(
+        (name, len(data)) for name, data in documents.items())
+    weights = report_of(planned, target, (), (), False, True, 0.0)
+    if not write.dry_run:
+        weights = _write_folder(planned, target, write, source, weight_files, asset_dir, copied, documents)
+    return ExportReport(
+        source=checkpoint.path, output=target, files=files, weights=weights, dtype=written_dtype,
+        parameters=sum(_numel(t.shape) for t in plan.tensors), step=step, config=config_from, checked=checked,
+        assets=tuple(copied), dry_run=write.dry_run, seconds=time.perf_counter() - started, notes=tuple(notes),
+    )
+
+
+def _check_arguments(target: Path, assets: str | os.PathLike | None, convert: ConvertOptions) -> Path | None:
+    """Refuse a file name for the folder, shards over the Hub's limit, a missing or overlapping
+    assets folder; return the assets folder."""
     if target.suffix.lower() in (SUFFIX, *ptfile.SUFFIXES):
         raise UsageError(f"{target}: export writes a folder; give a directory name (or use `ckpttool consolidate`)")
-    shard_size = parse_size(max_shard_size if max_shard_size is not None else hub.DEFAULT_MAX_SHARD_SIZE)
+    shard_size = convert.shard_bytes if convert.shard_bytes is not None else parse_size(hub.DEFAULT_MAX_SHARD_SIZE)
     if shard_size > HUB_MAX_FILE_SIZE:
-        raise UsageError(f"--max-shard-size {max_shard_size}: the Hub refuses files over 50GB; choose at most 50GB")
+        raise UsageError(f"--max-shard-size {convert.max_shard_size}: the Hub refuses files over 50GB; choose at most 50GB")
     asset_dir = Path(assets) if assets is not None else None
     if asset_dir is not None:
         if not asset_dir.is_dir():
             raise UsageError(f"--assets {asset_dir}: not a directory")
         refuse_overlap(target, asset_dir)
-    if not dry_run:
-        check_destination(target, force)
+    return asset_dir
 
-    config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
-    tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
-    options = dict(dtype=dtype, max_shard_size=shard_size, drop_tied=drop_tied or tied, renames=renames,
-                   max_memory=max_memory, threads=threads, follow_symlinks=follow_symlinks, model_prefix=model_prefix)
-    planned = consolidate(src, target, dry_run=True, **options)
-    detection, checkpoint = readers.read(src, follow_symlinks)
-    extras = _trainer_entries(checkpoint, follow_symlinks)
-    shapes = {t.key: t.shape for t in planned.plan.tensors}
-    oversized = [f for f in planned.plan.files if f.size > HUB_MAX_FILE_SIZE]
-    if oversized:
-        raise UsageError(f"{target / oversized[0].name}: {oversized[0].size} bytes, over the Hub's 50GB per-file limit "
-                         f"(one tensor larger than that cannot be uploaded)")
 
+def _check_config(config: dict[str, Any] | None, asset_dir: Path | None, extras: Mapping[str, Any],
+                  checkpoint: Checkpoint, plan: ConsolidatePlan,
+                  shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, Any] | None, str | None, str, list[str]]:
+    """Return (config, where it came from, what was checked, notes): the assets' config, else
+    the trainer's stored one, checked against the planned keys and shapes."""
     notes, checked, config_from = [], "nothing (no config)", None
     if config is not None:
         config_from = str(asset_dir / CONFIG_FILENAME)
-        _check_tie(config, planned, shapes)
+        _check_tie(config, plan, shapes)
         checked = check_against_config(config, shapes, asset_dir / CONFIG_FILENAME)
     elif TRAINER_CONFIG in extras:
         config = trainer_hf_config(json.loads(extras[TRAINER_CONFIG]), shapes)
@@ -158,48 +191,47 @@ def export(
         notes.append("no config.json written: no --assets given and the checkpoint stores no trainer config")
     if asset_dir is not None and (asset_dir / INDEX_FILENAME).exists():
         checked += "; " + _check_index_keys(read_index(asset_dir / INDEX_FILENAME), shapes, asset_dir / INDEX_FILENAME)
+    return config, config_from, checked, notes
 
-    written_dtype = _written_dtype(planned)
-    documents: dict[str, bytes] = {}
-    if config is not None:
-        config = {**config, "torch_dtype": written_dtype, "dtype": written_dtype}
-        # transformers' PretrainedConfig.to_json_string: indent 2, sorted keys, a final newline
-        documents[CONFIG_FILENAME] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
-    copied = [name for name in ASSET_FILES if asset_dir is not None and (asset_dir / name).exists()]
-    step = _step(extras, checkpoint.path)
-    weight_files = tuple((f.name, f.size) for f in planned.plan.files) + (
-        ((planned.plan.index_name, len(planned.plan.index)),) if planned.plan.index_name else ())
-    parameters = sum(_numel(t.shape) for t in planned.plan.tensors)
+
+def _card(src: str | os.PathLike, assets: str | os.PathLike | None, convert: ConvertOptions, planned: Planned,
+          step: int | None, written_dtype: str, config: Mapping[str, Any] | None,
+          weight_files: tuple[tuple[str, int], ...]) -> CardFacts:
+    plan = planned.plan
     architectures = config.get("architectures") if config else None
-    card = CardFacts(
-        source=str(src), layout=detection.describe(), step=step, dtype=written_dtype, parameters=parameters,
-        tensors=tuple(CardTensor(t.key, t.dtype, t.shape, t.nbytes) for t in planned.plan.tensors),
-        files=weight_files, command=_command_line(src, assets, dtype, max_shard_size, drop_tied, renames),
+    return CardFacts(
+        source=str(src), layout=planned.layout, step=step, dtype=written_dtype,
+        parameters=sum(_numel(t.shape) for t in plan.tensors),
+        tensors=tuple(CardTensor(t.key, t.dtype, t.shape, t.nbytes) for t in plan.tensors),
+        files=weight_files, command=_command_line(src, assets, convert),
         version=__version__, architecture=(architectures or [config.get("model_type") if config else None])[0],
         library="transformers" if config and config.get("model_type") not in (None, TRAINER_MODEL_TYPE) else None,
     )
-    documents[CARD_FILENAME] = model_card(card).encode()
-    files = weight_files + tuple((name, _size(asset_dir / name)) for name in copied) + tuple(
-        (name, len(data)) for name, data in documents.items())
-    weights = planned
-    if not dry_run:
-        try:
-            with atomic_directory(target, force=force) as output:
-                weights = consolidate(src, output.path / _WEIGHTS_DIRECTORY, verify=verify, progress=progress, **options)
-                for name, _ in weight_files:
-                    os.rename(output.path / _WEIGHTS_DIRECTORY / name, output.path / name)
-                os.rmdir(output.path / _WEIGHTS_DIRECTORY)
-                for name in copied:
-                    _copy_regular(asset_dir / name, output.path / name)
-                for name, data in documents.items():
-                    write_file(output.path / name, data)
-        except OSError as error:
-            raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left there") from None
-    return ExportReport(
-        source=checkpoint.path, output=target, files=files, weights=weights, dtype=written_dtype,
-        parameters=parameters, step=step, config=config_from, checked=checked, assets=tuple(copied),
-        dry_run=dry_run, seconds=time.perf_counter() - started, notes=tuple(notes),
-    )
+
+
+def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: SourceOptions,
+                  weight_files: tuple[tuple[str, int], ...], asset_dir: Path | None, copied: list[str],
+                  documents: dict[str, bytes]) -> ConsolidateReport:
+    """Write the planned weights, the copied assets and the documents into one temporary
+    directory renamed to `target`; return the weights' report."""
+    started = time.perf_counter()
+    try:
+        with atomic_directory(target, force=write.force, notify=write.notify) as output:
+            weights_at = output.path / _WEIGHTS_DIRECTORY
+            inner = replace(write, force=False)  # a fresh directory inside the temporary one
+            written, processes = write_output(planned, weights_at, inner, source)
+            weights = report_of(planned, weights_at, written, processes, write.verify, False,
+                                time.perf_counter() - started)
+            for name, _ in weight_files:
+                os.rename(output.path / _WEIGHTS_DIRECTORY / name, output.path / name)
+            os.rmdir(output.path / _WEIGHTS_DIRECTORY)
+            for name in copied:
+                _copy_regular(asset_dir / name, output.path / name)
+            for name, data in documents.items():
+                write_file(output.path / name, data)
+    except OSError as error:
+        raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left there") from None
+    return weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,11 +321,11 @@ def _check_index_keys(weight_map: Mapping[str, str], shapes: Mapping[str, tuple[
     return f"the key set of {where.name} ({len(weight_map)} keys)"
 
 
-def _check_tie(config: Mapping[str, Any], planned: ConsolidateReport, shapes: Mapping[str, tuple]) -> None:
+def _check_tie(config: Mapping[str, Any], plan: ConsolidatePlan, shapes: Mapping[str, tuple]) -> None:
     """A tied config loads lm_head from the embedding: a different lm_head would be lost."""
     head, embedding = _HEADS
     tied = config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False))
-    if tied and head in shapes and embedding in shapes and head not in planned.dropped:
+    if tied and head in shapes and embedding in shapes and head not in plan.dropped:
         raise InvalidCheckpoint(f"{head}: config.json says tie_word_embeddings, but the checkpoint's {head} differs "
                                 f"from {embedding}; transformers would replace it (use a config with "
                                 "tie_word_embeddings false)", code="config-mismatch")
@@ -358,9 +390,9 @@ def _step(extras: Mapping[str, Any], path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _written_dtype(report: ConsolidateReport) -> str:
+def _written_dtype(plan: ConsolidatePlan) -> str:
     by_dtype: Counter = Counter()
-    for tensor in report.plan.tensors:
+    for tensor in plan.tensors:
         by_dtype[tensor.dtype] += tensor.nbytes
     return by_dtype.most_common(1)[0][0] if by_dtype else "float32"
 
@@ -386,16 +418,16 @@ def _copy_regular(source: Path, destination: Path) -> None:
         os.fsync(writer.fileno())
 
 
-def _command_line(src, assets, dtype, max_shard_size, drop_tied, renames) -> str:
+def _command_line(src, assets, convert: ConvertOptions) -> str:
     parts = ["ckpttool export", str(Path(src).name) or str(src), "OUTDIR"]
     if assets is not None:
         parts += ["--assets", Path(assets).name or str(assets)]
-    if dtype:
-        parts += ["--dtype", dtype]
-    if max_shard_size is not None:
-        parts += ["--max-shard-size", str(max_shard_size)]
-    if drop_tied:
+    if convert.dtype:
+        parts += ["--dtype", convert.dtype]
+    if convert.max_shard_size is not None:
+        parts += ["--max-shard-size", str(convert.max_shard_size)]
+    if convert.drop_tied:
         parts.append("--drop-tied")
-    for rule in renames:
+    for rule in convert.renames:
         parts += ["--rename", repr(rule)]
     return " ".join(parts)

@@ -24,14 +24,13 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckpttool import execute, integrity, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, raw_range_transforms
 from ckpttool.commands.reshard import ReshardReport, write_dcp
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import UsageError
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, parse_size
+from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.model_view import find_model
 from ckpttool.outputs import check_destination, refuse_overlap
 from ckpttool.plan.reshard import parse_mesh, plan_reshard
@@ -88,13 +87,8 @@ def import_checkpoint(
     mesh: str | tuple[int, int] | None = None,
     *,
     prefix: str = DEFAULT_PREFIX,
-    max_memory: str | int = DEFAULT_MAX_MEMORY,
-    threads: int = DEFAULT_THREADS,
-    force: bool = False,
-    dry_run: bool = False,
-    verify: bool = False,
-    follow_symlinks: bool = False,
-    progress: ProgressFactory | None = None,
+    write: WriteOptions = WriteOptions(),
+    source: SourceOptions = SourceOptions(),
 ) -> ImportReport:
     """Return a report after writing the full weights at `src` as a DCP checkpoint at `dst`
     laid out for `world_size` FSDP2 ranks (or an HSDP `mesh`), keys under `prefix`.
@@ -108,30 +102,26 @@ def import_checkpoint(
         'every-tensor'
     """
     started = time.perf_counter()
-    source, destination = Path(src), Path(dst)
+    origin, destination = source.locate(src), source.locate(dst)  # a URL carries the storage options
     target_mesh = parse_mesh(world_size, mesh)
-    budget = parse_size(max_memory)
-    if budget <= 0 or threads < 1:
-        raise UsageError("--max-memory must be positive and --threads at least 1")
     if prefix and (not prefix.endswith(".") or any(not part for part in prefix[:-1].split("."))):
         raise UsageError(f"--prefix {prefix!r}: dotted names ending in a dot, e.g. 'model.' (or '' for none)")
-    refuse_overlap(destination, source)
-    detection, checkpoint = readers.read(source, follow_symlinks)
+    refuse_overlap(destination, origin)
+    detection, checkpoint = readers.read(origin, source.follow_symlinks)
     if detection.layout not in IMPORTABLE:
-        raise UsageError(f"{source}: a {detection.layout} checkpoint; import reads full weights (.safetensors, a Hub "
+        raise UsageError(f"{origin}: a {detection.layout} checkpoint; import reads full weights (.safetensors, a Hub "
                          "folder, a .pt); rewrite a DCP checkpoint with `ckpttool reshard`")
-    warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
-    with DataFiles(checkpoint.path, follow_symlinks) as files:
-        located = execute.locate_chunks(files, checkpoint.tensors.values(), threads)
+    warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
+    with DataFiles(checkpoint.path, source.follow_symlinks) as files:
+        located = execute.locate_chunks(files, checkpoint.tensors.values(), write.threads)
         nested = nest_under(checkpoint, prefix, located, find_model(checkpoint).require().keys)
         plan = plan_reshard(nested, target_mesh)
         report = dict(source=checkpoint.path, destination=destination, plan=plan, tensor_bytes=plan.nbytes,
                       problems=warnings, layout=detection.describe(), prefix=prefix)
-        if dry_run:
+        if write.dry_run:
             return ImportReport(seconds=time.perf_counter() - started, file_bytes=0, dry_run=True, **report)
-        check_destination(destination, force)
+        check_destination(destination, write.force, write.notify)
         save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.path}:{target_mesh}:{prefix}"))
-        writes, processes = write_dcp(nested, plan, files, destination, save_id=save_id, force=force, verify=verify,
-                                      threads=threads, budget=budget, progress=progress, label="import")
-    return ImportReport(seconds=time.perf_counter() - started, file_bytes=writes.file_bytes, verified=verify,
+        writes, processes = write_dcp(nested, plan, files, destination, save_id=save_id, write=write, label="import")
+    return ImportReport(seconds=time.perf_counter() - started, file_bytes=writes.file_bytes, verified=write.verify,
                         processes=processes, **report)

@@ -20,6 +20,7 @@ from ckpttool import readers
 from ckpttool.checkpoint import Checkpoint, Tensor, paused_gc
 from ckpttool.layout import Sharding, classify
 from ckpttool.model_view import ModelView, find_model
+from ckpttool.options import SourceOptions
 from ckpttool.readers.dcp import DATA_FILE_PATTERN
 
 GROUPS = ("model", "optimizer", "other")
@@ -134,16 +135,16 @@ def rank_of(file: str) -> int | None:
     return int(match.group(1)) - 1 if match else None
 
 
-def inspect(src: str | os.PathLike, filters: Sequence[str] = (), model_prefix: str | None = None) -> InspectReport:
+def inspect(src: str | os.PathLike, filters: Sequence[str] = (), source: SourceOptions = SourceOptions()) -> InspectReport:
     """Return what the checkpoint at `src` holds, reading only its `.metadata`.
 
     `filters` are fqn globs (`model.layers.*`); summary, groups and files count all entries,
     `tensors` and `objects` list only the matching ones. The model group is found from the
-    structure (`model_view.find_model`) unless `model_prefix` names it.
+    structure (`model_view.find_model`) unless `source.model_prefix` names it.
     """
-    detection, checkpoint = readers.read(src)
+    detection, checkpoint = readers.read(source.locate(src))
     with paused_gc():
-        return build_report(checkpoint, tuple(filters), detection.layout, model_prefix)
+        return build_report(checkpoint, tuple(filters), detection.layout, source.model_prefix)
 
 
 def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: str = "dcp",

@@ -29,7 +29,8 @@ from typing import Any, Iterator
 
 from ckpttool import integrity, readers
 from ckpttool.errors import HubError, UsageError
-from ckpttool.io import ProgressFactory
+from ckpttool.io import ProgressFactory, no_progress
+from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.outputs.temps import TEMP_PREFIX
 from ckpttool.readers.detect import HUB_FOLDER, detect
 
@@ -83,8 +84,8 @@ def push(
     dry_run: bool = False,
     endpoint: str | None = None,
     token: str | None = None,
-    follow_symlinks: bool = False,
     progress: ProgressFactory | None = None,
+    source: SourceOptions = SourceOptions(),
 ) -> PushReport:
     """Return a report after uploading `src` to the Hub model repository `repo_id`.
 
@@ -101,23 +102,23 @@ def push(
     from huggingface_hub.utils import validate_repo_id
 
     started = time.perf_counter()
-    source = Path(src)
+    origin = Path(src)
     try:
         validate_repo_id(repo_id)
     except ValueError:  # HFValidationError
         raise UsageError(f"REPO_ID {repo_id!r}: give NAME or NAMESPACE/NAME (letters, digits, '-', '_', '.'; "
                          "at most 96 characters)") from None
-    detection = detect(source)
-    ready = detection.layout == HUB_FOLDER and source.is_dir() and not detection.run_directory
+    detection = detect(origin)
+    ready = detection.layout == HUB_FOLDER and origin.is_dir() and not detection.run_directory
     api = HfApi(endpoint=endpoint, token=token)
     branch = revision or DEFAULT_REVISION
     notes: tuple[str, ...] = ()
     if ready:
-        integrity.gate(readers.read(source, follow_symlinks)[1], follow_symlinks)
-        files = folder_files(source)
+        integrity.gate(readers.read(origin, source.follow_symlinks)[1], source.follow_symlinks)
+        files = folder_files(origin)
     else:  # planned before the repository is created: a checkpoint export refuses creates nothing
-        files, notes = _export_preview(source, follow_symlinks)
-    summary = dict(source=source, revision=branch, endpoint=api.endpoint, layout=detection.describe(),
+        files, notes = _export_preview(origin, source)
+    summary = dict(source=origin, revision=branch, endpoint=api.endpoint, layout=detection.describe(),
                    exported=not ready, notes=notes)
     if dry_run:
         return PushReport(repo_id=repo_id, files=files, method=upload_method(api, files), dry_run=True,
@@ -127,11 +128,11 @@ def push(
         repo_id = repo_url.repo_id or repo_id  # a bare NAME is created under the token's user
         if revision is not None:
             _ensure_branch(api, repo_id, revision)
-    with _staged(source, ready, follow_symlinks, progress) as folder:
+    with _staged(origin, ready, source, progress) as folder:
         files = folder_files(folder)
-        _refuse_oversized(files, source)
+        _refuse_oversized(files, origin)
         method = upload_method(api, files)
-        message = commit_message or f"Upload {source.name or source} with ckpttool"
+        message = commit_message or f"Upload {origin.name or origin} with ckpttool"
         with _hub_errors(api.endpoint, repo_id, branch):
             commit_url, commit_oid = _upload(api, method, folder, repo_id, revision, message)
     return PushReport(repo_id=repo_id, files=files, method=method, commit_url=commit_url, commit_oid=commit_oid,
@@ -190,7 +191,7 @@ def _refuse_oversized(files: tuple[PushFile, ...], source: Path) -> None:
 
 
 @contextlib.contextmanager
-def _staged(source: Path, ready: bool, follow_symlinks: bool, progress: ProgressFactory | None) -> Iterator[Path]:
+def _staged(source: Path, ready: bool, options: SourceOptions, progress: ProgressFactory | None) -> Iterator[Path]:
     """Yield the folder to upload: `source` itself when it is ready for the Hub, else a
     temporary export of it, removed when the block ends however it ends (an Interrupted
     from the CLI's signal handling is a KeyboardInterrupt, which unwinds through here)."""
@@ -201,16 +202,16 @@ def _staged(source: Path, ready: bool, follow_symlinks: bool, progress: Progress
 
     with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX + "push-") as staging:
         folder = Path(staging) / "model"
-        export(source, folder, follow_symlinks=follow_symlinks, progress=progress)
+        export(source, folder, write=WriteOptions(progress=progress or no_progress), source=options)
         yield folder
 
 
-def _export_preview(source: Path, follow_symlinks: bool) -> tuple[tuple[PushFile, ...], tuple[str, ...]]:
+def _export_preview(source: Path, options: SourceOptions) -> tuple[tuple[PushFile, ...], tuple[str, ...]]:
     """Return the files `export` would write for `source`, planned without writing, and its notes."""
     from ckpttool.commands.export import export
 
-    report = export(source, Path(tempfile.gettempdir()) / "ckpttool-push-preview", dry_run=True,
-                    follow_symlinks=follow_symlinks)
+    report = export(source, Path(tempfile.gettempdir()) / "ckpttool-push-preview", write=WriteOptions(dry_run=True),
+                    source=options)
     return tuple(sorted((PushFile(name, size) for name, size in report.files), key=lambda f: f.path)), report.notes
 
 

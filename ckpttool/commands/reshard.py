@@ -24,17 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ckpttool import distributed, execute, integrity, io, readers, storage
+from ckpttool import distributed, execute, integrity, io, readers
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.dcp.writer import metadata_bytes
 from ckpttool.distributed import ProcessStats
-from ckpttool.errors import CheckpointError, UsageError, VerificationFailed, WriteFailed
+from ckpttool.errors import CheckpointError, VerificationFailed, WriteFailed
 from ckpttool.integrity import Problem
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.plan.operations import Record
 from ckpttool.model_view import ModelView, find_model
+from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
 from ckpttool.readers.dcp import METADATA_FILENAME, read_checkpoint
 
@@ -75,15 +75,9 @@ def reshard(
     world_size: int | None = None,
     mesh: str | tuple[int, int] | None = None,
     *,
-    max_memory: str | int = DEFAULT_MAX_MEMORY,
-    threads: int = DEFAULT_THREADS,
-    force: bool = False,
-    dry_run: bool = False,
-    verify: bool = False,
     keep_whole: Sequence[str] = (),
-    follow_symlinks: bool = False,
-    progress: ProgressFactory | None = None,
-    model_prefix: str | None = None,
+    write: WriteOptions = WriteOptions(),
+    source: SourceOptions = SourceOptions(),
 ) -> ReshardReport:
     """Return a report after writing `src` resharded for `world_size` ranks (or an HSDP `mesh`
     of R replicas x S shards) as a DCP checkpoint at `dst` (default `SRC-world{N}`).
@@ -92,45 +86,38 @@ def reshard(
     along dim 0 like torch.chunk, optimizer state like its parameter, replicated tensors and
     objects once (`plan.reshard` says which rule decides what is sharded; `keep_whole` globs
     name tensors to leave in one piece). Stock `torch.distributed.checkpoint.load` reads the
-    result; nothing is left at `dst` unless the whole write (and `verify`) succeeded.
+    result; nothing is left at `dst` unless the whole write (and `write.verify`) succeeded.
 
     Example:
         >>> reshard("ckpt/step-00000100", "ckpt/step-00000100-hsdp", mesh="2,4").plan.world_size
         8
     """
     started = time.perf_counter()
-    source = storage.location(src)
+    origin = source.locate(src)
     target_mesh = parse_mesh(world_size, mesh)
-    budget = parse_size(max_memory)
-    if budget <= 0:
-        raise UsageError("--max-memory must be positive")
-    if threads < 1:
-        raise UsageError("--threads must be at least 1")
-    destination = storage.location(dst) if dst is not None else default_destination(source, target_mesh)
-    refuse_overlap(destination, source)
-    checkpoint = readers.open_checkpoint(source, follow_symlinks, as_saved=True)  # DCP keys kept as the framework saved them
-    warnings = tuple(integrity.gate(checkpoint, follow_symlinks).problems)
-    view = find_model(checkpoint, model_prefix)
+    destination = source.locate(dst) if dst is not None else default_destination(origin, target_mesh)
+    refuse_overlap(destination, origin)
+    checkpoint = readers.open_checkpoint(origin, source.follow_symlinks, as_saved=True)  # DCP keys kept as the framework saved them
+    warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
+    view = find_model(checkpoint, source.model_prefix)
     plan = plan_reshard(checkpoint, target_mesh, keep_whole, view)
-    if dry_run:
-        return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
+    if write.dry_run:
+        return ReshardReport(origin, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
                              dry_run=True, problems=warnings, model_view=view)
-    check_destination(destination, force)
+    check_destination(destination, write.force, write.notify)
     save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
-    with DataFiles(checkpoint.path, follow_symlinks) as files:
-        writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, force=force,
-                                      verify=verify, threads=threads, budget=budget, progress=progress)
-    return ReshardReport(source, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,
-                         verified=verify, problems=warnings, processes=processes, model_view=view)
+    with DataFiles(checkpoint.path, source.follow_symlinks) as files:
+        writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, write=write)
+    return ReshardReport(origin, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,
+                         verified=write.verify, problems=warnings, processes=processes, model_view=view)
 
 
 def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, destination: Path, *, save_id: str,
-              force: bool, verify: bool, threads: int, budget: int, progress: ProgressFactory | None,
-              label: str = "reshard") -> tuple[ReshardWrites, tuple[ProcessStats, ...]]:
+              write: WriteOptions, label: str = "reshard") -> tuple[ReshardWrites, tuple[ProcessStats, ...]]:
     """Write `plan` of `checkpoint` as a DCP checkpoint at `destination`, atomically: rank
     files preallocated, filled (under torchrun, each process its share), verified if asked,
     fsynced, then `.metadata`. Returns what was written and the work of each process."""
-    progress = progress or no_progress
+    force, verify, threads, budget = write.force, write.verify, write.threads, write.max_memory
     writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values(), threads))
     metadata = metadata_bytes(writes.tensors, writes.objects, plan.planner_data, destination, save_id)
 
@@ -139,7 +126,7 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
             execute.reserve(fds[name], size)
 
     def run_share(operations, fds: dict[str, int]) -> None:
-        with progress(label, sum(op.output_length for op in operations)) as bar:
+        with write.progress(label, sum(op.output_length for op in operations)) as bar:
             execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update)
         if verify:
             _verify(operations, files, fds, threads, budget)
@@ -155,10 +142,11 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
     try:
         if distributed.active() is not None:  # under torchrun: every process writes a share
             processes = distributed.write(writes.operations, destination, names, directory=True, force=force,
-                                          prepare=prepare, run_share=run_share, finish=finish, streamed=not verify)
+                                          prepare=prepare, run_share=run_share, finish=finish, streamed=not verify,
+                                          notify=write.notify)
         else:
             written = time.perf_counter()
-            with atomic_directory(destination, force=force, streamed=not verify) as output:
+            with atomic_directory(destination, force=force, streamed=not verify, notify=write.notify) as output:
                 with output.opened(names) as fds:
                     prepare(fds)
                     run_share(writes.operations, fds)

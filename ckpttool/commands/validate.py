@@ -17,12 +17,13 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool import dtypes, integrity, readers, storage
+from ckpttool import dtypes, integrity, readers
 from ckpttool.checkpoint import Blob, Checkpoint
 from ckpttool.dcp.blobs import (DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk,
                                 record_problems)
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
+from ckpttool.options import SourceOptions
 from ckpttool.readers.dcp import METADATA_FILENAME
 
 DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
@@ -66,14 +67,15 @@ class ValidationReport:
         self.problems.append(Problem(severity, code, message, file, fqn))
 
 
-def validate(src: str | os.PathLike, deep: bool = False, follow_symlinks: bool = False) -> ValidationReport:
+def validate(src: str | os.PathLike, deep: bool = False, source: SourceOptions = SourceOptions()) -> ValidationReport:
     """Return every problem found in the checkpoint at `src` (never raises for a bad one).
-    Data files that are symlinks leaving the checkpoint are a problem unless `follow_symlinks`.
+    Data files that are symlinks leaving the checkpoint are a problem unless `source.follow_symlinks`.
 
     Raises NotACheckpoint only when `src` does not exist (a usage error).
     """
     started = time.perf_counter()
-    root = storage.location(src)
+    root = source.locate(src)
+    follow_symlinks = source.follow_symlinks
     if not root.exists():
         raise NotACheckpoint(f"{root}: no such file or directory")
     report = ValidationReport(path=root, deep=deep)

@@ -24,19 +24,20 @@ from ckpttool import storage
 from ckpttool.errors import UsageError
 from ckpttool.outputs import local, remote
 from ckpttool.outputs.local import OutputDirectory
+from ckpttool.outputs.notices import Notify, ignore
 
 
-def check_destination(path: str | os.PathLike, force: bool) -> None:
+def check_destination(path: str | os.PathLike, force: bool, notify: Notify = ignore) -> None:
     """Raise OutputExists when `path` exists and `force` is off (and for object storage,
     StorageError when its bucket does not exist).
 
-    First removes what killed runs left beside `path` (`temps.remove_stale_temps`, reported
-    to `notices.reporting` callbacks): a run about to write `path` calls this.
+    First removes what killed runs left beside `path` (`temps.remove_stale_temps`, each told
+    to `notify`): a run about to write `path` calls this.
     """
     if storage.is_remote(path):
-        remote.check(storage.location(path), force)
+        remote.check(storage.location(path), force, notify)
     else:
-        local.check(Path(path), force)
+        local.check(Path(path), force, notify)
 
 
 def refuse_overlap(output: str | os.PathLike, source: str | os.PathLike) -> None:
@@ -59,7 +60,7 @@ def refuse_overlap(output: str | os.PathLike, source: str | os.PathLike) -> None
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = True,
-                  streamed: bool = False) -> Iterator[Any]:
+                  streamed: bool = False, notify: Notify = ignore) -> Iterator[Any]:
     """Yield a file open for writing (`.write`, `.flush`, `.fileno()`); when the block
     succeeds it is fsynced and renamed to `path`.
 
@@ -74,7 +75,8 @@ def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = T
     where an fd goes (`io.writable`) (`remote.remote_output`).
     """
     if storage.is_remote(path):
-        with remote.remote_output(storage.location(path), force, directory=False, streamed=streamed) as written:
+        with remote.remote_output(storage.location(path), force, directory=False, streamed=streamed,
+                                  notify=notify) as written:
             yield written
     else:
         with local.atomic_file(Path(path), force, unnamed) as handle:
@@ -82,7 +84,8 @@ def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = T
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, force: bool = False, streamed: bool = False) -> Iterator[OutputDirectory]:
+def atomic_directory(path: str | os.PathLike, force: bool = False, streamed: bool = False,
+                     notify: Notify = ignore) -> Iterator[OutputDirectory]:
     """Yield an `OutputDirectory` whose `path`, a fresh temporary directory
     (`.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside `path`), becomes `path` when the block succeeds.
 
@@ -100,8 +103,9 @@ def atomic_directory(path: str | os.PathLike, force: bool = False, streamed: boo
     uploaded while they are written (`remote.remote_output`).
     """
     if storage.is_remote(path):
-        with remote.remote_output(storage.location(path), force, directory=True, streamed=streamed) as output:
+        with remote.remote_output(storage.location(path), force, directory=True, streamed=streamed,
+                                  notify=notify) as output:
             yield output
     else:
-        with local.atomic_directory(Path(path), force) as output:
+        with local.atomic_directory(Path(path), force, notify) as output:
             yield output

@@ -27,7 +27,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 from ckpttool import testpoints
 from ckpttool.errors import OutputExists
 from ckpttool.io import Output
-from ckpttool.outputs.notices import Replaced, tell
+from ckpttool.outputs.notices import Notify, Replaced, ignore
 from ckpttool.outputs.replacing import replacement
 from ckpttool.outputs.signals import deferred
 from ckpttool.outputs.temps import OLD_PREFIX, WRITING_PREFIX, new_token, remove_stale_temps, remove_tree, temp_name
@@ -59,11 +59,11 @@ class OutputDirectory:
                 os.close(fd)
 
 
-def check(path: Path, force: bool) -> None:
+def check(path: Path, force: bool, notify: Notify = ignore) -> None:
     """Raise OutputExists when `path` exists and `force` is off, after removing what killed
-    runs left beside it (each told to `notices.reporting` callbacks)."""
+    runs left beside it (each told to `notify`)."""
     for stale in remove_stale_temps(path):
-        tell(stale)
+        notify(stale)
     if (path.exists() or path.is_symlink()) and not force:
         raise OutputExists(f"{path}: already exists; pass --force to replace it")
 
@@ -175,7 +175,7 @@ def atomic_file(target: Path, force: bool, unnamed: bool = True) -> Iterator[Bin
 
 
 @contextlib.contextmanager
-def atomic_directory(target: Path, force: bool) -> Iterator[OutputDirectory]:
+def atomic_directory(target: Path, force: bool, notify: Notify = ignore) -> Iterator[OutputDirectory]:
     """Yield a fresh temporary directory beside `target` that becomes `target` when the block
     succeeds (fsynced, then renamed; files inside are fsynced by their writer). An existing
     `target` is replaced only with `force`: what it holds besides ckpttool's files and the
@@ -199,7 +199,7 @@ def atomic_directory(target: Path, force: bool) -> Iterator[OutputDirectory]:
             committed = True
         _fsync_directory(target.parent)
         if replaced:
-            tell(Replaced(str(target), replaced))
+            notify(Replaced(str(target), replaced))
         if old is not None:
             _remove_old(old)
     except BaseException:

@@ -1,20 +1,18 @@
-"""What writing an output did beside the output itself, told to whoever listens (the CLI
-prints each on stderr): a killed run's leftovers removed (`temps.StaleTemp`), an existing
-file that `--force` replaced (`Replaced`).
+"""What writing an output did beside the output itself, passed to the `notify` callback the
+writer was given (`WriteOptions.notify`; the CLI's prints each on stderr): a killed run's
+leftovers removed (`temps.StaleTemp`), an existing file that `--force` replaced (`Replaced`).
 
 Example:
-    >>> with reporting(print):
-    ...     consolidate("ckpt/step-100", "hub/", force=True)
+    >>> consolidate("ckpt/step-100", "hub/", write=WriteOptions(force=True, notify=print))
     replaced hub/config.json, which was there before (--force)
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-_listeners: list[Callable[[Any], None]] = []  # the callbacks of the `reporting` blocks this process is in
+Notify = Callable[[Any], None]  # told each notice (a `StaleTemp`, a `Replaced`)
 
 
 @dataclass(frozen=True)
@@ -30,18 +28,5 @@ class Replaced:
         return f"replaced {shown}, which {'was' if len(self.names) == 1 else 'were'} there before (--force)"
 
 
-@contextlib.contextmanager
-def reporting(callback: Callable[[Any], None]) -> Iterator[None]:
-    """Return a context in which every notice (a `StaleTemp` dealt with, a `Replaced`) is
-    passed to `callback`."""
-    _listeners.append(callback)
-    try:
-        yield
-    finally:
-        _listeners.remove(callback)
-
-
-def tell(notice: Any) -> None:
-    """Pass `notice` to the callback of every `reporting` block this process is in."""
-    for listener in _listeners:
-        listener(notice)
+def ignore(notice: Any) -> None:
+    """The default `notify`: the notice goes untold (a library caller passes its own)."""

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from ckpttool import testpoints
 from ckpttool.errors import OutputExists, StorageError
-from ckpttool.outputs.notices import Replaced, tell
+from ckpttool.outputs.notices import Notify, Replaced, ignore
 from ckpttool.outputs.replacing import is_ours, replacement
 from ckpttool.outputs.local import OutputDirectory
 from ckpttool.outputs.multipart import MultipartSink, put
@@ -39,16 +39,16 @@ from ckpttool.storage import RemotePath, request_errors
 LAST_KEYS = (".metadata", ".index.json")  # copied last: a reader sees the checkpoint only when all else is there
 
 
-def check(path: RemotePath, force: bool) -> None:
+def check(path: RemotePath, force: bool, notify: Notify = ignore) -> None:
     """Raise OutputExists when something is at `path` (an object or a prefix) and `force` is
     off, and StorageError when its bucket does not exist: before any work is done. First
     removes the temporary keys that killed runs on this host left beside `path`
-    (`remove_stale_temps`, each told to `notices.reporting` callbacks)."""
+    (`remove_stale_temps`, each told to `notify`)."""
     fs, bucket = path.filesystem, path.key.split("/", 1)[0]
     with request_errors(str(path)):
         fs.invalidate_cache(path.key)  # an earlier run in this process may have written it
         for stale in remove_stale_temps(path):
-            tell(stale)
+            notify(stale)
         exists = fs.exists(path.key)
         with contextlib.suppress(PermissionError):  # a role that may write but not list buckets: the upload will tell
             if not exists and not fs.exists(bucket):
@@ -95,8 +95,8 @@ def _abort_uploads(target: RemotePath, marker: str) -> None:
 class Streams:
     """The multipart uploads of one streamed output, by file name (`sink` opens one)."""
 
-    def __init__(self, target: RemotePath, directory: bool):
-        self.target, self.directory = target, directory
+    def __init__(self, target: RemotePath, directory: bool, notify: Notify = ignore):
+        self.target, self.directory, self.notify = target, directory, notify
         self.sinks: dict[str, MultipartSink] = {}
 
     def key(self, name: str) -> str:
@@ -116,7 +116,7 @@ class Streams:
         small = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) if self.directory else []
         small.sort(key=lambda name: name.endswith(LAST_KEYS))
         fs, target = self.target.filesystem, self.target
-        with request_errors(str(target)), deferred(), _replacing(target, force, self.directory) as made:
+        with request_errors(str(target)), deferred(), _replacing(target, force, self.directory, self.notify) as made:
             for name, sink in self.sinks.items():
                 sink.complete()
                 made.append(self.key(name))
@@ -130,7 +130,8 @@ class Streams:
 
 
 @contextlib.contextmanager
-def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bool = False) -> Iterator[Any]:
+def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bool = False,
+                  notify: Notify = ignore) -> Iterator[Any]:
     """Yield where to write `target`; when the block succeeds, make it visible at `target` as
     the module docstring describes.
 
@@ -143,10 +144,10 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
     rule `AbortIncompleteMultipartUpload` removes them) or temporary keys may remain, never an
     object at the destination key.
     """
-    check(target, force)
+    check(target, force, notify)
     local = Path(tempfile.mkdtemp(prefix=WRITING_PREFIX))
     fs, temp = target.filesystem, f"{target.parent.key}/{temp_name(target.name, 'tmp', new_token())}"
-    streams = Streams(target, directory) if streamed and hasattr(fs, "call_s3") else None
+    streams = Streams(target, directory, notify) if streamed and hasattr(fs, "call_s3") else None
     output = local / target.name
     try:
         if streams is not None:  # an empty key naming this run: a later run aborts our uploads if we are killed
@@ -163,7 +164,7 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
             with request_errors(str(target)):
                 fs.rm_file(temp)
         else:
-            _upload(output, target, temp, force, directory)
+            _upload(output, target, temp, force, directory, notify)
     except BaseException:
         with deferred():  # network calls: a signal now (torchrun stopping us) must not cut them short
             if streams is not None:
@@ -191,13 +192,13 @@ def _written(output: Path, directory: bool, streams: Streams | None) -> Iterator
 
 
 @contextlib.contextmanager
-def _replacing(target: RemotePath, force: bool, directory: bool) -> Iterator[list[str]]:
+def _replacing(target: RemotePath, force: bool, directory: bool, notify: Notify) -> Iterator[list[str]]:
     """Yield the list the block appends each key it makes visible at `target` to (both commit
     paths). Before: with `force`, the old output's index and `.metadata` keys are removed (so
     no reader pairs them with new data; the old checkpoint is unreadable, never mixed), an old
     directory where one file goes removed. After: what is left of ckpttool's own files of the
     old output is removed, and everything else kept (`replacing.replacement`); the keys
-    replaced that were not ckpttool's are named (`notices.Replaced`). Should the block fail,
+    replaced that were not ckpttool's are told to `notify` (`notices.Replaced`). Should the block fail,
     the keys it made are deleted again, so a new destination stays empty."""
     fs, prefix = target.filesystem, target.key + "/"
     found = set(fs.find(target.key)) if force and directory else set()  # the prefix's keys; or one object at it
@@ -224,10 +225,10 @@ def _replacing(target: RemotePath, force: bool, directory: bool) -> Iterator[lis
         fs.rm_file(key)
     fs.invalidate_cache()
     if plan.replaced:
-        tell(Replaced(str(target), plan.replaced))
+        notify(Replaced(str(target), plan.replaced))
 
 
-def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: bool) -> None:
+def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: bool, notify: Notify) -> None:
     fs = target.filesystem
     if directory:
         names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
@@ -240,7 +241,7 @@ def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: 
             if position == 0:
                 testpoints.pause("upload")
         with deferred():  # from here the destination changes: finish before any signal is handled
-            with _replacing(target, force, directory) as made:
+            with _replacing(target, force, directory, notify) as made:
                 for name in names:
                     final = f"{target.key}/{name}" if name else target.key
                     fs.copy(f"{temp}/{name}" if name else temp, final)

@@ -25,7 +25,7 @@ from ckpttool.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.readers.dcp import METADATA_FILENAME, read_checkpoint
 from ckpttool.readers.dcp_hf import read_dcp_hf
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, MEGATRON, SAFETENSORS,
-                                     TORCH_PT, TORCHTITAN, VERL, Detection, _detect, detect)
+                                     TORCH_PT, VERL, Detection, _detect, detect)
 from ckpttool.readers.hub_folder import read_hub_folder
 from ckpttool.readers.megatron import model_view as megatron_model_view
 from ckpttool.readers.safetensors import read_safetensors

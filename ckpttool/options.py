@@ -1,0 +1,124 @@
+"""The options of the commands, one frozen dataclass per concern, validated once when built.
+
+`SourceOptions` says how to read the source (symlinks, object-storage options, where the model
+sits), `WriteOptions` how to write (replace, dry run, verify, threads, memory, progress, notices),
+`ConvertOptions` what consolidate and export write from the source (which entries, under which
+keys, in which dtypes, in what shards). The CLI builds each once per command from its flags; a
+library caller builds them the same way. A bad value raises UsageError naming the flag.
+
+Example:
+    >>> write = WriteOptions(verify=True, max_memory="1GB")
+    >>> write.max_memory, ConvertOptions(dtype="bf16").cast
+    (1000000000, 'bfloat16')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+from ckpttool import dtypes, storage
+from ckpttool.errors import UsageError
+from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
+from ckpttool.keys import KeyRules, Rename
+from ckpttool.outputs.notices import Notify, ignore
+
+DTYPE_CHOICES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_dtype(name: str, option: str = "--dtype") -> str:
+    """Return the torch dtype name for `bf16|fp16|fp32` (or a torch spelling of them)."""
+    try:
+        canonical = dtypes.canonical(name.lower())
+    except KeyError:
+        canonical = None
+    if canonical not in DTYPE_CHOICES.values():
+        raise UsageError(f"{option} {name!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+    return canonical
+
+
+def parse_dtype_map(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """Return (glob, dtype) pairs from `GLOB=DTYPE` strings."""
+    pairs = []
+    for item in items:
+        glob, separator, name = item.rpartition("=")
+        if not separator or not glob:
+            raise UsageError(f"--dtype-map {item!r}: expected 'GLOB=DTYPE', e.g. '*norm*=fp32'")
+        pairs.append((glob, parse_dtype(name, "--dtype-map")))
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """How to read a checkpoint: data files that are symlinks out of it, object-storage
+    options (fsspec `storage_options`, e.g. `endpoint_url`; used for every URL the command
+    opens, its output too), and where the model's state dict sits (`None`: found from the
+    structure, `""`: the top level)."""
+
+    follow_symlinks: bool = False
+    storage: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    model_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "storage", MappingProxyType(dict(self.storage)))  # read-only, like the rest
+
+    def locate(self, path: str | Any) -> Path | storage.RemotePath:
+        """Return `path` as a local Path or a RemotePath carrying these storage options."""
+        return storage.location(path, self.storage)
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a writing command writes: `force` replaces an existing output, `dry_run` writes
+    nothing, `verify` reads the output back; `threads` and `max_memory` (bytes, or a size
+    like "512MB") bound the IO; `progress` makes byte bars; `notify` hears of files replaced
+    and killed runs' leftovers removed (`outputs.notices`)."""
+
+    force: bool = False
+    dry_run: bool = False
+    verify: bool = False
+    threads: int = DEFAULT_THREADS
+    max_memory: int | str = DEFAULT_MAX_MEMORY
+    progress: ProgressFactory = field(default=no_progress, compare=False)
+    notify: Notify = field(default=ignore, compare=False)
+
+    def __post_init__(self) -> None:
+        budget = parse_size(self.max_memory)
+        if budget <= 0:
+            raise UsageError("--max-memory must be positive")
+        if self.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        object.__setattr__(self, "max_memory", budget)
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What consolidate (and export) write from a checkpoint: every entry or the model's
+    weights (`everything`), `filters` globs, wrapper names kept (`keep_keys`), `--rename`
+    rules, a `dtype` for floating tensors and per-key `dtype_map` (`GLOB=DTYPE`), one copy of
+    tied weights (`drop_tied`), the largest shard of a directory output (`max_shard_size`)."""
+
+    everything: bool = False
+    filters: tuple[str, ...] = ()
+    keep_keys: bool = False
+    renames: tuple[str, ...] = ()
+    dtype: str | None = None
+    dtype_map: tuple[str, ...] = ()
+    drop_tied: bool = False
+    max_shard_size: str | int | None = None
+    # derived, checked when built
+    rules: KeyRules = field(init=False, repr=False, compare=False)
+    cast: str | None = field(init=False, repr=False, compare=False)  # the torch dtype name of `dtype`
+    cast_map: tuple[tuple[str, str], ...] = field(init=False, repr=False, compare=False)
+    shard_bytes: int | None = field(init=False, repr=False, compare=False)  # max_shard_size parsed
+
+    def __post_init__(self) -> None:
+        for name in ("filters", "renames", "dtype_map"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        rules = KeyRules(self.everything, not self.keep_keys, tuple(Rename.parse(r) for r in self.renames), self.filters)
+        object.__setattr__(self, "rules", rules)
+        object.__setattr__(self, "cast", parse_dtype(self.dtype) if self.dtype else None)
+        object.__setattr__(self, "cast_map", parse_dtype_map(self.dtype_map))
+        object.__setattr__(self, "shard_bytes", None if self.max_shard_size is None else parse_size(self.max_shard_size))
