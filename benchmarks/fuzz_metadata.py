@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT))
 from ckpttool import integrity  # noqa: E402
 from ckpttool.checkpoint import Checkpoint, paused_gc  # noqa: E402
 from ckpttool.dcp import writer  # noqa: E402
-from ckpttool.readers.dcp import METADATA_FILENAME, _convert, read_checkpoint  # noqa: E402
+from ckpttool.formats.dcp import METADATA_FILENAME  # noqa: E402
+from ckpttool.readers.dcp import _convert, read_checkpoint  # noqa: E402
 from ckpttool.safepickle.allowlist import _ALLOWED, _find_allowed  # noqa: E402
 from ckpttool.safepickle.loader import _Loader  # noqa: E402
 from ckpttool.errors import CheckpointError  # noqa: E402

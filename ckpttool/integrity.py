@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 from ckpttool import dtypes
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, is_raw_range, paused_gc
-from ckpttool.dcp.blobs import (DataFiles, check_data_file, containment_root, is_safetensors_blob, safe_relative_path,
-                                safetensors_header)
+from ckpttool.dcp.blobs import DataFiles, is_safetensors_blob, safetensors_header
 from ckpttool.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
-from ckpttool.layout import coverage, find_overlaps, in_bounds
-from ckpttool.readers.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
+from ckpttool.geometry import coverage, find_overlaps, in_bounds
+from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
+from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 # files a DCP directory holds besides data: torch's metadata, Lightning's meta.pt, Megatron's

@@ -112,3 +112,20 @@ def float8_table(dtype: str) -> np.ndarray:
                 values[bits] = sign * (1 + mantissa / (1 << mantissa_bits)) * 2.0 ** (exponent - bias)
         _TABLES[dtype] = values
     return _TABLES[dtype]
+
+
+# bit patterns of each element size, compared as unsigned integers
+_UNSIGNED = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def element_bits(data: memoryview | bytes, itemsize: int) -> np.ndarray:
+    """Return the elements of `data` as unsigned integers of their size (16-byte elements as
+    rows of two 8-byte words), so two buffers compare bit for bit.
+
+    Example:
+        >>> element_bits(b"\\x00\\x00\\x80\\x3f", 4).tolist()   # 1.0 as float32
+        [1065353216]
+    """
+    if itemsize in _UNSIGNED:
+        return np.frombuffer(data, _UNSIGNED[itemsize])
+    return np.frombuffer(data, "<u8").reshape(-1, itemsize // 8)

@@ -15,7 +15,8 @@ import pytest
 from conftest import FIXTURES
 from ckpttool.options import ConvertOptions
 from ckpttool.commands.consolidate import consolidate
-from ckpttool.commands.diff import diff, overlapping_chunks, slabs
+from ckpttool.commands.diff import diff
+from ckpttool.geometry import overlapping_boxes as overlapping_chunks, slabs
 from ckpttool.numerics import float8_table
 from ckpttool.commands.reshard import reshard
 from ckpttool.dcp.blobs import DataFiles, locate

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from ckpttool.checkpoint import Checkpoint, paused_gc
-from ckpttool.readers.dcp import METADATA_FILENAME, _convert, read_checkpoint
+from ckpttool.formats.dcp import METADATA_FILENAME
+from ckpttool.readers.dcp import _convert, read_checkpoint
 from ckpttool.safepickle import PickleRefused, RestrictedUnpickler
 from ckpttool.safepickle.allowlist import _ALLOWED, _find_allowed
 from ckpttool.safepickle.loader import MAX_NESTING, _Loader

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import bisect
 import fnmatch
 import math
 import os
@@ -25,7 +24,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,7 +35,7 @@ from ckpttool.errors import CorruptMetadata, KeyCollision, UsageError
 from ckpttool.integrity import Problem
 from ckpttool.io import ProgressFactory, no_progress
 from ckpttool.keys import Rename, normalise
-from ckpttool.layout import Box, intersect, row_major_runs, volume
+from ckpttool.geometry import Box, overlapping_boxes, row_major_runs, slabs, volume
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.readers import open_checkpoint
@@ -45,8 +44,6 @@ from ckpttool.torchsave.archive import tensor_bytes
 GROUPS = ("model", "optimizer", "other")  # as `inspect` groups entries
 BLOCK_SIZE = 4 << 20  # bytes per side compared at a time (a multiple of every itemsize)
 
-# bit patterns of each element size, compared as unsigned integers
-_UNSIGNED = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
 @dataclass(frozen=True)
@@ -399,56 +396,6 @@ class _Side:
             position += length
 
 
-def overlapping_chunks(a: Sequence[Chunk], b: Sequence[Chunk]) -> Iterator[tuple[int, int, Box]]:
-    """Yield (index in a, index in b, common box) for every pair of non-empty chunks that
-    share elements, in the order of a's chunks.
-
-    A sweep along dim 0: for each chunk of a, only chunks of b starting before its end and
-    no more than b's tallest chunk before its start are looked at.
-    """
-    chunks_b = sorted((i for i, c in enumerate(b) if c.numel), key=lambda i: b[i].offsets)
-    if not chunks_b:
-        return
-    if not b[chunks_b[0]].offsets:  # 0-d: the one element
-        for i, chunk in enumerate(a):
-            if chunk.numel:
-                yield i, chunks_b[0], ((), ())
-        return
-    starts = [b[j].offsets[0] for j in chunks_b]
-    tallest = max(b[j].sizes[0] for j in chunks_b)
-    for i in sorted((i for i, c in enumerate(a) if c.numel), key=lambda i: a[i].offsets):
-        box_a = (a[i].offsets, a[i].sizes)
-        found = []
-        at = bisect.bisect_left(starts, box_a[0][0] + box_a[1][0]) - 1
-        while at >= 0 and starts[at] + tallest > box_a[0][0]:
-            j = chunks_b[at]
-            common = intersect(box_a, (b[j].offsets, b[j].sizes))
-            if common is not None:
-                found.append((j, common))
-            at -= 1
-        for j, common in sorted(found, key=lambda item: item[1][0]):
-            yield i, j, common
-
-
-def slabs(region: Box, itemsize: int, limit: int) -> Iterator[Box]:
-    """Yield sub-boxes of `region` in row-major order, each of at most `limit` bytes.
-
-    Example:
-        >>> list(slabs(((0, 0), (4, 3)), 4, 24))
-        [((0, 0), (2, 3)), ((2, 0), (2, 3))]
-    """
-    offsets, sizes = region
-    if volume(sizes) * itemsize <= limit:
-        yield region
-        return
-    dim = next(d for d, size in enumerate(sizes) if size > 1)  # outer dims of size 1 keep the order
-    step = max(1, limit // (volume(sizes[dim + 1:]) * itemsize))
-    for start in range(0, sizes[dim], step):
-        sub_offsets = offsets[:dim] + (offsets[dim] + start,) + offsets[dim + 1:]
-        sub_sizes = sizes[:dim] + (min(step, sizes[dim] - start),) + sizes[dim + 1:]
-        yield from slabs((sub_offsets, sub_sizes), itemsize, limit)
-
-
 def compare_tensors(key: str, a: Tensor, b: Tensor, side_a: _Side, side_b: _Side,
                     tolerance: tuple[float, float] | None, block_size: int, counter: _Counter,
                     on_done=lambda count: None) -> TensorDiff:
@@ -458,7 +405,7 @@ def compare_tensors(key: str, a: Tensor, b: Tensor, side_a: _Side, side_b: _Side
     buffer_a, buffer_b = bytearray(min(block_size, a.nbytes)), bytearray(min(block_size, a.nbytes))
     located_a: dict[int, RawData | None] = {}
     located_b: dict[int, RawData | None] = {}
-    for i, j, region in overlapping_chunks(a.chunks, b.chunks):
+    for i, j, region in overlapping_boxes([c[:2] for c in a.chunks], [c[:2] for c in b.chunks]):
         if i not in located_a:
             located_a[i] = locate(side_a.files, a, a.chunks[i])
         if j not in located_b:
@@ -495,7 +442,7 @@ class _Elements:
         self.max_rel: float | None = None
 
     def add(self, a: memoryview, b: memoryview, slab: Box) -> None:
-        bits_a, bits_b = _bits(a, self.itemsize), _bits(b, self.itemsize)
+        bits_a, bits_b = numerics.element_bits(a, self.itemsize), numerics.element_bits(b, self.itemsize)
         unequal = bits_a != bits_b
         if unequal.ndim > 1:  # 16-byte elements, compared as two 8-byte words
             unequal = unequal.any(axis=1)
@@ -533,12 +480,6 @@ class _Elements:
             "max_abs": self.max_abs, "max_rel": self.max_rel, "non_finite": self.non_finite,
             "within_tolerance": bool(self.differing) and self.tolerance is not None and not self.beyond,
         }
-
-
-def _bits(data: memoryview, itemsize: int) -> np.ndarray:
-    if itemsize in _UNSIGNED:
-        return np.frombuffer(data, _UNSIGNED[itemsize])
-    return np.frombuffer(data, "<u8").reshape(-1, itemsize // 8)
 
 
 # ---------------------------------------------------------------------------------------------

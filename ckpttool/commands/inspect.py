@@ -18,10 +18,11 @@ from typing import NamedTuple, Sequence
 
 from ckpttool import readers
 from ckpttool.checkpoint import Checkpoint, Tensor, paused_gc
-from ckpttool.layout import Sharding, classify
+from ckpttool.geometry import Sharding, classify
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
-from ckpttool.readers.dcp import DATA_FILE_PATTERN
+from ckpttool.formats.dcp import DATA_FILE_PATTERN
+from ckpttool.safepaths import is_safe_relative_path
 
 GROUPS = ("model", "optimizer", "other")
 
@@ -171,7 +172,7 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
     for name in sorted(referenced, key=lambda f: (rank_of(f) is None, rank_of(f) or 0, f)):
         path = checkpoint.path / name
         try:
-            size = path.stat().st_size if ".." not in Path(name).parts and not os.path.isabs(name) else None
+            size = path.stat().st_size if is_safe_relative_path(name) else None
         except OSError:
             size = None
         files.append(FileInfo(name, rank_of(name), size, referenced[name], dict(per_file_group[name])))

@@ -36,7 +36,8 @@ from ckpttool.plan.operations import Record
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
-from ckpttool.readers.dcp import METADATA_FILENAME, read_checkpoint
+from ckpttool.formats.dcp import METADATA_FILENAME
+from ckpttool.readers.dcp import read_checkpoint
 
 _SAVE_ID_NAMESPACE = uuid.UUID("5b1c1e0e-8a4f-4f37-9a55-3b0f9d6f2c11")
 

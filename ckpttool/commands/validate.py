@@ -24,7 +24,7 @@ from ckpttool.dcp.blobs import (DataFiles, blob_bytes, decode_object, is_safeten
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
 from ckpttool.options import SourceOptions
-from ckpttool.readers.dcp import METADATA_FILENAME
+from ckpttool.formats.dcp import METADATA_FILENAME
 
 DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
 

@@ -17,17 +17,17 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import stat
 import threading
 import zipfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
-from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsafeDataFile, UnsupportedFormat
+from ckpttool.errors import CheckpointError, CorruptBlob, MissingFile, UnsupportedFormat
 from ckpttool.formats import safetensors
+from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.safepickle import PickleRefused
 from ckpttool.torchsave.archive import tensor_bytes
 from ckpttool.torchsave.record import TensorRecord, find_record_problems, parse_tensor_record, read_plain_object
@@ -37,56 +37,6 @@ ZSTD_TRANSFORM = "stream.zstd"  # torch/distributed/checkpoint/_extension.py ZSt
 MAX_OBJECT_BYTES = 64 << 20  # a non-tensor entry decompressed: param_groups, steps, RNG states are far smaller
 RECORD_SLACK = 1 << 20  # what a one-tensor record may hold beyond its data (data.pkl, small entries, zip directory)
 DECOMPRESS_BLOCK = 4 << 20  # bytes decompressed per step
-
-
-def safe_relative_path(relative: str, source: str = "") -> PurePosixPath:
-    """Return `relative` as a path inside the checkpoint, or raise if it escapes it."""
-    path = PurePosixPath(relative.replace("\\", "/"))
-    if not relative or path.is_absolute() or ".." in path.parts or relative.startswith(("/", "\\")):
-        raise CorruptMetadata(
-            f"{source}data file path {relative!r} is absolute or leaves the checkpoint "
-            "directory; refusing to read it"
-        )
-    if len(relative) > 1 and relative[1] == ":":
-        raise CorruptMetadata(f"{source}data file path {relative!r} is a drive path; refusing it")
-    return path
-
-
-def file_kind(path: Path) -> str:
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return "a dangling link"
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return kind
-    return "a special file"
-
-
-def containment_root(root: str | os.PathLike) -> Path | None:
-    """The directory a checkpoint's data files must stay inside once symlinks are resolved:
-    the checkpoint itself or, for a Hub cache snapshot (`models--x/snapshots/REV/`, whose files
-    link to `../../blobs/`), the cached repository."""
-    if storage.is_remote(root):
-        return None  # object storage has no symlinks
-    real = Path(os.path.realpath(root))
-    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
-        return real.parent.parent
-    return real
-
-
-def check_data_file(path: Path, mode: int, inside: Path | None, real: str | None = None) -> None:
-    """Raise UnsafeDataFile unless `path` (of st_mode `mode`) is a regular file that, once
-    symlinks are resolved (`real`, default realpath), lies inside `inside` (None: anywhere)."""
-    if inside is not None:
-        real = real or os.path.realpath(path)
-        if not Path(real).is_relative_to(inside):
-            raise UnsafeDataFile(f"{path}: a symlink to {real}, outside the checkpoint directory; refusing "
-                                 "it (pass --follow-symlinks to read it)", "symlink-escapes")
-    if not stat.S_ISREG(mode):
-        raise UnsafeDataFile(f"{path}: {file_kind(path)}, not a regular file; refusing to read it",
-                             "not-regular-file")
 
 
 class DataFiles:

@@ -19,6 +19,7 @@ from pathlib import PurePath
 from typing import Any, Iterable, Mapping, Sequence
 
 from ckpttool.checkpoint import paused_gc
+from ckpttool.formats.dcp import DATA_FILE_SUFFIX
 from ckpttool.torchsave.pickle import Global, NewObject, Reduce, dumps
 
 
@@ -169,5 +170,5 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
 
 def data_file_name(rank: int) -> str:
     """Return torch's name for rank `rank`'s data file (FileSystemWriter: `__{rank}_{n}.distcp`)."""
-    return f"__{rank}_0.distcp"
+    return f"__{rank}_0{DATA_FILE_SUFFIX}"
 

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ckpttool.formats.hub import FILENAME_PATTERN, INDEX_SUFFIX
-from ckpttool.readers.dcp import METADATA_FILENAME
+from ckpttool.formats.dcp import DATA_FILE_SUFFIX, METADATA_FILENAME
 
-DCP_DATA_SUFFIX = ".distcp"  # torch/distributed/checkpoint/filesystem.py DEFAULT_SUFFIX
 # model.safetensors and huggingface_hub's shards, model-00001-of-00003.safetensors
 _WEIGHT_FILE = re.compile(re.escape(FILENAME_PATTERN).replace(re.escape("{suffix}"), r"(-\d+-of-\d+)?"))
 _INDEX_FILENAME = FILENAME_PATTERN.format(suffix="") + INDEX_SUFFIX
@@ -40,7 +39,7 @@ def is_ours(name: str) -> bool:
         [True, True, False]
     """
     return "/" not in name and bool(
-        _WEIGHT_FILE.fullmatch(name) or name in (_INDEX_FILENAME, METADATA_FILENAME) or name.endswith(DCP_DATA_SUFFIX)
+        _WEIGHT_FILE.fullmatch(name) or name in (_INDEX_FILENAME, METADATA_FILENAME) or name.endswith(DATA_FILE_SUFFIX)
     )
 
 

@@ -24,7 +24,7 @@ from ckpttool.dcp.blobs import RawData
 from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.formats import hub, safetensors
 from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys
-from ckpttool.layout import row_major_runs
+from ckpttool.geometry import row_major_runs
 from ckpttool.model_view import ModelView
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather, Operation

@@ -43,7 +43,7 @@ from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
-from ckpttool.layout import Box, intersect, row_major_runs, split_dim0, volume
+from ckpttool.geometry import Box, intersect, row_major_runs, split_dim0, volume
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.operations import Copy, Gather, Operation, Record
 from ckpttool.torchsave.record import record_layout

@@ -22,7 +22,8 @@ import os
 from ckpttool import storage
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat
-from ckpttool.readers.dcp import METADATA_FILENAME, read_checkpoint
+from ckpttool.formats.dcp import METADATA_FILENAME
+from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.dcp_hf import read_dcp_hf
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, MEGATRON, SAFETENSORS,
                                      TORCH_PT, VERL, Detection, _detect, detect)

@@ -24,16 +24,14 @@ from typing import Any
 
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import OUR_TRANSFORMS, Blob, Checkpoint, Chunk, Object, Tensor, paused_gc, refuse_bad_names
-from ckpttool.dcp.blobs import file_kind
+from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
+from ckpttool.safepaths import file_kind
 from ckpttool.errors import CorruptMetadata, NotACheckpoint, clip
 from ckpttool.safepickle.allowlist import _CHUNK, _METADATA_INDEX, _STORAGE_INFO
 from ckpttool.safepickle.nodes import _ChunkBox, _IndexKey, _InfoBox, _Light, _TensorBox
 from ckpttool.safepickle.standins import _DType, _field, _Record, _Shape
 from ckpttool.safepickle.unpickler import unpickle_metadata
 
-METADATA_FILENAME = ".metadata"  # torch/distributed/checkpoint/filesystem.py `_metadata_fn`
-RANK_METADATA_PATTERN = re.compile(r"^__(\d+)\.metadata$")  # written when use_collectives=False
-DATA_FILE_PATTERN = re.compile(r"^__(\d+)_(\d+)\.distcp$")  # `__{rank}_{n}.distcp`
 # a 100k-chunk checkpoint's metadata is ~14 MB; 2 GiB is ~15M chunks
 MAX_METADATA_BYTES = 2 << 30
 READ_CHUNK_BYTES = 64 << 20

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from ckpttool import storage
-from ckpttool.dcp.blobs import containment_root
+from ckpttool.safepaths import containment_root
 from ckpttool.errors import CorruptMetadata, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.readers.safetensors import Header, build_checkpoint, read_header, read_index

@@ -38,7 +38,7 @@ from ckpttool import storage
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.readers import dcp_hf, hub_folder
-from ckpttool.readers.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
+from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 from ckpttool.readers.safetensors import read_header
 
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from ckpttool import storage
-from ckpttool.dcp.blobs import containment_root
+from ckpttool.safepaths import containment_root
 from ckpttool.errors import NotACheckpoint
 from ckpttool.formats.hub import INDEX_SUFFIX
 from ckpttool.formats.safetensors import SUFFIX

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Mapping
 
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, refuse_bad_names
-from ckpttool.dcp.blobs import check_data_file, containment_root, safe_relative_path
+from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.errors import CorruptMetadata, MissingFile
 from ckpttool.formats.safetensors import MAX_HEADER_BYTES, METADATA_KEY, SUFFIX, HeaderError, read_header as read_raw_header
 

@@ -1,4 +1,4 @@
-"""Pure geometry of chunks: boxes, overlaps, coverage, and how FSDP splits a tensor.
+"""Pure geometry of chunks: boxes, overlaps, coverage, slabs, and how FSDP splits a tensor.
 
 A *box* is `(offsets, sizes)`, one entry per dimension. Nothing here reads files or imports
 torch, so every function is tested on plain tuples.
@@ -12,11 +12,12 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -198,3 +199,57 @@ def row_major_runs(box: Box, region: Box, itemsize: int) -> list[tuple[int, int]
         else:
             runs.append((start, run))
     return runs
+
+
+def overlapping_boxes(a: Sequence[Box], b: Sequence[Box]) -> Iterator[tuple[int, int, Box]]:
+    """Yield (index in a, index in b, common box) for every pair of non-empty boxes of two
+    chunkings of one tensor that share elements, in the order of a's boxes.
+
+    A sweep along dim 0: for each box of a, only boxes of b starting before its end and no
+    more than b's tallest box before its start are looked at.
+
+    Example:
+        >>> list(overlapping_boxes([((0,), (4,))], [((0,), (3,)), ((3,), (3,))]))
+        [(0, 0, ((0,), (3,))), (0, 1, ((3,), (1,)))]
+    """
+    boxes_b = sorted((j for j, box in enumerate(b) if volume(box[1])), key=lambda j: b[j][0])
+    if not boxes_b:
+        return
+    if not b[boxes_b[0]][0]:  # 0-d: the one element
+        for i, box in enumerate(a):
+            if volume(box[1]):
+                yield i, boxes_b[0], ((), ())
+        return
+    starts = [b[j][0][0] for j in boxes_b]
+    tallest = max(b[j][1][0] for j in boxes_b)
+    for i in sorted((i for i, box in enumerate(a) if volume(box[1])), key=lambda i: a[i][0]):
+        box_a = a[i]
+        found = []
+        at = bisect.bisect_left(starts, box_a[0][0] + box_a[1][0]) - 1
+        while at >= 0 and starts[at] + tallest > box_a[0][0]:
+            j = boxes_b[at]
+            common = intersect(box_a, b[j])
+            if common is not None:
+                found.append((j, common))
+            at -= 1
+        for j, common in sorted(found, key=lambda item: item[1][0]):
+            yield i, j, common
+
+
+def slabs(region: Box, itemsize: int, limit: int) -> Iterator[Box]:
+    """Yield sub-boxes of `region` in row-major order, each of at most `limit` bytes.
+
+    Example:
+        >>> list(slabs(((0, 0), (4, 3)), 4, 24))
+        [((0, 0), (2, 3)), ((2, 0), (2, 3))]
+    """
+    offsets, sizes = region
+    if volume(sizes) * itemsize <= limit:
+        yield region
+        return
+    dim = next(d for d, size in enumerate(sizes) if size > 1)  # outer dims of size 1 keep the order
+    step = max(1, limit // (volume(sizes[dim + 1:]) * itemsize))
+    for start in range(0, sizes[dim], step):
+        sub_offsets = offsets[:dim] + (offsets[dim] + start,) + offsets[dim + 1:]
+        sub_sizes = sizes[:dim] + (min(step, sizes[dim] - start),) + sizes[dim + 1:]
+        yield from slabs((sub_offsets, sub_sizes), itemsize, limit)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ckpttool.layout import classify, coverage, find_overlaps, intersect, row_major_runs, split_dim0
+from ckpttool.geometry import classify, coverage, find_overlaps, intersect, row_major_runs, split_dim0
 
 
 @pytest.mark.parametrize("length,world", [(7, 3), (2, 3), (8, 4), (13, 8), (0, 2), (1, 1), (5, 8)])
