@@ -76,6 +76,18 @@ def assert_same_bytes(actual, expected, name: str = "") -> None:
     assert tensor_bytes(actual) == tensor_bytes(expected), f"{name}: bytes differ"
 
 
+@pytest.fixture(scope="module")
+def run():
+    """`run("inspect", path, "--json")` -> click Result, in-process; one runner per test module
+    (for module-scoped fixtures that run the CLI once)."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    runner = CliRunner()
+    return lambda *args: runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
 @pytest.fixture
 def cli():
     """Run the ckpttool CLI in-process: `cli("inspect", path, "--json")` -> click Result."""

@@ -57,17 +57,6 @@ dcp_by_id = pytest.mark.parametrize("case", DCP_CASES, ids=[c.id for c in DCP_CA
 
 
 @pytest.fixture(scope="module")
-def run():
-    """`run("inspect", path, "--json")` -> click Result, in-process."""
-    from click.testing import CliRunner
-
-    from ckpttool.cli import main
-
-    runner = CliRunner()
-    return lambda *args: runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-@pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     return tmp_path_factory.mktemp("frameworks")
 

@@ -108,17 +108,6 @@ def described(path: Path, cast_to: str = "") -> dict:
 
 
 @pytest.fixture(scope="module")
-def run():
-    """`run("inspect", path, "--json")` -> click Result, in-process."""
-    from click.testing import CliRunner
-
-    from ckpttool.cli import main
-
-    runner = CliRunner()
-    return lambda *args: runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-@pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     return tmp_path_factory.mktemp("by-structure")
 
