@@ -94,8 +94,10 @@ def import_checkpoint(
     laid out for `world_size` FSDP2 ranks (or an HSDP `mesh`), keys under `prefix`.
 
     Every tensor of one or more dimensions is split along dim 0 like torch.chunk, as
-    `fully_shard` shards parameters (the reshard plan's `every-tensor` rule). Nothing is left
-    at `dst` unless the whole write (and `verify`) succeeded.
+    `fully_shard` shards parameters (the reshard plan's `every-tensor` rule). Only the model's
+    entries are imported, under their model keys (`model_view.find_model`, or
+    `source.model_prefix`): a `.pt` holding an optimizer beside the model brings the model.
+    Nothing is left at `dst` unless the whole write (and `verify`) succeeded.
 
     Example:
         >>> import_checkpoint("model.safetensors", "ckpt/imported", world_size=2).plan.rule
@@ -114,7 +116,7 @@ def import_checkpoint(
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     with DataFiles(checkpoint.path, source.follow_symlinks) as files:
         located = execute.locate_chunks(files, checkpoint.tensors.values(), write.threads)
-        nested = nest_under(checkpoint, prefix, located, find_model(checkpoint).require().keys)
+        nested = nest_under(checkpoint, prefix, located, find_model(checkpoint, source.model_prefix).require().keys)
         plan = plan_reshard(nested, target_mesh)
         report = dict(source=checkpoint.path, destination=destination, plan=plan, tensor_bytes=plan.nbytes,
                       problems=warnings, layout=detection.describe(), prefix=prefix)
