@@ -30,7 +30,9 @@ from pathlib import Path
 
 def measure(tree: Path, arguments: list[str]) -> tuple[float, int]:
     """Return (wall seconds, peak RSS bytes) of `python -m ckpttool ARGUMENTS` from `tree`."""
-    environment = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    # PYTHONSAFEPATH: `-m` would otherwise put the working directory first on sys.path, so run
+    # from inside a tree (as above: `--after .`) both sides would import that tree
+    environment = dict(os.environ, PYTHONPATH=str(tree.resolve()), PYTHONSAFEPATH="1")
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "ckpttool", *arguments], env=environment,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

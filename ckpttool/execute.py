@@ -14,16 +14,17 @@ Example:
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import Tensor
-from ckpttool.dcp.blobs import DataFiles, RawData, locate, read_chunk
+from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
 from ckpttool.errors import CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
 from ckpttool.plan import unique_chunks
@@ -33,31 +34,73 @@ from ckpttool.torchsave.record import record_layout
 
 VERIFY_BLOCK = 16 << 20  # bytes compared per step of --verify
 
+T = TypeVar("T")
 Located = dict[str, dict[int, RawData | None]]  # fqn -> chunk index -> raw bytes (None: decode)
 
 
 def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4) -> Located:
-    """Return where each distinct chunk's raw bytes are (reading only record headers), in
-    parallel; the planners take this as input. Raises CorruptBlob for a record that
-    disagrees with the metadata or runs past the end of its file."""
+    """Return where each distinct chunk's raw bytes are (reading only record headers); the
+    planners take this as input. Raises CorruptBlob for a record that disagrees with the
+    metadata or runs past the end of its file.
+
+    One task per data file walks its records in offset order through a `ReadAhead`, so the
+    headers of neighbouring records come from one read; tasks run `threads` at a time. On
+    several bad chunks the error raised is the first in (tensor, chunk) order, as if each
+    chunk were located alone in that order.
+    """
     tensors = list(tensors)
     jobs = [(tensor, index) for tensor in tensors for index in unique_chunks(tensor)]
+    by_file: dict[str, list[int]] = {}
+    for number, (tensor, index) in enumerate(jobs):
+        blob = tensor.chunks[index].blob
+        by_file.setdefault(blob.file if blob is not None else "", []).append(number)
+    found: list[RawData | None] = [None] * len(jobs)
 
-    def find(job: tuple[Tensor, int]) -> RawData | None:
-        tensor, index = job
-        raw = locate(files, tensor, tensor.chunks[index])
-        if raw is not None and raw.offset + raw.length > files.size(raw.file):
-            raise CorruptBlob(
-                f"{files.path(raw.file)}: {tensor.fqn} chunk at {list(tensor.chunks[index].offsets)} ends at byte "
-                f"{raw.offset + raw.length}, past the file's {files.size(raw.file)} bytes (truncated file?)"
-            )
-        return raw
+    def walk(relative: str, numbers: list[int]) -> tuple[int, Exception] | None:
+        ahead = ReadAhead(files, relative)
+        first_error = None
+        for number in sorted(numbers, key=lambda n: _blob_offset(jobs[n])):
+            tensor, index = jobs[number]
+            try:
+                found[number] = _locate_one(ahead, tensor, index)
+            except Exception as error:  # kept, so the error raised is the first in job order
+                if first_error is None or number < first_error[0]:
+                    first_error = (number, error)
+        return first_error
 
-    found: Located = {tensor.fqn: {} for tensor in tensors}
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for (tensor, index), raw in zip(jobs, pool.map(find, jobs)):
-            found[tensor.fqn][index] = raw
-    return found
+    tasks = [functools.partial(walk, relative, numbers) for relative, numbers in sorted(by_file.items())]
+    failures = [failure for failure in run_each(tasks, threads) if failure is not None]
+    if failures:
+        raise min(failures, key=lambda failure: failure[0])[1]
+    located: Located = {tensor.fqn: {} for tensor in tensors}
+    for (tensor, index), raw in zip(jobs, found):
+        located[tensor.fqn][index] = raw
+    return located
+
+
+def _blob_offset(job: tuple[Tensor, int]) -> int:
+    blob = job[0].chunks[job[1]].blob
+    return blob.offset if blob is not None else 0
+
+
+def _locate_one(ahead: ReadAhead, tensor: Tensor, index: int) -> RawData | None:
+    chunk = tensor.chunks[index]
+    if chunk.blob is not None:
+        ahead.expect(chunk.blob)
+    raw = locate(ahead, tensor, chunk)
+    if raw is not None and raw.offset + raw.length > ahead.size(raw.file):
+        raise CorruptBlob(
+            f"{ahead.path(raw.file)}: {tensor.fqn} chunk at {list(chunk.offsets)} ends at byte "
+            f"{raw.offset + raw.length}, past the file's {ahead.size(raw.file)} bytes (truncated file?)"
+        )
+    return raw
+
+
+def run_each(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:
+    """Return the results of `tasks`, run `threads` at a time, in order (the seam tests count
+    locate's tasks through)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(tasks)))) as pool:
+        return list(pool.map(lambda task: task(), tasks))
 
 
 def write_file(path: Path, data: bytes) -> None:
