@@ -203,10 +203,9 @@ def diff(
     keys_b = entry_keys(checkpoint_b, normalize, rules_b, tuple(only), tuple(filters), view_b)
     model_views = None
     if not (exact_names or normalize or only or renames or renames_a or renames_b) and keys_a.keys() != keys_b.keys():
-        model_views = _model_views(checkpoint_a, checkpoint_b, view_a, view_b, keys_a, keys_b, tuple(filters))
-        if model_views is not None:
-            keys_a = entry_keys(checkpoint_a, True, (), ("model",), tuple(filters), view_a)
-            keys_b = entry_keys(checkpoint_b, True, (), ("model",), tuple(filters), view_b)
+        compared = _model_views(checkpoint_a, checkpoint_b, view_a, view_b, keys_a, keys_b, tuple(filters))
+        if compared is not None:
+            model_views, keys_a, keys_b = compared
     common = sorted(keys_a.keys() & keys_b.keys())
     only_a = tuple(_only(checkpoint_a, key, keys_a[key]) for key in sorted(keys_a.keys() - keys_b.keys()))
     only_b = tuple(_only(checkpoint_b, key, keys_b[key]) for key in sorted(keys_b.keys() - keys_a.keys()))
@@ -293,9 +292,10 @@ def entry_keys(checkpoint: Checkpoint, normalize: bool, renames: Sequence[Rename
 
 
 def _model_views(a: Checkpoint, b: Checkpoint, view_a: ModelView, view_b: ModelView, keys_a: dict[str, str],
-                 keys_b: dict[str, str], filters: tuple[str, ...]) -> str | None:
-    """Return the line saying the model views are compared, when the names do not meet (or
-    one side is a bare model the other holds with more) but the model views do; else None."""
+                 keys_b: dict[str, str], filters: tuple[str, ...]) -> tuple[str, dict[str, str], dict[str, str]] | None:
+    """Return (the line saying the model views are compared, A's and B's model keys) when the
+    names do not meet (or one side is a bare model the other holds with more) but the model
+    views do; else None."""
     if view_a.prefix is None or view_b.prefix is None:
         return None
     bare = any(len(view.keys) == len(c.tensors) + len(c.objects) for view, c in ((view_a, a), (view_b, b)))
@@ -311,7 +311,7 @@ def _model_views(a: Checkpoint, b: Checkpoint, view_a: ModelView, view_b: ModelV
     where = " and ".join(f"{side}'s under {view.prefix}." if view.prefix else f"{side}'s at the top level"
                          for side, view in (("A", view_a), ("B", view_b)))
     return (f"compared the model views ({where}, keys as model.state_dict() names them); "
-            "--exact-names compares every entry by its full name")
+            "--exact-names compares every entry by its full name"), model_a, model_b
 
 
 def _normalize_hint(a: Checkpoint, b: Checkpoint, rules_a, rules_b, only, filters, view_a=None, view_b=None) -> str | None:
