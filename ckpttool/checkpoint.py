@@ -14,11 +14,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from ckpttool import dtypes
 from ckpttool.errors import BadName
@@ -55,6 +59,98 @@ class Chunk(NamedTuple):
         return math.prod(self.sizes)
 
 
+class ChunkTable(Sequence[Chunk]):
+    """A tensor's chunks as columns: what a large `.metadata` is read into (readers/dcp.py),
+    one row per chunk, sorted by offsets, instead of a `Chunk` and a `Blob` per chunk.
+
+    It is a sequence of `Chunk`s (each built when asked for), so code that walks
+    `tensor.chunks` works on it unchanged; code on the hot path of large checkpoints (the
+    integrity gate, inspect) reads the columns:
+
+    - `offsets`, `sizes`: int64 arrays of shape (rows, ndim)
+    - `file`: int32 index into `files` of the data file holding each chunk, -1 for a chunk
+      without a storage entry (then `blob_offset` and `blob_length` are 0)
+    - `blob_offset`, `blob_length`: int64 byte ranges in that file
+    - every blob has no transforms (tables are only built for such tensors)
+
+    Example:
+        >>> table = ckpt.tensors["model.tok_emb.weight"].chunks
+        >>> table.offsets[:, 0], table.files[table.file[0]]
+        (array([  0, 128]), '__0_0.distcp')
+    """
+
+    __slots__ = ("offsets", "sizes", "file", "blob_offset", "blob_length", "files")
+
+    def __init__(self, offsets: "np.ndarray", sizes: "np.ndarray", file: "np.ndarray", blob_offset: "np.ndarray",
+                 blob_length: "np.ndarray", files: tuple[str, ...]):
+        self.offsets, self.sizes, self.file = offsets, sizes, file
+        self.blob_offset, self.blob_length, self.files = blob_offset, blob_length, files
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[Chunk], ndim: int) -> "ChunkTable | None":
+        """Return `chunks` (sorted by offsets, untransformed blobs, int64 values) as a table,
+        or None when they cannot be one."""
+        import numpy as np
+
+        files: dict[str, int] = {}
+        rows = []
+        for chunk in sorted(chunks, key=_chunk_order):
+            blob = chunk.blob
+            if len(chunk.offsets) != ndim or len(chunk.sizes) != ndim or (blob is not None and blob.transforms):
+                return None
+            if blob is None:
+                rows.append((*chunk.offsets, *chunk.sizes, -1, 0, 0))
+            else:
+                rows.append((*chunk.offsets, *chunk.sizes, files.setdefault(blob.file, len(files)), blob.offset, blob.length))
+        if any(type(v) is not int or not -(1 << 63) <= v < (1 << 63) for row in rows for v in row):
+            return None
+        array = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 3)
+        return cls(array[:, :ndim].copy(), array[:, ndim:2 * ndim].copy(), array[:, -3].astype(np.int32),
+                   array[:, -2].copy(), array[:, -1].copy(), tuple(files))
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+    @overload
+    def __getitem__(self, index: int) -> Chunk: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Chunk, ...]: ...
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        file = int(self.file[index])
+        blob = None if file < 0 else Blob(self.files[file], int(self.blob_offset[index]), int(self.blob_length[index]), ())
+        return Chunk(tuple(self.offsets[index].tolist()), tuple(self.sizes[index].tolist()), blob)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        files = self.files
+        for offsets, sizes, file, offset, length in zip(self.offsets.tolist(), self.sizes.tolist(), self.file.tolist(),
+                                                         self.blob_offset.tolist(), self.blob_length.tolist()):
+            yield Chunk(tuple(offsets), tuple(sizes), None if file < 0 else Blob(files[file], offset, length, ()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ChunkTable, tuple, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({len(self)} chunks of {self.offsets.shape[1]} dims in {len(self.files)} files)"
+
+    def data_files(self) -> set[str]:
+        """Return the names of the data files any chunk's blob is in."""
+        import numpy as np
+
+        return {self.files[i] for i in np.unique(self.file).tolist() if i >= 0}
+
+
+def _chunk_order(chunk: Chunk) -> tuple[int, ...]:
+    return chunk.offsets
+
+
 @dataclass(frozen=True)
 class Tensor:
     """A tensor entry of the checkpoint: its global shape, dtype and chunks."""
@@ -62,7 +158,7 @@ class Tensor:
     fqn: str
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
+    chunks: tuple[Chunk, ...] | ChunkTable  # sorted by offsets
 
     @property
     def numel(self) -> int:
@@ -114,10 +210,28 @@ class Checkpoint:
 
     def data_files(self) -> list[str]:
         """Return the relative data-file paths referenced by any blob, sorted."""
-        files = {c.blob.file for t in self.tensors.values() for c in t.chunks if c.blob}
-        files |= {o.blob.file for o in self.objects.values() if o.blob}
+        files = {o.blob.file for o in self.objects.values() if o.blob}
+        for tensor in self.tensors.values():
+            files |= tensor_files(tensor)
         return sorted(files)
 
+
+
+def with_tables(checkpoint: Checkpoint) -> Checkpoint:
+    """Return `checkpoint` with each tensor's chunks as a `ChunkTable` where they can be one
+    (what reading a large `.metadata` gives; tests compare both forms)."""
+    tensors = {}
+    for fqn, tensor in checkpoint.tensors.items():
+        table = tensor.chunks if isinstance(tensor.chunks, ChunkTable) else ChunkTable.from_chunks(tensor.chunks, len(tensor.shape))
+        tensors[fqn] = tensor if table is None else Tensor(tensor.fqn, tensor.dtype, tensor.shape, table)
+    return dataclasses.replace(checkpoint, tensors=tensors)
+
+
+def tensor_files(tensor: Tensor) -> set[str]:
+    """Return the names of the data files holding any chunk of `tensor`."""
+    if isinstance(tensor.chunks, ChunkTable):
+        return tensor.chunks.data_files()
+    return {c.blob.file for c in tensor.chunks if c.blob}
 
 
 def raw_range_transforms(crc32: int | None = None) -> tuple[str, ...]:
@@ -148,7 +262,8 @@ def refuse_bad_names(source: Path, names: list[str], files: set[str], tensors: d
     for fqn in names:
         if (why := bad_text(fqn)) is not None:
             raise BadName(f"{source}: entry name {ascii(fqn)[:120]} holds {why}; refusing the checkpoint")
-    files |= {c.blob.file for t in tensors.values() for c in t.chunks if c.blob}
+    for tensor in tensors.values():
+        files |= tensor_files(tensor)
     files |= {o.blob.file for o in objects.values() if o.blob}
     for file in files:
         if (why := bad_text(file)) is not None:
