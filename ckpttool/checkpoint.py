@@ -68,7 +68,7 @@ class ChunkTable(Sequence[Chunk]):
     integrity gate, inspect) reads the columns:
 
     - `offsets`, `sizes`: int64 arrays of shape (rows, ndim)
-    - `file`: int32 index into `files` of the data file holding each chunk, -1 for a chunk
+    - `file`: integer index into `files` of the data file holding each chunk, -1 for a chunk
       without a storage entry (then `blob_offset` and `blob_length` are 0)
     - `blob_offset`, `blob_length`: int64 byte ranges in that file
     - every blob has no transforms (tables are only built for such tensors)

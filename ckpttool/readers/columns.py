@@ -83,31 +83,47 @@ class _Storage:
 
 def _tensor(row: tuple, coords: Any, storage: _Storage, number: int | None, orphans: list) -> Tensor:
     """The tensor of a scanned row: its chunks as a table when each has exactly one storage
-    entry (the last of equal offsets) and no entry is left over, else matched one by one."""
+    entry and no entry is left over (views of the scanned columns when, as torch writes them,
+    chunks and entries come in offsets order), else matched one by one."""
     import numpy as np
 
     fqn, dtype, shape, first, count = row
     ndim = len(shape)
     block = coords[first:first + 2 * ndim * count].reshape(count, 2 * ndim)
-    order = np.lexsort(block[:, ndim - 1::-1].T) if ndim and count > 1 else np.arange(count)
-    offsets, sizes = block[order, :ndim], block[order, ndim:]
+    if not _ascending(block[:, :ndim]):
+        block = block[np.lexsort(block[:, ndim - 1::-1].T)]
+    offsets, sizes = block[:, :ndim], block[:, ndim:]
     mine = storage.rows(number)
-    dims = storage.ndim[mine]
-    if (dims == ndim).all():
-        keys = np.stack([storage.coords[storage.start[mine] + d] for d in range(ndim)], axis=1) if ndim else np.zeros((len(mine), 0), np.int64)
-        keyed = np.lexsort(keys[:, ::-1].T) if ndim and len(mine) > 1 else np.arange(len(mine))
-        keys = keys[keyed]
-        if len(keyed) == count and np.array_equal(keys, offsets):
-            if count < 2 or (keys[1:] != keys[:-1]).any(axis=1).all():  # no two entries share offsets
-                taken = mine[keyed]
-                table = ChunkTable(offsets, sizes, storage.file[taken].astype(np.int32), storage.offset[taken].copy(),
-                                   storage.length[taken].copy(), storage.files)
-                return Tensor(fqn, dtype, shape, table)
+    if len(mine) == count and (storage.ndim[mine] == ndim).all():
+        keys = storage.coords[storage.start[mine][:, None] + np.arange(ndim)]
+        if not _ascending(keys):
+            order = np.lexsort(keys[:, ::-1].T)
+            keys, mine = keys[order], mine[order]
+        if np.array_equal(keys, offsets) and _ascending(keys, strictly=True):
+            if count and mine[-1] - mine[0] == count - 1 and _ascending(mine[:, None], strictly=True):
+                taken: Any = slice(int(mine[0]), int(mine[-1]) + 1)  # consecutive rows: views, no copies
+            else:
+                taken = mine
+            table = ChunkTable(offsets, sizes, storage.file[taken], storage.offset[taken], storage.length[taken], storage.files)
+            return Tensor(fqn, dtype, shape, table)
     boxes = sorted(zip(map(tuple, offsets.tolist()), map(tuple, sizes.tolist())), key=_first)
     unkeyed, keyed_blobs = latest(storage.blobs(number))
     if unkeyed is not None:
         orphans.append((fqn, unkeyed))
     return Tensor(fqn, dtype, shape, match_storage(fqn, boxes, keyed_blobs, orphans))
+
+
+def _ascending(rows: Any, strictly: bool = False) -> bool:
+    """True when `rows` (n, ndim) are in lexicographic order (strictly: no two equal). Tested
+    on the first column, where chunks of a dim-0 split differ; otherwise left to a sort."""
+    import numpy as np
+
+    if len(rows) < 2:
+        return True
+    if not rows.shape[1]:
+        return not strictly
+    steps = np.diff(rows[:, 0])
+    return bool((steps > 0).all())
 
 
 def match_storage(fqn: str, boxes: list, keyed: list, orphans: list) -> tuple[Chunk, ...]:
