@@ -134,3 +134,31 @@ def test_without_the_c_reader_the_loader_reads_every_checkpoint(monkeypatch):
     for path in ALL_METADATA:
         checkpoint = dcp.read_checkpoint(path.parent)
         assert not any(isinstance(t.chunks, ChunkTable) for t in checkpoint.tensors.values())
+
+
+def test_records_a_writer_shares_between_entries_are_read_alike(tmp_path):
+    """One TensorProperties for every tensor of a dtype and one BytesStorageMetadata for every
+    object, as a writer that reuses them pickles it (memo fetches instead of new records)."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    properties, opaque = TensorProperties(dtype=torch.bfloat16), BytesStorageMetadata()
+    state, stored, end = {}, {}, 0
+    for name in ("a", "b", "c"):
+        chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([2, 3])) for row in (0, 2)]
+        state[f"model.{name}"] = TensorStorageMetadata(properties, torch.Size([4, 3]), chunks)
+        for chunk in chunks:
+            stored[MetadataIndex(f"model.{name}", chunk.offsets)] = _StorageInfo("__0_0.distcp", end, 12)
+            end += 12
+        state[f"optim.{name}.lr"] = opaque
+        stored[MetadataIndex(f"optim.{name}.lr")] = _StorageInfo("__0_0.distcp", end, 7)
+        end += 7
+    raw = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=stored))
+    path = tmp_path / METADATA_FILENAME
+    columns = _columns(path, raw)
+    assert columns is not None and len(columns.objects) == 3
+    assert _plain(columns) == _plain(_loader(path, raw))

@@ -30,7 +30,7 @@
 
 #define MAX_DIMS 64
 
-enum { K_STR = 1, K_GLOBAL, K_LAYOUT, K_MEMFMT };
+enum { K_STR = 1, K_GLOBAL, K_LAYOUT, K_MEMFMT, K_PROPS, K_BYTES };  /* what a kept memo slot holds */
 enum {
     G_METADATA = 1, G_TSM, G_BSM, G_CHUNK, G_PROPS, G_INDEX, G_STMETA, G_INFO,
     G_SIZE, G_DTYPE, G_GET_LAYOUT, G_MEMFMT, G_PATH
@@ -365,9 +365,18 @@ static int size(P *p, int64_t *dims, int *ndim) {
 
 static int boolean(P *p) { return take(p, 0x88) || take(p, 0x89) ? 0 : fail(p); }
 
-/* TensorProperties: its dtype's name (borrowed) into *dtype */
+/* TensorProperties, or one fetched (a writer may share one between tensors): its dtype's
+   name (borrowed) into *dtype */
 static int properties(P *p, PyObject **dtype) {
-    if (new_object(p) != G_PROPS || expect(p, '(')) return fail(p);
+    Kept *shared = fetched_kind(p, K_PROPS);
+    if (shared) {
+        *dtype = shared->obj;
+        return *dtype ? 0 : fail(p);  /* NULL: fetched inside itself */
+    }
+    if (global(p, NULL) != G_PROPS || expect(p, ')') || expect(p, 0x81)) return fail(p);
+    Py_ssize_t kept = p->nkept;
+    if (memo(p, K_PROPS, 0, NULL) || expect(p, '(')) return fail(p);
+    kept = p->nkept > kept ? kept : -1;  /* its memo entry, named once its dtype is read */
     *dtype = NULL;
     if (global(p, dtype) != G_DTYPE || !*dtype) return fail(p);
     if (!fetched_kind(p, K_LAYOUT)) {  /* `_get_layout("torch.strided")`, its result not fetched */
@@ -385,6 +394,11 @@ static int properties(P *p, PyObject **dtype) {
         if (expect(p, 0x85) || memo(p, 0, 0, NULL) || expect(p, 'R') || memo(p, K_MEMFMT, 0, NULL)) return -1;
     }
     if (boolean(p) || expect(p, 't') || memo(p, 0, 0, NULL) || expect(p, 'b')) return fail(p);
+    if (kept >= 0) {
+        if (kept >= p->nkept || p->kept[kept].kind != K_PROPS) return fail(p);
+        Py_INCREF(*dtype);
+        p->kept[kept].obj = *dtype;
+    }
     return 0;
 }
 
@@ -515,13 +529,21 @@ static int tensor_field(P *p, void *context) {
     return -1;
 }
 
+/* `cls()` of a state_dict_metadata entry; a BytesStorageMetadata is kept in the memo (it
+   has no fields, so a writer may share one) */
+static int bytes_or_tensor(P *p) {
+    int gid = global(p, NULL);
+    if (gid < 0 || expect(p, ')') || expect(p, 0x81)) return -1;
+    return memo(p, gid == G_BSM ? K_BYTES : 0, 0, NULL) ? -1 : gid;
+}
+
 /* a state_dict_metadata entry: fqn -> TensorStorageMetadata or BytesStorageMetadata */
 static int entry(P *p, void *context) {
     (void)context;
     PyObject *fqn = text(p);
     if (!fqn) return -1;
     int seen = PySet_Contains(p->seen, fqn);
-    int gid = seen ? -1 : new_object(p);
+    int gid = seen ? -1 : fetched_kind(p, K_BYTES) ? G_BSM : bytes_or_tensor(p);
     if (seen || gid < 0 || PySet_Add(p->seen, fqn)) { Py_DECREF(fqn); return seen < 0 ? -1 : fail(p); }
     if (gid == G_BSM) {
         if (peek(p) == '}' && (expect(p, '}') || memo(p, 0, 0, NULL) || expect(p, 'b'))) { Py_DECREF(fqn); return -1; }
