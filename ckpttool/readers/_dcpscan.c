@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #define MAX_DIMS 64
+#define RECENT 4096  /* a rank's file names and a tensor's fqn are fetched over and over */
 
 enum { K_STR = 1, K_GLOBAL, K_LAYOUT, K_MEMFMT, K_PROPS, K_BYTES };  /* what a kept memo slot holds */
 enum {
@@ -45,6 +46,7 @@ static const char *const FIELD_NAMES[] = {
 
 typedef struct { uint32_t index; uint8_t kind, gid; PyObject *obj; } Kept;  /* memo slots < 2**31: one per input byte at most */
 typedef struct { PyObject *bytes; int64_t *v; Py_ssize_t n, cap; } I64;  /* a bytearray's int64s */
+typedef struct { PyObject *name; Py_ssize_t id; } Named;  /* a str and the id it was given */
 
 typedef struct {
     const unsigned char *p;
@@ -58,7 +60,8 @@ typedef struct {
     Py_ssize_t budget, fail_at;
     int failed;
     Py_ssize_t released, release_every;  /* pages of a mapped input handed back so far; 0: never */
-    Py_ssize_t recent[256];  /* kept entry + 1 of recently fetched slots, by slot % 256 */
+    Py_ssize_t recent[RECENT];  /* kept entry + 1 of recently fetched slots, by slot % RECENT */
+    Named fqn_cache[RECENT], file_cache[RECENT];  /* fqn and file ids by the str's address */
     PyObject *fields[F_COUNT];  /* the field names the records have, interned before the scan */
 } P;
 
@@ -163,7 +166,7 @@ static Kept *lookup(P *p) {
     int width = op == 'h' ? 1 : op == 'j' ? 4 : 0;
     if (!width || p->n - p->i < 1 + width) return NULL;
     uint64_t slot = le(p->p + p->i + 1, width);
-    Py_ssize_t hit = p->recent[slot % 256] - 1;
+    Py_ssize_t hit = p->recent[slot % RECENT] - 1;
     if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
     Py_ssize_t lo = 0, hi = p->nkept;
     while (lo < hi) {
@@ -171,7 +174,7 @@ static Kept *lookup(P *p) {
         if (p->kept[mid].index < slot) lo = mid + 1; else hi = mid;
     }
     if (lo == p->nkept || p->kept[lo].index != slot) return NULL;
-    p->recent[slot % 256] = lo + 1;
+    p->recent[slot % RECENT] = lo + 1;
     return &p->kept[lo];
 }
 
@@ -420,8 +423,8 @@ static int restore(P *p, Snapshot *s) {
     p->memo_count = s->memo_count;
     p->coords.n = s->coords;
     p->st_fqn.n = p->st_ndim.n = p->st_cstart.n = p->st_file.n = p->st_off.n = p->st_len.n = s->storage;
-    if (PyList_SetSlice(p->tensors, s->tensors, PY_SSIZE_T_MAX, NULL)) return -1;
-    if (PyList_SetSlice(p->objects, s->objects, PY_SSIZE_T_MAX, NULL)) return -1;
+    if (PyList_GET_SIZE(p->tensors) > s->tensors && PyList_SetSlice(p->tensors, s->tensors, PY_SSIZE_T_MAX, NULL)) return -1;
+    if (PyList_GET_SIZE(p->objects) > s->objects && PyList_SetSlice(p->objects, s->objects, PY_SSIZE_T_MAX, NULL)) return -1;
     if (PyDict_GET_SIZE(p->planner) > s->planner && p->last_planner_key &&
         PyDict_DelItem(p->planner, p->last_planner_key)) return -1;
     p->failed = 0;
@@ -455,6 +458,8 @@ static int items(P *p, int batch_op, int single_op, Item item, void *context) {
             p->i++;
             continue;
         }
+        int op = peek(p);
+        if (op != 0x8c && op != 'X' && op != 'h' && op != 'j' && op != 'c') return 0;  /* no item starts so */
         Snapshot s;
         snapshot(p, &s);
         if (item(p, context) == 0 && take(p, single_op)) continue;
@@ -609,7 +614,7 @@ static int nesting(P *p, void *context) {
     return status;
 }
 
-static Py_ssize_t id_of(PyObject *ids, PyObject *names, PyObject *name) {
+static Py_ssize_t number_of(PyObject *ids, PyObject *names, PyObject *name) {
     PyObject *found = PyDict_GetItemWithError(ids, name);
     if (found) return PyLong_AsSsize_t(found);
     if (PyErr_Occurred()) return -1;
@@ -617,6 +622,19 @@ static Py_ssize_t id_of(PyObject *ids, PyObject *names, PyObject *name) {
     PyObject *number = PyLong_FromSsize_t(id);
     if (!number || PyDict_SetItem(ids, name, number) || PyList_Append(names, name)) { Py_XDECREF(number); return -1; }
     Py_DECREF(number);
+    return id;
+}
+
+
+/* number_of through a cache by the str's address (every string read is interned and alive) */
+static Py_ssize_t id_of(Named *cache, PyObject *ids, PyObject *names, PyObject *name) {
+    Named *slot = &cache[((uintptr_t)name >> 4) % RECENT];
+    if (slot->name == name) return slot->id;
+    Py_ssize_t id = number_of(ids, names, name);
+    if (id >= 0) {
+        slot->name = name;
+        slot->id = id;
+    }
     return id;
 }
 
@@ -672,8 +690,8 @@ static int stored(P *p, void *context) {
                  new_object(p) == G_INFO && record_state(p, info_field, &info) == 0 && info.file &&
                  (info.seen & 7) == 7 ? 0 : fail(p);
     if (!status && p->st_coords.n + (key.ndim > 0 ? key.ndim : 0) + 6 > p->budget) status = fail(p);
-    Py_ssize_t fqn_id = status ? -1 : id_of(p->fqn_ids, p->fqns, key.fqn);
-    Py_ssize_t file_id = fqn_id < 0 ? -1 : id_of(p->file_ids, p->files, info.file);
+    Py_ssize_t fqn_id = status ? -1 : id_of(p->fqn_cache, p->fqn_ids, p->fqns, key.fqn);
+    Py_ssize_t file_id = fqn_id < 0 ? -1 : id_of(p->file_cache, p->file_ids, p->files, info.file);
     Py_XDECREF(key.fqn);
     Py_XDECREF(info.file);
     if (status || file_id < 0) return -1;
