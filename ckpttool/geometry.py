@@ -358,14 +358,14 @@ def dim0_tiling(offsets: "np.ndarray", sizes: "np.ndarray", shape: Sequence[int]
     return Coverage(covered, total, missing)
 
 
-def classify_columns(sizes: "np.ndarray", shape: Sequence[int]) -> Sharding | None:
+def classify_columns(sizes: "np.ndarray", shape: Sequence[int], volumes: "np.ndarray | None" = None) -> Sharding | None:
     """Return `classify` of the boxes with these sizes (offsets do not matter to it), or None
-    when `column_volumes` cannot count them."""
-    volumes = column_volumes(sizes)
+    when `column_volumes` cannot count them (`volumes`: theirs, when the caller has them)."""
+    volumes = column_volumes(sizes) if volumes is None else volumes
     extent = column_shape(shape)
     if volumes is None or extent is None or sizes.shape[1] != len(shape):
         return None
-    nonempty = sizes[volumes > 0]
+    nonempty = sizes if not len(sizes) or int(volumes.min()) > 0 else sizes[volumes > 0]
     empty = len(sizes) - len(nonempty)
     if volume(shape) == 0:
         return Sharding("empty", False, empty)

@@ -242,18 +242,24 @@ def _check_table_blobs(checkpoint: Checkpoint, tensor: Tensor, sizes: dict[str, 
     volumes = column_volumes(table.sizes)
     if volumes is None or (len(table) and int(volumes.max()) >= COLUMN_LIMIT // max(itemsize, 1)):
         return False
-    stored = table.file >= 0
     numbers = claims.index.of(table.files)
     file_sizes = claims.file_sizes(sizes)[numbers][table.file]  # -1: missing or unsafe
     offset, length = table.blob_offset, table.blob_length
-    bad = stored & ((offset < 0) | (length < 0))
-    known = stored & ~bad & (file_sizes >= 0)
-    beyond = known & (length > file_sizes - offset)  # offset + length > size, without overflow
-    short = stored & (volumes * itemsize > length)
-    for row in np.flatnonzero(~stored | bad | beyond | short).tolist():
+    if not len(table) or min(int(table.file.min()), int(offset.min()), int(length.min()), int(file_sizes.min())) >= 0:
+        beyond = length > file_sizes - offset  # the usual case: every row stored, in a file of known size
+        problems = beyond | (volumes * itemsize > length)
+        claiming = None if not beyond.any() else np.flatnonzero(~beyond)
+    else:
+        stored = table.file >= 0
+        bad = stored & ((offset < 0) | (length < 0))
+        known = stored & ~bad & (file_sizes >= 0)
+        beyond = known & (length > file_sizes - offset)  # offset + length > size, without overflow
+        problems = ~stored | bad | beyond | (stored & (volumes * itemsize > length))
+        claiming = np.flatnonzero(known & ~beyond)
+    for row in np.flatnonzero(problems).tolist():
         chunk = table[row]
         _check_chunk_blob(checkpoint, tensor, chunk, f"{tensor.fqn} chunk at {list(chunk.offsets)}", itemsize, sizes, report)
-    claims.add_table(tensor, np.flatnonzero(known & ~beyond))
+    claims.add_table(tensor, claiming)
     return True
 
 
@@ -309,12 +315,14 @@ class _Claims:
         self.count += 1
 
     def add_table(self, tensor: Tensor, rows: Any) -> None:
+        """Add the byte ranges of these rows of a table (None: every row)."""
         self.parts.append((tensor, rows, self.index.of(tensor.chunks.files)))
         self.tables.append((self.count, tensor, rows))
-        self.count += len(rows)
+        self.count += len(tensor.chunks) if rows is None else len(rows)
 
     def columns(self) -> tuple:
-        """Return (file number, start, end, claim id, owned) arrays of every claim, in claim order."""
+        """Return (file number, start, end, owned) arrays of every claim, in claim order (so a
+        claim's id is its position)."""
         import numpy as np
 
         pieces = []
@@ -324,19 +332,21 @@ class _Claims:
             else:
                 tensor, rows, numbers = part
                 table = tensor.chunks
-                start = table.blob_offset[rows]
-                pieces.append((numbers[table.file[rows]], start, start + table.blob_length[rows], np.ones(len(rows), dtype=np.int64)))
+                if rows is None:
+                    file, start, length = table.file, table.blob_offset, table.blob_length
+                else:
+                    file, start, length = table.file[rows], table.blob_offset[rows], table.blob_length[rows]
+                pieces.append((numbers[file], start, start + length, np.ones(len(start), dtype=bool)))
         if not pieces:
-            return tuple(np.zeros(0, dtype=np.int64) for _ in range(5))
-        file, start, end, owned = (np.concatenate([piece[k] for piece in pieces]) for k in range(4))
-        return file, start, end, np.arange(self.count, dtype=np.int64), owned.astype(bool)
+            return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+        return tuple(np.concatenate([piece[k] for piece in pieces]) for k in range(4))
 
     def label(self, claim: int) -> tuple[str, tuple[Tensor, Chunk] | None]:
         """Return the `where` text and the (tensor, chunk) owner of one claim."""
         if claim in self.singles:
             return self.singles[claim]
         first, tensor, rows = self.tables[bisect.bisect_right(self.tables, claim, key=operator.itemgetter(0)) - 1]
-        chunk = tensor.chunks[int(rows[claim - first])]
+        chunk = tensor.chunks[claim - first if rows is None else int(rows[claim - first])]
         return f"{tensor.fqn} chunk at {list(chunk.offsets)}", (tensor, chunk)
 
 
@@ -349,11 +359,11 @@ def _check_claims(checkpoint: Checkpoint, claims: _Claims, sizes: dict[str, int]
     `_sweep_file` (ties ordered by their text; safetensors blobs resolved from the header)."""
     import numpy as np
 
-    file, start, end, claim, owned = claims.columns()
+    file, start, end, owned = claims.columns()
     if not len(file):
         return
-    order = np.lexsort((end, start, file))  # stable: equal ranges stay in claim order
-    file, start, end, claim, owned = file[order], start[order], end[order], claim[order], owned[order]
+    claim = np.lexsort((end, start, file))  # stable: equal ranges stay in claim order
+    file, start, end, owned = file[claim], start[claim], end[claim], owned[claim].astype(bool)
     firsts = np.concatenate(([0], np.flatnonzero(file[1:] != file[:-1]) + 1))
     lasts = np.concatenate((firsts[1:], [len(file)]))
     same_start = (file[1:] == file[:-1]) & (start[1:] == start[:-1])

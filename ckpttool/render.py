@@ -132,17 +132,34 @@ class ChunkRows(list):
         return f"ChunkRows({self.chunks!r})"
 
     def json_text(self) -> str:
-        """Return `json.dumps(list(self))`, formatted from the columns (one % per chunk)."""
+        """Return `json.dumps(list(self))`, formatted from the columns: one % per chunk, with
+        the values a column holds in every row (FSDP: sizes, lengths) written into the format."""
         table = self.chunks.table
-        ndim = table.offsets.shape[1]
-        numbers = ", ".join(["%d"] * ndim)
-        row = f'{{"offsets": [{numbers}], "sizes": [{numbers}], "file": %s, "offset": %s, "length": %s, "bytes": %d}}'
+        if not len(table):
+            return "[]"
+        stored = bool((table.file >= 0).all())
+        columns: list[list] = []
+
+        def field(column: Any, text: list[str] | None = None) -> str:
+            if column.min() == column.max() and (text is None or stored):
+                return (str(int(column[0])) if text is None else text[0]).replace("%", "%%")
+            columns.append(column.tolist() if text is None else text)
+            return "%s"
+
         files = [json.dumps(name) for name in table.files] + ["null"]
-        stored = (table.file >= 0).tolist()
-        columns = [*table.offsets.T.tolist(), *table.sizes.T.tolist(), [files[i] for i in table.file.tolist()],
-                   [str(v) if s else "null" for v, s in zip(table.blob_offset.tolist(), stored)],
-                   [str(v) if s else "null" for v, s in zip(table.blob_length.tolist(), stored)], self.chunks.nbytes.tolist()]
-        return "[" + ", ".join([row % values for values in zip(*columns)]) + "]"
+        file_text = [files[i] for i in table.file.tolist()] if len(table.files) > 1 or not stored else files[:1]
+        nulls = [] if stored else (table.file < 0).tolist()
+        # fields in the order of the row: `columns` fills in that order
+        offsets = ", ".join([field(c) for c in table.offsets.T])
+        sizes = ", ".join([field(c) for c in table.sizes.T])
+        file = field(table.file, file_text)
+        offset, length = (field(c) if stored else field(c, ["null" if n else str(v) for v, n in zip(c.tolist(), nulls)])
+                          for c in (table.blob_offset, table.blob_length))
+        row = (f'{{"offsets": [{offsets}], "sizes": [{sizes}], "file": {file}, "offset": {offset}, "length": {length}, '
+               f'"bytes": {field(self.chunks.nbytes)}}}')
+        if not columns:  # every row the same (duplicate chunks)
+            return "[" + ", ".join([row.replace("%%", "%")] * len(table)) + "]"
+        return "[" + ", ".join(map(row.__mod__, zip(*columns))) + "]"
 
 
 def table(rows: Iterable[tuple], headers: tuple[str, ...], right: set[int] = frozenset()) -> list[str]:
@@ -268,8 +285,9 @@ def _chunk_table(tensor: TensorInfo) -> list[str]:
                [str(v) if s else "None" for v, s in zip(chunks.blob_offset.tolist(), stored)],
                [str(v) if s else "None" for v, s in zip(chunks.blob_length.tolist(), stored)]]
     widths = [max([len(h)] + [len(cell) for cell in column]) for h, column in zip(headers, columns)]
-    line = "  ".join(f"{{:{'>' if i in (3, 4) else '<'}{w}}}" for i, w in enumerate(widths))
-    return [line.format(*headers).rstrip()] + [line.format(*cells).rstrip() for cells in zip(*columns)]
+    line = "  ".join(f"%{'' if i in (3, 4) else '-'}{w}s" for i, w in enumerate(widths))
+    # the last column is right-aligned and never empty: no line has trailing blanks to strip
+    return [line % headers] + list(map(line.__mod__, zip(*columns)))
 
 
 def problems_document(problems: Iterable[Problem]) -> list[dict[str, Any]]:

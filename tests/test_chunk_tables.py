@@ -392,3 +392,23 @@ def test_the_proof_declines_what_it_cannot_decide():
     assert geometry.column_volumes(columns([((0, 0), (-1, 4))], 2)[1]) is None
     assert geometry.column_volumes(columns([((0, 0), (1 << 40, 1 << 40))], 2)[1]) is None
     assert geometry.columns_in_bounds(*columns([((0,), (1,))], 1), (1, 1)) is None  # rank differs
+
+
+def test_the_stage_benchmark_builds_what_reading_its_metadata_gives(tmp_path):
+    """benchmarks/metadata_scale.py --stages times tables built from columns: they must be what
+    with_tables(read_checkpoint(...)) makes of the same synthetic checkpoint's .metadata."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("metadata_scale", FIXTURES.parent / "benchmarks" / "metadata_scale.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    benchmark.build(tmp_path / "read", 7, 7 * 40, 16)
+    built, chunks = benchmark.build_tables(tmp_path / "built", 7, 7 * 40, 16)
+    read = with_tables(readers.open_checkpoint(tmp_path / "read"))
+    assert chunks == 7 * 40 and list(built.tensors) == list(read.tensors) and built.nesting == read.nesting
+    for fqn, tensor in read.tensors.items():
+        assert (built.tensors[fqn].dtype, built.tensors[fqn].shape) == (tensor.dtype, tensor.shape)
+        assert built.tensors[fqn].chunks == tensor.chunks
+    assert {p.name: p.stat().st_size for p in (tmp_path / "built").iterdir()} == \
+        {p.name: p.stat().st_size for p in (tmp_path / "read").iterdir() if p.name != ".metadata"}
+    assert outputs(built)["json"] == outputs(read)["json"].replace(str(tmp_path / "read"), str(tmp_path / "built"))

@@ -177,7 +177,7 @@ def _table_info(tensor: Tensor, group: str) -> TensorInfo | None:
     """`_tensor_info` from a table's columns, or None when its sizes are too large for them."""
     table = tensor.chunks
     volumes = column_volumes(table.sizes)
-    sharding = classify_columns(table.sizes, tensor.shape)
+    sharding = classify_columns(table.sizes, tensor.shape, volumes)
     if volumes is None or sharding is None or (len(table) and int(volumes.max()) >= COLUMN_LIMIT // max(tensor.itemsize, 1)):
         return None
     return TensorInfo(tensor.fqn, group, tensor.dtype, tensor.shape, tensor.numel, tensor.nbytes, sharding,
@@ -206,36 +206,36 @@ def _add_file_bytes(tensors: list[TensorInfo], referenced: Counter[str], per_fil
 
 def _add_table_file_bytes(tables: list[tuple[int, ChunkInfos]], referenced: Counter[str],
                           per_file_group: dict[str, Counter[str]]) -> bool:
-    """`_add_file_bytes` for tables: one np.add.at over every row of every table; False, with
-    nothing added, when the sums might not fit int64."""
+    """`_add_file_bytes` for tables: one np.bincount per sum over every row of every table;
+    False, with nothing added, when a sum might not be exact (bincount adds in float64, exact
+    for integers below 2**53)."""
     import numpy as np
 
     names: dict[str, int] = {}
     numbers: dict[tuple[str, ...], Any] = {}  # a table's files -> their numbers in `names`
-    file, group, length, nbytes = [], [], [], []
+    columns: list[tuple[Any, ...]] = []
     for group_number, chunks in tables:
         table = chunks.table
         if (known := numbers.get(table.files)) is None:
             known = numbers[table.files] = np.array([names.setdefault(n, len(names)) for n in table.files] + [-1], dtype=np.int64)
-        stored = table.file >= 0
-        file.append(known[table.file[stored]])
-        group.append(np.full(int(stored.sum()), group_number, dtype=np.int64))
-        length.append(table.blob_length[stored])
-        nbytes.append(chunks.nbytes[stored])
-    file, group, length, nbytes = (np.concatenate(column) for column in (file, group, length, nbytes))
-    if float(np.abs(length.astype(np.float64)).sum()) >= COLUMN_LIMIT or float(nbytes.astype(np.float64).sum()) >= COLUMN_LIMIT:
+        if len(table) and int(table.file.min()) >= 0:
+            bins = known[table.file] * len(GROUPS) + group_number
+            columns.append((bins, table.blob_length, chunks.nbytes))
+        else:
+            stored = table.file >= 0
+            columns.append((known[table.file[stored]] * len(GROUPS) + group_number, table.blob_length[stored], chunks.nbytes[stored]))
+    bins, length, nbytes = (np.concatenate([c[k] for c in columns]) for k in range(3))
+    if float(np.abs(length.astype(np.float64)).sum()) >= 2.0 ** 53 or float(nbytes.sum(dtype=np.float64)) >= 2.0 ** 53:
         return False
-    bins = file * len(GROUPS) + group
-    length_sums = np.zeros(len(names) * len(GROUPS), dtype=np.int64)
-    byte_sums = np.zeros(len(names) * len(GROUPS), dtype=np.int64)
-    np.add.at(length_sums, bins, length)
-    np.add.at(byte_sums, bins, nbytes)
-    used, first = np.unique(bins, return_index=True)
+    size = len(names) * len(GROUPS)
+    used = np.flatnonzero(np.bincount(bins, minlength=size))
+    length_sums = np.bincount(bins, weights=length, minlength=size)[used].astype(np.int64).tolist()
+    byte_sums = np.bincount(bins, weights=nbytes, minlength=size)[used].astype(np.int64).tolist()
     file_names = list(names)
-    for bin_number in used[np.argsort(first, kind="stable")].tolist():  # groups in the order chunks name them
-        name, group_name = file_names[bin_number // len(GROUPS)], GROUPS[bin_number % len(GROUPS)]
-        referenced[name] += int(length_sums[bin_number])
-        per_file_group[name][group_name] += int(byte_sums[bin_number])
+    for bin_number, length_sum, byte_sum in zip(used.tolist(), length_sums, byte_sums):
+        name = file_names[bin_number // len(GROUPS)]
+        referenced[name] += length_sum
+        per_file_group[name][GROUPS[bin_number % len(GROUPS)]] += byte_sum
     return True
 
 
