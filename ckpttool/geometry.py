@@ -17,7 +17,10 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -253,3 +256,124 @@ def slabs(region: Box, itemsize: int, limit: int) -> Iterator[Box]:
         sub_offsets = offsets[:dim] + (offsets[dim] + start,) + offsets[dim + 1:]
         sub_sizes = sizes[:dim] + (min(step, sizes[dim] - start),) + sizes[dim + 1:]
         yield from slabs((sub_offsets, sub_sizes), itemsize, limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Boxes as columns: int64 arrays `offsets` and `sizes` of shape (boxes, ndim), one box per row
+# (checkpoint.ChunkTable). Each function gives what its per-box counterpart above gives, or
+# None when it cannot be sure without them (negative sizes, products near int64's limit): the
+# caller then uses the per-box function on the materialised boxes. numpy is imported lazily.
+
+COLUMN_LIMIT = 1 << 62  # element counts and byte sums of columns stay below this (int64 is exact)
+
+
+def column_volumes(sizes: "np.ndarray") -> "np.ndarray | None":
+    """Return each row's element count (`volume`) as int64, or None when a size is negative or
+    a count might reach COLUMN_LIMIT.
+
+    Example:
+        >>> column_volumes(np.array([[2, 3], [0, 5]]))
+        array([6, 0])
+    """
+    import numpy as np
+
+    rows, ndim = sizes.shape
+    if not rows or not ndim:
+        return np.ones(rows, dtype=np.int64)
+    if int(sizes.min()) < 0:
+        return None
+    if int(sizes.max()) >= 1 << (61 // ndim) and float(np.prod(sizes.astype(np.float64), axis=1).max()) >= COLUMN_LIMIT / 2:
+        return None
+    return sizes[:, 0].copy() if ndim == 1 else np.prod(sizes, axis=1, dtype=np.int64)
+
+
+def column_shape(shape: Sequence[int]) -> "np.ndarray | None":
+    """Return `shape` as int64, or None when a dimension is negative or reaches COLUMN_LIMIT."""
+    import numpy as np
+
+    if any(n < 0 or n >= COLUMN_LIMIT for n in shape):
+        return None
+    return np.array(shape, dtype=np.int64).reshape(len(shape))
+
+
+def columns_in_bounds(offsets: "np.ndarray", sizes: "np.ndarray", shape: Sequence[int]) -> "np.ndarray | None":
+    """Return which rows lie inside a tensor of `shape` (`in_bounds` per row), or None when
+    the columns do not have its rank or the shape is not a plain int64 shape."""
+    import numpy as np
+
+    extent = column_shape(shape)
+    if extent is None or offsets.shape[1] != len(shape) or sizes.shape[1] != len(shape):
+        return None
+    if not len(offsets) or not len(shape):
+        return np.ones(len(offsets), dtype=bool)
+    if int(offsets.min()) >= 0 and int(sizes.min()) >= 0 and int(offsets.max()) < COLUMN_LIMIT and int(sizes.max()) < COLUMN_LIMIT:
+        return (offsets + sizes <= extent).all(axis=1)  # no sum reaches 2**63
+    # offset <= extent first, so extent - offset cannot overflow
+    inside = (offsets >= 0) & (sizes >= 0) & (offsets <= extent) & (sizes <= extent - offsets)
+    return inside.all(axis=1)
+
+
+def dim0_tiling(offsets: "np.ndarray", sizes: "np.ndarray", shape: Sequence[int]) -> Coverage | None:
+    """Return the `coverage` of in-bounds boxes proven not to overlap, or None when the proof
+    fails (then `find_overlaps` must look).
+
+    The proof is FSDP's case, in O(n): every non-empty box spans the full extent of dims 1..
+    and, in row order, each starts along dim 0 at or after the previous one's end.
+
+    Example:
+        >>> dim0_tiling(np.array([[0, 0], [4, 0]]), np.array([[4, 8], [3, 8]]), (8, 8))
+        Coverage(covered=56, total=64, missing_rows=((7, 8),))
+    """
+    import numpy as np
+
+    volumes = column_volumes(sizes)
+    extent = column_shape(shape)
+    if volumes is None or extent is None or not len(shape) or volume(shape) >= COLUMN_LIMIT:
+        return None
+    full = (sizes[:, 1:] == extent[1:]).all(axis=1)
+    if len(volumes) and int(volumes.min()) > 0:  # the usual case: no empty boxes to leave out
+        if not (full.all() and not offsets[:, 1:].any()):
+            return None
+        starts = offsets[:, 0]
+        ends = starts + sizes[:, 0]
+    else:
+        nonempty = volumes > 0
+        if not (full[nonempty].all() and not offsets[nonempty, 1:].any()):
+            return None
+        starts = offsets[nonempty, 0]
+        ends = starts + sizes[nonempty, 0]
+    if (starts[1:] < ends[:-1]).any():
+        return None
+    total = volume(shape)
+    covered = int(volumes.sum())
+    missing: tuple[tuple[int, int], ...] = ()
+    if covered < total and full.all():
+        # the rows are sorted and disjoint, so each gap lies between one box's end and the next start
+        previous = np.concatenate(([0], ends[:-1]))
+        gaps = starts > previous
+        missing = tuple(zip(previous[gaps].tolist(), starts[gaps].tolist()))
+        last = int(ends[-1]) if len(ends) else 0
+        if last < shape[0]:
+            missing += ((last, shape[0]),)
+    return Coverage(covered, total, missing)
+
+
+def classify_columns(sizes: "np.ndarray", shape: Sequence[int], volumes: "np.ndarray | None" = None) -> Sharding | None:
+    """Return `classify` of the boxes with these sizes (offsets do not matter to it), or None
+    when `column_volumes` cannot count them (`volumes`: theirs, when the caller has them)."""
+    volumes = column_volumes(sizes) if volumes is None else volumes
+    extent = column_shape(shape)
+    if volumes is None or extent is None or sizes.shape[1] != len(shape):
+        return None
+    nonempty = sizes if not len(sizes) or int(volumes.min()) > 0 else sizes[volumes > 0]
+    empty = len(sizes) - len(nonempty)
+    if volume(shape) == 0:
+        return Sharding("empty", False, empty)
+    if len(nonempty) <= 1:
+        whole = len(nonempty) == 1 and bool((nonempty[0] == extent).all())
+        return Sharding("replicated" if whole else "partial", False, empty)
+    split_dims = (nonempty != extent).any(axis=0).nonzero()[0].tolist()
+    if len(split_dims) == 1:
+        extents = nonempty[:, split_dims[0]]
+        return Sharding(f"dim{split_dims[0]}", bool((extents != extents[0]).any()), empty)
+    return Sharding("block", False, empty)

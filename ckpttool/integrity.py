@@ -17,15 +17,18 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckpttool import dtypes
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, is_raw_range, paused_gc
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
 from ckpttool.dcp.blobs import DataFiles, is_safetensors_blob, safetensors_header
 from ckpttool.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
-from ckpttool.geometry import coverage, find_overlaps, in_bounds
+from ckpttool.geometry import (COLUMN_LIMIT, Coverage, column_volumes, columns_in_bounds, coverage, dim0_tiling,
+                               find_overlaps, in_bounds)
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 
@@ -73,8 +76,9 @@ def check(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Integrity:
         fqn = note.split(":", 1)[0]
         report.add(ERROR, "unknown-dtype", f"{checkpoint.metadata_file}: {note}; this build cannot size or read it", fqn=fqn)
     with paused_gc():
-        report.sizes = _check_files(checkpoint, report, follow_symlinks)
-        _check_blobs(checkpoint, report.sizes, report)
+        index = _FileIndex()
+        report.sizes = _check_files(checkpoint, report, follow_symlinks, index)
+        _check_blobs(checkpoint, report.sizes, report, index)
         for tensor in checkpoint.tensors.values():
             _check_geometry(tensor, report)
     return report
@@ -100,17 +104,59 @@ def gate(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Integrity:
     return report
 
 
-def _check_files(checkpoint: Checkpoint, report: Integrity, follow_symlinks: bool) -> dict[str, int]:
+class _FileIndex:
+    """Data file names numbered once per check, and each ChunkTable's `files` as those numbers
+    (tables of one checkpoint mostly hold the same files: each tuple is mapped once)."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[str, int] = {}
+        self.names: list[str] = []
+        self.tables: dict[tuple[str, ...], Any] = {}
+
+    def of(self, files: tuple[str, ...]) -> "np.ndarray":
+        """Return the numbers of `files`, with -1 after them (where a table's -1 rows land)."""
+        import numpy as np
+
+        if (numbers := self.tables.get(files)) is None:
+            for name in files:
+                if name not in self.numbers:
+                    self.numbers[name] = len(self.names)
+                    self.names.append(name)
+            numbers = self.tables[files] = np.array([self.numbers[n] for n in files] + [-1], dtype=np.int64)
+        return numbers
+
+
+def _first_users(checkpoint: Checkpoint, index: _FileIndex) -> dict[str, str]:
+    """Return each referenced data file -> the first entry (in fqn order) whose blob is in it."""
+    import numpy as np
+
+    users: dict[str, str] = {}
+    seen = np.zeros(0, dtype=bool)  # by number in `index`: files some table already named
+    for entry in checkpoint.entries():
+        if not isinstance(entry, Tensor):
+            names = [entry.blob.file] if entry.blob is not None else []
+        elif isinstance(entry.chunks, ChunkTable):
+            table = entry.chunks
+            used = np.flatnonzero(np.bincount(table.file + 1, minlength=len(table.files) + 1)[1:])
+            numbers = index.of(table.files)[used]
+            if len(seen) < len(index.names):
+                seen = np.concatenate((seen, np.zeros(len(index.names) - len(seen), dtype=bool)))
+            numbers = numbers[~seen[numbers]]  # only files no table named before can be new
+            seen[numbers] = True
+            names = [index.names[k] for k in numbers.tolist()]
+        else:
+            names = [c.blob.file for c in entry.chunks if c.blob is not None]
+        for name in names:
+            users.setdefault(name, entry.fqn)
+    return users
+
+
+def _check_files(checkpoint: Checkpoint, report: Integrity, follow_symlinks: bool, index: _FileIndex) -> dict[str, int]:
     """Stat each referenced file once; report unsafe paths, special files, symlinks leaving
     the checkpoint, missing and unreferenced files."""
     inside = None if follow_symlinks else containment_root(checkpoint.path)
     sizes: dict[str, int] = {}
-    users: dict[str, str] = {}
-    for entry in checkpoint.entries():
-        blobs = [c.blob for c in entry.chunks] if isinstance(entry, Tensor) else [entry.blob]
-        for blob in blobs:
-            if blob is not None:
-                users.setdefault(blob.file, entry.fqn)
+    users = _first_users(checkpoint, index)
     referenced: set[str] = set()  # safe relative paths, as the unreferenced-file scan names files
     for name, fqn in sorted(users.items()):
         try:
@@ -143,59 +189,212 @@ def _check_files(checkpoint: Checkpoint, report: Integrity, follow_symlinks: boo
     return sizes
 
 
-def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrity) -> None:
+def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrity, index: _FileIndex) -> None:
     """Every chunk has a blob inside its file, large enough for its elements; no two overlap."""
-    # per file: (start, end, what, (tensor, chunk) of an untransformed tensor blob or None)
-    by_file: dict[str, list[tuple[int, int, str, tuple[Tensor, Chunk] | None]]] = defaultdict(list)
+    claims = _Claims(index)
     shared: set[tuple[str, int, int]] = set()  # raw ranges several tensors may name (tied weights share a storage)
     for tensor in checkpoint.tensors.values():
-        itemsize = dtypes.ITEMSIZE.get(tensor.dtype)
+        if isinstance(tensor.chunks, ChunkTable) and _check_table_blobs(checkpoint, tensor, sizes, report, claims):
+            continue
+        itemsize = dtypes.ITEMSIZE.get(tensor.dtype) or 0
         for chunk in tensor.chunks:
             where = f"{tensor.fqn} chunk at {list(chunk.offsets)}"
-            if chunk.blob is None:
-                report.add(ERROR, "chunk-without-storage", f"{checkpoint.metadata_file}: {where} has no storage entry (no file holds its bytes)", fqn=tensor.fqn)
-                continue
-            owner = None if chunk.blob.transforms else (tensor, chunk)
-            _check_blob_range(chunk.blob, where, tensor.fqn, sizes, report, by_file, owner)
-            raw = is_raw_range(chunk.blob)
-            if raw:
-                shared.add((chunk.blob.file, chunk.blob.offset, chunk.blob.offset + chunk.blob.length))
-            if itemsize and (raw or not chunk.blob.transforms) and min(chunk.sizes, default=1) >= 0:
-                needed = chunk.numel * itemsize
-                if needed > chunk.blob.length:
-                    report.add(ERROR, "size-mismatch", f"{chunk.blob.file}: {where} claims {chunk.numel} {tensor.dtype} elements ({needed} bytes) but its blob is only {chunk.blob.length} bytes", chunk.blob.file, tensor.fqn)
+            blob = chunk.blob
+            if _check_chunk_blob(checkpoint, tensor, chunk, where, itemsize, sizes, report):
+                claims.add(blob.file, blob.offset, blob.offset + blob.length, where, None if blob.transforms else (tensor, chunk))
+            if blob is not None and is_raw_range(blob):
+                shared.add((blob.file, blob.offset, blob.offset + blob.length))
     for obj in checkpoint.objects.values():
         if obj.blob is None:
             report.add(ERROR, "object-without-storage", f"{checkpoint.metadata_file}: {obj.fqn} has no storage entry", fqn=obj.fqn)
-        else:
-            _check_blob_range(obj.blob, obj.fqn, obj.fqn, sizes, report, by_file, None)
-    for name, ranges in by_file.items():
-        ranges.sort(key=_range_order)
-        if any(a[0] == b[0] and a[3] and b[3] for a, b in zip(ranges, ranges[1:])):
-            ranges = _resolve_safetensors_blobs(checkpoint, name, ranges, sizes[name], report)
-        for (start, end, fqn, _), (next_start, next_end, next_fqn, _) in zip(ranges, ranges[1:]):
-            if next_start < end and not ((name, start, end) in shared and (name, next_start, next_end) in shared):
-                report.add(ERROR, "blob-overlap", f"{name}: bytes {next_start}..{end} are claimed by both {fqn} and {next_fqn}", name, next_fqn)
+        elif _check_blob_range(obj.blob, obj.fqn, obj.fqn, sizes, report):
+            claims.add(obj.blob.file, obj.blob.offset, obj.blob.offset + obj.blob.length, obj.fqn, None)
+    _check_claims(checkpoint, claims, sizes, shared, report)
     for fqn, blob in checkpoint.orphan_blobs:
         report.add(WARNING, "orphan-storage", f"{checkpoint.metadata_file}: storage entry for {fqn} in {blob.file} matches no tensor chunk", blob.file, fqn)
+
+
+def _check_chunk_blob(checkpoint: Checkpoint, tensor: Tensor, chunk: Chunk, where: str, itemsize: int,
+                      sizes: dict[str, int], report: Integrity) -> bool:
+    """Report what is wrong with one chunk's blob; return whether its byte range joins the
+    overlap sweep (it has one, inside a file that could be stat'ed)."""
+    blob = chunk.blob
+    if blob is None:
+        report.add(ERROR, "chunk-without-storage", f"{checkpoint.metadata_file}: {where} has no storage entry (no file holds its bytes)", fqn=tensor.fqn)
+        return False
+    claimed = _check_blob_range(blob, where, tensor.fqn, sizes, report)
+    if itemsize and (not blob.transforms or is_raw_range(blob)) and min(chunk.sizes, default=1) >= 0:
+        needed = chunk.numel * itemsize
+        if needed > blob.length:
+            report.add(ERROR, "size-mismatch", f"{blob.file}: {where} claims {chunk.numel} {tensor.dtype} elements ({needed} bytes) but its blob is only {blob.length} bytes", blob.file, tensor.fqn)
+    return claimed
+
+
+def _check_table_blobs(checkpoint: Checkpoint, tensor: Tensor, sizes: dict[str, int], report: Integrity,
+                       claims: "_Claims") -> bool:
+    """`_check_chunk_blob` for every row of a ChunkTable at once (only rows with a problem
+    become Chunks, for their messages); False, with nothing reported, when its sizes are too
+    large for int64 arithmetic."""
+    import numpy as np
+
+    table = tensor.chunks
+    itemsize = dtypes.ITEMSIZE.get(tensor.dtype) or 0
+    volumes = column_volumes(table.sizes)
+    if volumes is None or (len(table) and int(volumes.max()) >= COLUMN_LIMIT // max(itemsize, 1)):
+        return False
+    numbers = claims.index.of(table.files)
+    file_sizes = claims.file_sizes(sizes)[numbers][table.file]  # -1: missing or unsafe
+    offset, length = table.blob_offset, table.blob_length
+    if not len(table) or min(int(table.file.min()), int(offset.min()), int(length.min()), int(file_sizes.min())) >= 0:
+        beyond = length > file_sizes - offset  # the usual case: every row stored, in a file of known size
+        problems = beyond | (volumes * itemsize > length)
+        claiming = None if not beyond.any() else np.flatnonzero(~beyond)
+    else:
+        stored = table.file >= 0
+        bad = stored & ((offset < 0) | (length < 0))
+        known = stored & ~bad & (file_sizes >= 0)
+        beyond = known & (length > file_sizes - offset)  # offset + length > size, without overflow
+        problems = ~stored | bad | beyond | (stored & (volumes * itemsize > length))
+        claiming = np.flatnonzero(known & ~beyond)
+    for row in np.flatnonzero(problems).tolist():
+        chunk = table[row]
+        _check_chunk_blob(checkpoint, tensor, chunk, f"{tensor.fqn} chunk at {list(chunk.offsets)}", itemsize, sizes, report)
+    claims.add_table(tensor, claiming)
+    return True
+
+
+def _check_blob_range(blob: Blob, where: str, fqn: str, sizes: dict[str, int], report: Integrity) -> bool:
+    """Report why the blob's byte range is bad; return whether it joins the overlap sweep."""
+    if blob.offset < 0 or blob.length < 0:
+        report.add(ERROR, "bad-range", f"{blob.file}: {where} has a negative offset or length", blob.file, fqn)
+        return False
+    size = sizes.get(blob.file)
+    if size is None:
+        return False  # missing or unsafe file, already reported
+    if blob.offset + blob.length > size:
+        report.add(ERROR, "beyond-eof", f"{blob.file}: {where} spans bytes {blob.offset}..{blob.offset + blob.length} but the file has {size} bytes (truncated?)", blob.file, fqn)
+        return False
+    return True
 
 
 _range_order = operator.itemgetter(0, 1, 2)  # never compare the (tensor, chunk) owners
 
 
-def _check_blob_range(blob: Blob, where: str, fqn: str, sizes: dict[str, int], report: Integrity,
-                      by_file: dict, owner: tuple[Tensor, Chunk] | None) -> None:
-    """Record the blob's byte range for the overlap sweep, or report why it is bad."""
-    if blob.offset < 0 or blob.length < 0:
-        report.add(ERROR, "bad-range", f"{blob.file}: {where} has a negative offset or length", blob.file, fqn)
+class _Claims:
+    """The byte ranges entries claim in data files, in the order they were checked: single
+    ranges (objects, chunks of tuples) and whole ChunkTables (a tensor and its claiming rows).
+
+    Each claim gets the next id; `columns` returns them as arrays for the sweep, and `label`
+    the `where` text and owner of one claim (built only for the claims a message names).
+    """
+
+    def __init__(self, index: _FileIndex) -> None:
+        self.index = index  # numbers the files in `columns`
+        self.parts: list = []  # per run of singles: a list of (file number, start, end, owned); per table: a tuple
+        self.singles: dict[int, tuple[str, tuple[Tensor, Chunk] | None]] = {}  # claim id -> (where, owner)
+        self.tables: list[tuple[int, Tensor, Any]] = []  # (first claim id, tensor, claiming rows)
+        self.sizes: Any = None  # file sizes by number (-1: unknown), built when a table first asks
+        self.count = 0
+
+    def file_sizes(self, sizes: dict[str, int]) -> "np.ndarray":
+        """Return the size of each file by number (-1 when not stat'ed), -1 last."""
+        import numpy as np
+
+        if self.sizes is None or len(self.sizes) <= len(self.index.names):
+            self.sizes = np.array([sizes.get(name, -1) for name in self.index.names] + [-1], dtype=np.int64)
+        return self.sizes
+
+    def add(self, file: str, start: int, end: int, where: str, owner: tuple[Tensor, Chunk] | None) -> None:
+        if not self.parts or not isinstance(self.parts[-1], list):
+            self.parts.append([])
+        number = self.index.numbers.get(file)
+        if number is None:
+            number = int(self.index.of((file,))[0])
+        self.parts[-1].append((number, start, end, owner is not None))
+        self.singles[self.count] = (where, owner)
+        self.count += 1
+
+    def add_table(self, tensor: Tensor, rows: Any) -> None:
+        """Add the byte ranges of these rows of a table (None: every row)."""
+        self.parts.append((tensor, rows, self.index.of(tensor.chunks.files)))
+        self.tables.append((self.count, tensor, rows))
+        self.count += len(tensor.chunks) if rows is None else len(rows)
+
+    def columns(self) -> tuple:
+        """Return (file number, start, end, owned) arrays of every claim, in claim order (so a
+        claim's id is its position)."""
+        import numpy as np
+
+        pieces = []
+        for part in self.parts:
+            if isinstance(part, list):
+                pieces.append(np.array(part, dtype=np.int64).reshape(len(part), 4).T)
+            else:
+                tensor, rows, numbers = part
+                table = tensor.chunks
+                if rows is None:
+                    file, start, length = table.file, table.blob_offset, table.blob_length
+                else:
+                    file, start, length = table.file[rows], table.blob_offset[rows], table.blob_length[rows]
+                pieces.append((numbers[file], start, start + length, np.ones(len(start), dtype=bool)))
+        if not pieces:
+            return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+        return tuple(np.concatenate([piece[k] for piece in pieces]) for k in range(4))
+
+    def label(self, claim: int) -> tuple[str, tuple[Tensor, Chunk] | None]:
+        """Return the `where` text and the (tensor, chunk) owner of one claim."""
+        if claim in self.singles:
+            return self.singles[claim]
+        first, tensor, rows = self.tables[bisect.bisect_right(self.tables, claim, key=operator.itemgetter(0)) - 1]
+        chunk = tensor.chunks[claim - first if rows is None else int(rows[claim - first])]
+        return f"{tensor.fqn} chunk at {list(chunk.offsets)}", (tensor, chunk)
+
+
+def _check_claims(checkpoint: Checkpoint, claims: _Claims, sizes: dict[str, int], shared: set[tuple[str, int, int]],
+                  report: Integrity) -> None:
+    """Report bytes claimed twice: per file (in the order of their first claim), its ranges
+    sorted by (start, end) and each compared with the next, all files in one sort.
+
+    A file where two ranges coincide or two tensor blobs start together takes the path of
+    `_sweep_file` (ties ordered by their text; safetensors blobs resolved from the header)."""
+    import numpy as np
+
+    file, start, end, owned = claims.columns()
+    if not len(file):
         return
-    size = sizes.get(blob.file)
-    if size is None:
-        return  # missing or unsafe file, already reported
-    if blob.offset + blob.length > size:
-        report.add(ERROR, "beyond-eof", f"{blob.file}: {where} spans bytes {blob.offset}..{blob.offset + blob.length} but the file has {size} bytes (truncated?)", blob.file, fqn)
-        return
-    by_file[blob.file].append((blob.offset, blob.offset + blob.length, where, owner))
+    claim = np.lexsort((end, start, file))  # stable: equal ranges stay in claim order
+    file, start, end, owned = file[claim], start[claim], end[claim], owned[claim].astype(bool)
+    firsts = np.concatenate(([0], np.flatnonzero(file[1:] != file[:-1]) + 1))
+    lasts = np.concatenate((firsts[1:], [len(file)]))
+    same_start = (file[1:] == file[:-1]) & (start[1:] == start[:-1])
+    special = same_start & ((end[1:] == end[:-1]) | (owned[1:] & owned[:-1]))
+    overlap = (file[1:] == file[:-1]) & (start[1:] < end[:-1])
+    names = claims.index.names
+    for group in np.argsort(np.minimum.reduceat(claim, firsts), kind="stable").tolist():
+        low, high = int(firsts[group]), int(lasts[group])
+        name = names[int(file[low])]
+        if special[low:high - 1].any():
+            ranges = [(int(start[i]), int(end[i]), *claims.label(int(claim[i]))) for i in range(low, high)]
+            _sweep_file(checkpoint, name, ranges, sizes[name], shared, report)
+            continue
+        for i in (np.flatnonzero(overlap[low:high - 1]) + low).tolist():
+            range_a, range_b = (name, int(start[i]), int(end[i])), (name, int(start[i + 1]), int(end[i + 1]))
+            if range_a in shared and range_b in shared:
+                continue
+            where, next_where = claims.label(int(claim[i]))[0], claims.label(int(claim[i + 1]))[0]
+            report.add(ERROR, "blob-overlap", f"{name}: bytes {range_b[1]}..{range_a[2]} are claimed by both {where} and {next_where}", name, next_where)
+
+
+def _sweep_file(checkpoint: Checkpoint, name: str, ranges: list, size: int, shared: set[tuple[str, int, int]],
+                report: Integrity) -> None:
+    """Report overlaps among one file's ranges (start, end, where, owner), sorted by their
+    text on ties, after resolving blobs of a safetensors-format file."""
+    ranges.sort(key=_range_order)
+    if any(a[0] == b[0] and a[3] and b[3] for a, b in zip(ranges, ranges[1:])):
+        ranges = _resolve_safetensors_blobs(checkpoint, name, ranges, size, report)
+    for (start, end, fqn, _), (next_start, next_end, next_fqn, _) in zip(ranges, ranges[1:]):
+        if next_start < end and not ((name, start, end) in shared and (name, next_start, next_end) in shared):
+            report.add(ERROR, "blob-overlap", f"{name}: bytes {next_start}..{end} are claimed by both {fqn} and {next_fqn}", name, next_fqn)
 
 
 def _resolve_safetensors_blobs(checkpoint: Checkpoint, name: str, ranges: list, size: int,
@@ -246,10 +445,12 @@ def _resolve_safetensors_blobs(checkpoint: Checkpoint, name: str, ranges: list, 
 
 def _check_geometry(tensor: Tensor, report: Integrity) -> None:
     """Chunks lie inside the tensor, do not overlap, and cover it completely."""
+    if isinstance(tensor.chunks, ChunkTable) and _check_table_geometry(tensor, tensor.chunks, report):
+        return
     boxes = []
     for chunk in tensor.chunks:
         if not in_bounds(chunk.offsets, chunk.sizes, tensor.shape):
-            report.add(ERROR, "chunk-out-of-bounds", f"{tensor.fqn}: chunk at {list(chunk.offsets)} size {list(chunk.sizes)} does not fit shape {list(tensor.shape)}", fqn=tensor.fqn)
+            _out_of_bounds(tensor, chunk, report)
         else:
             boxes.append((chunk.offsets, chunk.sizes))
     pairs = find_overlaps(boxes, limit=MAX_PROBLEMS_PER_TENSOR)
@@ -257,7 +458,35 @@ def _check_geometry(tensor: Tensor, report: Integrity) -> None:
         report.add(ERROR, "overlap", f"{tensor.fqn}: chunks at {list(boxes[i][0])} and {list(boxes[j][0])} overlap", fqn=tensor.fqn)
     if pairs or len(boxes) < len(tensor.chunks):
         return
-    found = coverage(boxes, tensor.shape)
+    _check_coverage(tensor, coverage(boxes, tensor.shape), report)
+
+
+def _check_table_geometry(tensor: Tensor, table: ChunkTable, report: Integrity) -> bool:
+    """`_check_geometry` from a table's columns: rows out of bounds found at once, no overlap
+    and the coverage proven by `dim0_tiling` in O(n); False, with nothing reported, when that
+    proof fails (block sharding, overlaps): the boxes must be compared."""
+    import numpy as np
+
+    inside = columns_in_bounds(table.offsets, table.sizes, tensor.shape)
+    if inside is None or not len(table) or not tensor.shape:
+        return False
+    everywhere = bool(inside.all())
+    offsets, sizes = (table.offsets, table.sizes) if everywhere else (table.offsets[inside], table.sizes[inside])
+    found = dim0_tiling(offsets, sizes, tensor.shape)
+    if found is None:
+        return False
+    for row in np.flatnonzero(~inside).tolist():
+        _out_of_bounds(tensor, table[row], report)
+    if everywhere:
+        _check_coverage(tensor, found, report)
+    return True
+
+
+def _out_of_bounds(tensor: Tensor, chunk: Chunk, report: Integrity) -> None:
+    report.add(ERROR, "chunk-out-of-bounds", f"{tensor.fqn}: chunk at {list(chunk.offsets)} size {list(chunk.sizes)} does not fit shape {list(tensor.shape)}", fqn=tensor.fqn)
+
+
+def _check_coverage(tensor: Tensor, found: Coverage, report: Integrity) -> None:
     if not found.complete:
         detail = ", ".join(f"rows {a}..{b}" for a, b in found.missing_rows[:5]) or "see --json chunks"
         report.add(ERROR, "gap", f"{tensor.fqn}: chunks cover {found.covered} of {found.total} elements ({detail} missing)", fqn=tensor.fqn)

@@ -14,15 +14,18 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
 
 from ckpttool import readers
-from ckpttool.checkpoint import Checkpoint, Tensor, paused_gc
-from ckpttool.geometry import Sharding, classify
+from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
+from ckpttool.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
 from ckpttool.safepaths import is_safe_relative_path
+
+if TYPE_CHECKING:
+    import numpy as np
 
 GROUPS = ("model", "optimizer", "other")
 
@@ -38,6 +41,54 @@ class ChunkInfo(NamedTuple):
     nbytes: int  # element bytes of the chunk
 
 
+class ChunkInfos(Sequence[ChunkInfo]):
+    """The chunks of a tensor read as a `ChunkTable`, as inspect reports them: the table's
+    columns and `nbytes` (int64 element bytes per row). A sequence of `ChunkInfo` (each built
+    when asked for); render reads the columns.
+    """
+
+    __slots__ = ("table", "nbytes")
+
+    def __init__(self, table: ChunkTable, nbytes: "np.ndarray"):
+        self.table, self.nbytes = table, nbytes
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @overload
+    def __getitem__(self, index: int) -> ChunkInfo: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[ChunkInfo, ...]: ...
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        chunk = self.table[index]
+        blob, nbytes = chunk.blob, int(self.nbytes[index])
+        if blob is None:
+            return ChunkInfo(chunk.offsets, chunk.sizes, None, None, None, nbytes)
+        return ChunkInfo(chunk.offsets, chunk.sizes, blob.file, blob.offset, blob.length, nbytes)
+
+    def __iter__(self) -> Iterator[ChunkInfo]:
+        for chunk, nbytes in zip(self.table, self.nbytes.tolist()):
+            blob = chunk.blob
+            if blob is None:
+                yield ChunkInfo(chunk.offsets, chunk.sizes, None, None, None, nbytes)
+            else:
+                yield ChunkInfo(chunk.offsets, chunk.sizes, blob.file, blob.offset, blob.length, nbytes)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ChunkInfos, tuple, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ChunkInfos({self.table!r})"
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     fqn: str
@@ -47,7 +98,7 @@ class TensorInfo:
     numel: int
     nbytes: int
     sharding: Sharding
-    chunks: tuple[ChunkInfo, ...]
+    chunks: tuple[ChunkInfo, ...] | ChunkInfos  # ChunkInfos when the checkpoint holds a ChunkTable
 
 
 @dataclass(frozen=True)
@@ -110,6 +161,8 @@ def matches(fqn: str, patterns: Sequence[str]) -> bool:
 
 
 def _tensor_info(tensor: Tensor, group: str) -> TensorInfo:
+    if isinstance(tensor.chunks, ChunkTable) and (info := _table_info(tensor, group)) is not None:
+        return info
     chunks = tuple(
         ChunkInfo(c.offsets, c.sizes, c.blob.file, c.blob.offset, c.blob.length, c.numel * tensor.itemsize)
         if c.blob else ChunkInfo(c.offsets, c.sizes, None, None, None, c.numel * tensor.itemsize)
@@ -118,6 +171,72 @@ def _tensor_info(tensor: Tensor, group: str) -> TensorInfo:
     sharding = classify([(c.offsets, c.sizes) for c in tensor.chunks], tensor.shape)
     return TensorInfo(tensor.fqn, group, tensor.dtype, tensor.shape, tensor.numel,
                       tensor.nbytes, sharding, chunks)
+
+
+def _table_info(tensor: Tensor, group: str) -> TensorInfo | None:
+    """`_tensor_info` from a table's columns, or None when its sizes are too large for them."""
+    table = tensor.chunks
+    volumes = column_volumes(table.sizes)
+    sharding = classify_columns(table.sizes, tensor.shape, volumes)
+    if volumes is None or sharding is None or (len(table) and int(volumes.max()) >= COLUMN_LIMIT // max(tensor.itemsize, 1)):
+        return None
+    return TensorInfo(tensor.fqn, group, tensor.dtype, tensor.shape, tensor.numel, tensor.nbytes, sharding,
+                      ChunkInfos(table, volumes * tensor.itemsize))
+
+
+def _add_file_bytes(tensors: list[TensorInfo], referenced: Counter[str], per_file_group: dict[str, Counter[str]]) -> None:
+    """Add each chunk's blob length to its file in `referenced`, and its element bytes to its
+    file and group in `per_file_group`: per chunk for tuples, at once for all ChunkInfos."""
+    tables: list[tuple[int, ChunkInfos]] = []
+    for info in tensors:
+        if isinstance(info.chunks, ChunkInfos):
+            tables.append((GROUPS.index(info.group), info.chunks))
+            continue
+        for chunk in info.chunks:
+            if chunk.file is not None:
+                referenced[chunk.file] += chunk.length or 0
+                per_file_group[chunk.file][info.group] += chunk.nbytes
+    if tables and not _add_table_file_bytes(tables, referenced, per_file_group):
+        for group, chunks in tables:
+            for chunk in chunks:
+                if chunk.file is not None:
+                    referenced[chunk.file] += chunk.length or 0
+                    per_file_group[chunk.file][GROUPS[group]] += chunk.nbytes
+
+
+def _add_table_file_bytes(tables: list[tuple[int, ChunkInfos]], referenced: Counter[str],
+                          per_file_group: dict[str, Counter[str]]) -> bool:
+    """`_add_file_bytes` for tables: one np.bincount per sum over every row of every table;
+    False, with nothing added, when a sum might not be exact (bincount adds in float64, exact
+    for integers below 2**53)."""
+    import numpy as np
+
+    names: dict[str, int] = {}
+    numbers: dict[tuple[str, ...], Any] = {}  # a table's files -> their numbers in `names`
+    columns: list[tuple[Any, ...]] = []
+    for group_number, chunks in tables:
+        table = chunks.table
+        if (known := numbers.get(table.files)) is None:
+            known = numbers[table.files] = np.array([names.setdefault(n, len(names)) for n in table.files] + [-1], dtype=np.int64)
+        if len(table) and int(table.file.min()) >= 0:
+            bins = known[table.file] * len(GROUPS) + group_number
+            columns.append((bins, table.blob_length, chunks.nbytes))
+        else:
+            stored = table.file >= 0
+            columns.append((known[table.file[stored]] * len(GROUPS) + group_number, table.blob_length[stored], chunks.nbytes[stored]))
+    bins, length, nbytes = (np.concatenate([c[k] for c in columns]) for k in range(3))
+    if float(np.abs(length.astype(np.float64)).sum()) >= 2.0 ** 53 or float(nbytes.sum(dtype=np.float64)) >= 2.0 ** 53:
+        return False
+    size = len(names) * len(GROUPS)
+    used = np.flatnonzero(np.bincount(bins, minlength=size))
+    length_sums = np.bincount(bins, weights=length, minlength=size)[used].astype(np.int64).tolist()
+    byte_sums = np.bincount(bins, weights=nbytes, minlength=size)[used].astype(np.int64).tolist()
+    file_names = list(names)
+    for bin_number, length_sum, byte_sum in zip(used.tolist(), length_sums, byte_sums):
+        name = file_names[bin_number // len(GROUPS)]
+        referenced[name] += length_sum
+        per_file_group[name][GROUPS[bin_number % len(GROUPS)]] += byte_sum
+    return True
 
 
 # data files named for the rank that wrote them: torch HF writer's shard-{rank + 1}-model-...,
@@ -160,11 +279,7 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
 
     referenced: Counter[str] = Counter()
     per_file_group: dict[str, Counter[str]] = defaultdict(Counter)
-    for info in tensors:
-        for chunk in info.chunks:
-            if chunk.file is not None:
-                referenced[chunk.file] += chunk.length or 0
-                per_file_group[chunk.file][info.group] += chunk.nbytes
+    _add_file_bytes(tensors, referenced, per_file_group)
     for obj in objects:
         if obj.file is not None:
             referenced[obj.file] += obj.length or 0

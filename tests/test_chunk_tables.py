@@ -1,0 +1,414 @@
+"""A checkpoint whose chunks are ChunkTables (what a large `.metadata` is read into) gives
+exactly what the same checkpoint with tuples of Chunk gives: the integrity gate's problems,
+inspect's report, its text and its `--json` bytes, and validate's document.
+
+Every fixture ckpttool reads, and damaged copies of a real checkpoint made in tmp_path, are
+compared read as usual and through `with_tables`; synthetic checkpoints built in memory add
+hostile numbers (negative sizes, 10**18-element chunks, coinciding blobs) and block sharding,
+where the columns must fall back to comparing boxes. Then the fast geometry proof
+(`geometry.dim0_tiling`) against `find_overlaps` and `coverage` on random tilings.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+from test_validate import (CORRUPTIONS, EMBED, copy_fixture, rewrite_metadata, save_safetensors_format,
+                           storage_key)
+from test_integrity import shifted_chunk_with_equal_gap
+
+from ckpttool import geometry, integrity, readers, render
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
+from ckpttool.commands import inspect as inspect_command
+from ckpttool.commands import validate as validate_command
+
+
+def readable_fixtures() -> list[Path]:
+    """Every directory under fixtures/ that ckpttool reads (a layout it detects)."""
+    found = []
+    for path in sorted(p for p in FIXTURES.rglob("*") if p.is_dir() and "__pycache__" not in p.parts):
+        try:
+            readers.read(path)
+        except Exception:  # not a checkpoint (configs, expected outputs, ...)
+            continue
+        found.append(path)
+    return found
+
+
+READABLE = readable_fixtures()
+
+
+def outputs(checkpoint: Checkpoint, layout: str = "dcp") -> dict:
+    """Everything inspect and validate (without --deep) derive from a checkpoint's metadata."""
+    found = integrity.check(checkpoint)
+    report = inspect_command.build_report(checkpoint, (), layout)
+    filtered = inspect_command.build_report(checkpoint, ("model.*",), layout)
+    document = io.StringIO()
+    render.emit_json(render.inspect_document(report), document)
+    validation = validate_command.ValidationReport(checkpoint.path, False, list(found.problems),
+                                                   tensors=len(checkpoint.tensors), objects=len(checkpoint.objects),
+                                                   chunks=sum(len(t.chunks) for t in checkpoint.tensors.values()),
+                                                   files=found.files)
+    return {
+        "problems": found.problems, "sizes": found.sizes, "files": found.files,
+        "report": report, "filtered": filtered,
+        "text": render.inspect_text(report), "chunks text": render.inspect_text(report, chunks=True, by_file=True),
+        "filtered text": render.inspect_text(filtered, chunks=True),
+        "json": document.getvalue(), "document": json.loads(document.getvalue()),
+        "validate": render.validate_document(validation), "validate text": render.validate_text(validation),
+    }
+
+
+def assert_same_with_tables(checkpoint: Checkpoint, layout: str = "dcp", tables: int | None = None) -> dict:
+    tabled = with_tables(checkpoint)
+    count = sum(isinstance(t.chunks, ChunkTable) for t in tabled.tensors.values())
+    if tables is not None:
+        assert count >= tables
+    expected, actual = outputs(checkpoint, layout), outputs(tabled, layout)
+    for key in expected:
+        assert actual[key] == expected[key], key
+    return expected
+
+
+@pytest.mark.parametrize("path", READABLE, ids=[str(p.relative_to(FIXTURES)) for p in READABLE])
+def test_every_readable_fixture_gives_the_same_results_with_chunk_tables(path):
+    detection, checkpoint = readers.read(path)
+    assert_same_with_tables(checkpoint, detection.layout)
+
+
+def test_the_fixtures_read_include_every_layout_with_tables():
+    layouts = {readers.read(path)[0].layout for path in READABLE}
+    assert {"dcp", "dcp-hf", "torchtitan", "accelerate", "lightning", "megatron-torch-dist", "olmo-core", "verl",
+            "hub-folder"} <= layouts
+
+
+# --- damaged copies of a real checkpoint ---------------------------------------------------------
+
+
+def out_of_bounds_chunk(path: Path) -> None:
+    def edit(metadata):
+        import torch
+
+        chunk = metadata.state_dict_metadata[EMBED].chunks[-1]
+        chunk.sizes = torch.Size([chunk.sizes[0] + 3, chunk.sizes[1]])
+
+    rewrite_metadata(path, edit)
+
+
+def orphan_storage_entry(path: Path) -> None:
+    def edit(metadata):
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = metadata.storage_data[storage_key(metadata, EMBED)]
+        metadata.storage_data[MetadataIndex(EMBED, torch.Size([999, 0]))] = info
+
+    rewrite_metadata(path, edit)
+
+
+def two_blobs_on_the_same_bytes(path: Path) -> None:
+    def edit(metadata):
+        infos = [metadata.storage_data[storage_key(metadata, fqn)] for fqn in sorted(metadata.state_dict_metadata)
+                 if hasattr(metadata.state_dict_metadata[fqn], "chunks")]
+        same_file = [i for i in infos if i.relative_path == infos[0].relative_path]
+        same_file[2].offset = same_file[1].offset + 8  # overlaps its neighbour, starts elsewhere
+
+    rewrite_metadata(path, edit)
+
+
+def every_kind_at_once(path: Path) -> None:
+    shifted_chunk_with_equal_gap(path)
+    orphan_storage_entry(path)
+    CORRUPTIONS["truncated data file"][0](path)
+    (path / "stray.distcp").write_bytes(b"left over")
+
+
+DAMAGE = {name: corrupt for name, (corrupt, code, deep_only) in CORRUPTIONS.items()
+          if not deep_only and code not in ("metadata-unreadable", "no-metadata", "unknown-dtype")}
+DAMAGE.update({
+    "chunk shifted into its neighbour": shifted_chunk_with_equal_gap,
+    "out-of-bounds chunk": out_of_bounds_chunk,
+    "orphan storage entry": orphan_storage_entry,
+    "two blobs on the same bytes": two_blobs_on_the_same_bytes,
+    "every kind at once": every_kind_at_once,
+})
+
+
+@pytest.mark.parametrize("name", DAMAGE)
+def test_each_damaged_checkpoint_gives_the_same_problems_and_reports_with_chunk_tables(tmp_path, name):
+    path = copy_fixture(tmp_path)
+    DAMAGE[name](path)
+    checkpoint = readers.open_checkpoint(path)
+    expected = assert_same_with_tables(checkpoint, tables=len(checkpoint.tensors) - 1)
+    assert any(p.severity == integrity.ERROR or p.code == "orphan-storage" for p in expected["problems"]), name
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["whole", "truncated"])
+def test_safetensors_format_blobs_at_one_start_are_resolved_the_same_from_tables(tmp_path, truncated):
+    save_safetensors_format(tmp_path / "st")
+    if truncated:
+        data = tmp_path / "st" / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:-20])
+    checkpoint = readers.open_checkpoint(tmp_path / "st")
+    expected = assert_same_with_tables(checkpoint, tables=3)
+    assert bool(expected["problems"]) == truncated
+
+
+def test_the_cli_prints_the_same_bytes_when_the_reader_gives_tables(tmp_path, cli, monkeypatch):
+    path = copy_fixture(tmp_path)
+    every_kind_at_once(path)
+    commands = [("inspect",), ("inspect", "--json"), ("inspect", "--chunks", "--by-file"), ("validate",),
+                ("validate", "--json")]
+    seconds = re.compile(r'[0-9.]+ s$|"seconds": [0-9.e-]+')
+
+    def run_all() -> list[str]:
+        return [seconds.sub("", cli(*command, path).output) for command in commands]
+
+    expected = run_all()
+    read, open_checkpoint = readers.read, readers.open_checkpoint
+    monkeypatch.setattr(readers, "read", lambda *a, **k: (lambda d, c: (d, with_tables(c)))(*read(*a, **k)))
+    monkeypatch.setattr(readers, "open_checkpoint", lambda *a, **k: with_tables(open_checkpoint(*a, **k)))
+    assert isinstance(next(iter(readers.open_checkpoint(path).tensors.values())).chunks, ChunkTable)
+    assert run_all() == expected
+
+
+# --- synthetic checkpoints: hostile numbers and sharding the fast proof cannot cover -----------
+
+
+def synthetic(tmp_path: Path, tensors: dict[str, tuple[tuple[int, ...], list[Chunk]]], files: dict[str, int],
+              objects: dict[str, Blob | None] = {}, dtype: str = "float32") -> Checkpoint:
+    """A checkpoint of these tensors (shape, chunks) with data files of these sizes (sparse)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for name, size in files.items():
+        with open(tmp_path / name, "wb") as handle:
+            handle.truncate(size)
+    entries = {fqn: Tensor(fqn, dtype, shape, tuple(sorted(chunks, key=lambda c: c.offsets)))
+               for fqn, (shape, chunks) in sorted(tensors.items())}
+    return Checkpoint(tmp_path, ".metadata", "1.0.0", entries,
+                      {fqn: Object(fqn, blob) for fqn, blob in sorted(objects.items())})
+
+
+def dim0_chunks(rows: int, columns: int, world: int, file_of=lambda rank: f"__{rank}_0.distcp", at=None) -> list[Chunk]:
+    at = at if at is not None else {}
+    chunks = []
+    for rank, (offset, size) in enumerate(geometry.split_dim0(rows, world)):
+        name = file_of(rank)
+        length = size * columns * 4
+        chunks.append(Chunk((offset, 0), (size, columns), Blob(name, at.get(name, 0), length)))
+        at[name] = at.get(name, 0) + length
+    return chunks
+
+
+def test_hostile_numbers_give_the_same_problems_from_tables(tmp_path):
+    files = {"__0_0.distcp": 4096, "__1_0.distcp": 64, 'odd%d "1".distcp': 48, "odd%s 2\\.distcp": 16}
+    tensors = {
+        "huge": ((10**18, 8), [Chunk((0, 0), (10**18, 8), Blob("__0_0.distcp", 0, 64))]),
+        "negative size": ((4, 4), [Chunk((0, 0), (-2, -2), Blob("__0_0.distcp", 64, 16)),
+                                   Chunk((2, 0), (2, 4), Blob("__0_0.distcp", 80, 32))]),
+        "negative offset": ((4, 4), [Chunk((-1, 0), (4, 4), Blob("__0_0.distcp", -5, 64))]),
+        "no storage": ((4, 4), [Chunk((0, 0), (2, 4), None), Chunk((2, 0), (2, 4), Blob("__1_0.distcp", 0, 32))]),
+        "past the end": ((4, 4), [Chunk((0, 0), (4, 4), Blob("__1_0.distcp", 32, 64))]),
+        "missing file": ((4,), [Chunk((0,), (4,), Blob("__9_0.distcp", 0, 16))]),
+        "coinciding": ((4, 4), [Chunk((0, 0), (2, 4), Blob("__0_0.distcp", 200, 32)),
+                                Chunk((2, 0), (2, 4), Blob("__0_0.distcp", 200, 32))]),
+        "scalar": ((), [Chunk((), (), Blob("__0_0.distcp", 300, 4))]),
+        "no chunks": ((3,), []),
+        "empty tensor": ((0, 5), [Chunk((0, 0), (0, 5), Blob("__0_0.distcp", 400, 0))]),
+        "odd file names": ((4, 2), [Chunk((0, 0), (2, 2), Blob('odd%d "1".distcp', 0, 16)),
+                                    Chunk((2, 0), (2, 2), Blob("odd%s 2\\.distcp", 0, 16))]),
+        "one odd file": ((4, 2), [Chunk((0, 0), (2, 2), Blob('odd%d "1".distcp', 16, 16)),
+                                  Chunk((2, 0), (2, 2), Blob('odd%d "1".distcp', 32, 16))]),
+    }
+    objects = {"extra.step": Blob("__0_0.distcp", 210, 8), "extra.none": None, "extra.far": Blob("__1_0.distcp", 60, 99)}
+    checkpoint = synthetic(tmp_path, tensors, files, objects)
+    expected = assert_same_with_tables(checkpoint, tables=len(tensors))
+    codes = {p.code for p in expected["problems"]}
+    assert {"size-mismatch", "bad-range", "chunk-without-storage", "beyond-eof", "blob-overlap", "missing-file",
+            "chunk-out-of-bounds", "gap", "object-without-storage"} <= codes
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_dim0_and_block_shardings_with_damage_give_the_same_results_from_tables(tmp_path, seed):
+    rng = random.Random(seed)
+    tensors, at = {}, {}
+    for t in range(6):
+        rows, columns, world = rng.randint(1, 40), rng.randint(1, 6), rng.randint(1, 9)
+        if rng.random() < 0.4:  # 2-D blocks: the fast proof does not apply
+            half = columns // 2 or 1
+            chunks = []
+            for offset, size in geometry.split_dim0(rows, world):
+                for start, width in ((0, half), (half, columns - half)):
+                    if width:
+                        name = f"__{rng.randrange(3)}_0.distcp"
+                        chunks.append(Chunk((offset, start), (size, width), Blob(name, at.get(name, 0), size * width * 4)))
+                        at[name] = at.get(name, 0) + size * width * 4
+        else:
+            chunks = dim0_chunks(rows, columns, world, lambda rank: f"__{rank % 3}_0.distcp", at)
+        damage = rng.choice(["none", "none", "shift", "drop", "duplicate", "grow", "same-bytes", "unstored"])
+        pick = rng.randrange(len(chunks))
+        chunk = chunks[pick]
+        if damage == "shift":
+            chunks[pick] = chunk._replace(offsets=(max(chunk.offsets[0] - 1, 0),) + chunk.offsets[1:])
+        elif damage == "drop" and len(chunks) > 1:
+            chunks.pop(pick)
+        elif damage == "duplicate":
+            chunks.append(chunk)
+        elif damage == "grow":
+            chunks[pick] = chunk._replace(sizes=(chunk.sizes[0] + 1,) + chunk.sizes[1:])
+        elif damage == "same-bytes" and len(chunks) > 1:
+            other = chunks[(pick + 1) % len(chunks)]
+            chunks[pick] = chunk._replace(blob=other.blob)
+        elif damage == "unstored":
+            chunks[pick] = chunk._replace(blob=None)
+        tensors[f"model.t{t}"] = ((rows, columns), chunks)
+    files = {f"__{r}_0.distcp": at.get(f"__{r}_0.distcp", 0) - (8 if seed % 3 == 0 and r == 1 else 0) for r in range(3)}
+    assert_same_with_tables(synthetic(tmp_path, tensors, files), tables=len(tensors))
+
+
+def test_a_large_dim0_checkpoint_is_checked_from_columns_without_building_chunks(tmp_path, monkeypatch):
+    at: dict[str, int] = {}
+    tensors = {f"model.layers.{i}.weight": ((5600, 8), dim0_chunks(5600, 8, 700, at=at)) for i in range(4)}
+    files = {f"__{r}_0.distcp": 4 * 8 * 8 * 4 for r in range(700)}
+    checkpoint = with_tables(synthetic(tmp_path, tensors, files))
+
+    def refuse(*args):
+        raise AssertionError("a Chunk was built")
+
+    monkeypatch.setattr(ChunkTable, "__iter__", refuse)
+    monkeypatch.setattr(ChunkTable, "__getitem__", refuse)
+    found = integrity.check(checkpoint)
+    assert not found.problems and found.files == 700
+    report = inspect_command.build_report(checkpoint)
+    assert report.summary.chunks == 4 * 700 and str(report.tensors[0].sharding) == "dim0"
+    document = io.StringIO()
+    render.emit_json(render.inspect_document(report), document)
+    assert len(json.loads(document.getvalue())["tensors"][0]["chunks"]) == 700
+
+
+def test_inspect_chunk_infos_read_as_chunk_info_tuples(tmp_path):
+    chunks = dim0_chunks(10, 3, 4)
+    chunks[1] = chunks[1]._replace(blob=None)
+    checkpoint = synthetic(tmp_path, {"model.w": ((10, 3), chunks)}, {f"__{r}_0.distcp": 64 for r in range(4)})
+    plain = inspect_command.build_report(checkpoint).tensors[0].chunks
+    tabled = inspect_command.build_report(with_tables(checkpoint)).tensors[0].chunks
+    assert isinstance(tabled, inspect_command.ChunkInfos)
+    assert tuple(tabled) == plain and tabled[1] == plain[1] and tabled[1:3] == plain[1:3] and len(tabled) == 4
+    assert tabled[1].file is None and tabled[0].nbytes == 3 * 3 * 4
+    rows = render.inspect_document(inspect_command.build_report(with_tables(checkpoint)))["tensors"][0]["chunks"]
+    assert list(rows) == [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "offset": c.offset,
+                           "length": c.length, "bytes": c.nbytes} for c in plain]
+    assert json.dumps(rows) == json.dumps(list(rows))
+
+
+# --- the fast geometry proof against the per-box functions ---------------------------------------
+
+
+def random_boxes(rng: random.Random) -> tuple[tuple[int, ...], list[geometry.Box]]:
+    """A shape and boxes: a dim-0 split (sometimes with empty shards), blocks, or either damaged."""
+    ndim = rng.randint(1, 3)
+    shape = tuple(rng.randint(0 if d else 1, 9) for d in range(ndim))
+    kind = rng.choice(["dim0", "dim0", "blocks"])
+    boxes: list[geometry.Box] = []
+    if kind == "dim0":
+        for offset, size in geometry.split_dim0(shape[0], rng.randint(1, 12)):
+            boxes.append(((offset,) + (0,) * (ndim - 1), (size,) + shape[1:]))
+    else:
+        cut = rng.randint(0, shape[-1])
+        for offset, size in geometry.split_dim0(shape[0], rng.randint(1, 4)):
+            for start, width in ((0, cut), (cut, shape[-1] - cut)):
+                if ndim == 1:
+                    boxes.append(((offset,), (size,)))
+                    break
+                boxes.append(((offset,) + (0,) * (ndim - 2) + (start,), (size,) + shape[1:-1] + (width,)))
+    damage = rng.choice(["none", "none", "drop", "shift", "shrink", "duplicate"])
+    if boxes and damage != "none":
+        i = rng.randrange(len(boxes))
+        offsets, sizes = boxes[i]
+        if damage == "drop":
+            boxes.pop(i)
+        elif damage == "shift" and offsets[0] > 0:
+            boxes[i] = ((offsets[0] - 1,) + offsets[1:], sizes)
+        elif damage == "shrink" and sizes[0] > 0:
+            boxes[i] = (offsets, (sizes[0] - 1,) + sizes[1:])
+        elif damage == "duplicate":
+            boxes.insert(i, boxes[i])
+    return shape, sorted(boxes)
+
+
+def columns(boxes: list[geometry.Box], ndim: int):
+    import numpy as np
+
+    offsets = np.array([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    sizes = np.array([s for _, s in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    return offsets, sizes
+
+
+def test_the_dim0_proof_agrees_with_find_overlaps_and_coverage_on_random_tilings():
+    rng = random.Random(21)
+    proven = 0
+    for _ in range(3000):
+        shape, boxes = random_boxes(rng)
+        offsets, sizes = columns(boxes, len(shape))
+        inside = geometry.columns_in_bounds(offsets, sizes, shape)
+        assert inside.tolist() == [geometry.in_bounds(o, s, shape) for o, s in boxes]
+        kept = [box for box, ok in zip(boxes, inside.tolist()) if ok]
+        found = geometry.dim0_tiling(offsets[inside], sizes[inside], shape)
+        assert geometry.classify_columns(sizes, shape) == geometry.classify(boxes, shape)
+        if found is None:
+            continue
+        proven += 1
+        assert geometry.find_overlaps(kept) == []
+        assert found == geometry.coverage(kept, shape)
+    assert proven > 1500
+
+
+def test_every_fsdp_split_is_proven_whole_without_comparing_boxes():
+    for rows in range(0, 30):
+        for world in range(1, 40):
+            boxes = [((offset, 0), (size, 3)) for offset, size in geometry.split_dim0(rows, world)]
+            found = geometry.dim0_tiling(*columns(boxes, 2), (rows, 3))
+            assert found is not None and found.complete and found == geometry.coverage(boxes, (rows, 3))
+
+
+def test_a_gap_names_the_missing_rows_as_coverage_does():
+    boxes = [((0, 0), (2, 4)), ((3, 0), (0, 4)), ((5, 0), (2, 4))]
+    found = geometry.dim0_tiling(*columns(boxes, 2), (9, 4))
+    assert found == geometry.coverage(boxes, (9, 4))
+    assert found.missing_rows == ((2, 5), (7, 9))
+
+
+def test_the_proof_declines_what_it_cannot_decide():
+    blocks = [((0, 0), (4, 2)), ((0, 2), (4, 2))]
+    assert geometry.dim0_tiling(*columns(blocks, 2), (4, 4)) is None  # block sharding: boxes must be compared
+    overlapping = [((0, 0), (3, 4)), ((2, 0), (2, 4))]
+    assert geometry.dim0_tiling(*columns(overlapping, 2), (4, 4)) is None
+    assert geometry.column_volumes(columns([((0, 0), (-1, 4))], 2)[1]) is None
+    assert geometry.column_volumes(columns([((0, 0), (1 << 40, 1 << 40))], 2)[1]) is None
+    assert geometry.columns_in_bounds(*columns([((0,), (1,))], 1), (1, 1)) is None  # rank differs
+
+
+def test_the_stage_benchmark_builds_what_reading_its_metadata_gives(tmp_path):
+    """benchmarks/metadata_scale.py --stages times tables built from columns: they must be what
+    with_tables(read_checkpoint(...)) makes of the same synthetic checkpoint's .metadata."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("metadata_scale", FIXTURES.parent / "benchmarks" / "metadata_scale.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    benchmark.build(tmp_path / "read", 7, 7 * 40, 16)
+    built, chunks = benchmark.build_tables(tmp_path / "built", 7, 7 * 40, 16)
+    read = with_tables(readers.open_checkpoint(tmp_path / "read"))
+    assert chunks == 7 * 40 and list(built.tensors) == list(read.tensors) and built.nesting == read.nesting
+    for fqn, tensor in read.tensors.items():
+        assert (built.tensors[fqn].dtype, built.tensors[fqn].shape) == (tensor.dtype, tensor.shape)
+        assert built.tensors[fqn].chunks == tensor.chunks
+    assert {p.name: p.stat().st_size for p in (tmp_path / "built").iterdir()} == \
+        {p.name: p.stat().st_size for p in (tmp_path / "read").iterdir() if p.name != ".metadata"}
+    assert outputs(built)["json"] == outputs(read)["json"].replace(str(tmp_path / "read"), str(tmp_path / "built"))
