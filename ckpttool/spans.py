@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
@@ -171,7 +172,7 @@ class SpanStore:
         self._lock = threading.Lock()
         self._entries: dict[str, list[_Entry]] = {}  # file -> entries sorted by start (never overlapping)
         self._starts: dict[str, list[int]] = {}
-        self._queue: list[_Entry] = []  # the copies' spans not started, in order of first use
+        self._queue: deque[_Entry] = deque()  # the copies' spans not started, in order of first use
         self._used = 0  # bytes of the spans kept, or in flight or held for the copies
         self.requests = 0
 
@@ -199,9 +200,7 @@ class SpanStore:
         """Say the walker of `file` reads nothing below `offset` any more: the spans it passed
         are kept for the copies while they fit the budget, else dropped."""
         with self._lock:
-            for entry in list(self._entries.get(file, ())):
-                if entry.span.end > offset:
-                    break
+            for entry in self._walked_below(file, offset):
                 if entry.walked:
                     entry.walked = False
                     if entry.keep and entry.future is not None and self._used + entry.span.length <= self.budget:
@@ -280,6 +279,22 @@ class SpanStore:
 
     # -- inside, under the lock -----------------------------------------------------------
 
+    def _walked_below(self, file: str, offset: int) -> list[_Entry]:
+        """The walked entries of `file` ending at or below `offset`, in order: those since the
+        walker's last `passed` (its offsets only grow, so they lie just below `offset`)."""
+        entries = self._entries.get(file, [])
+        index = bisect.bisect_right(self._starts.get(file, []), offset) - 1
+        found = []
+        while index >= 0:
+            entry = entries[index]
+            index -= 1
+            if entry.span.end > offset:
+                continue
+            if not entry.walked:
+                break
+            found.append(entry)
+        return found[::-1]
+
     def _overlapping(self, file: str, start: int, end: int) -> list[_Entry]:
         starts = self._starts.get(file, [])
         index = max(0, bisect.bisect_right(starts, start) - 1)
@@ -326,7 +341,9 @@ class SpanStore:
             self._used += entry.span.length
 
     def _start(self, entry: _Entry) -> None:
-        if self._queue and entry in self._queue:
+        if self._queue and self._queue[0] is entry:
+            self._queue.popleft()
+        elif entry.need is not None and not entry.walked and entry in self._queue:  # a reader's, ahead of its turn
             self._queue.remove(entry)
         if not entry.walked:
             self._count(entry)

@@ -110,6 +110,7 @@ class SourceFiles:
 
     def __init__(self, follow_symlinks: bool, budget: int):
         self.follow_symlinks, self.budget = follow_symlinks, budget
+        self.whole_records = distributed.active() is None  # a torchrun process copies a share only
         self._files: DataFiles | None = None
 
     def __enter__(self) -> "SourceFiles":
@@ -123,7 +124,7 @@ class SourceFiles:
         """The DataFiles of `path`, left open when the block ends."""
         if self._files is None or str(self._files.root) != str(path):
             self.__exit__()
-            self._files = DataFiles(path, self.follow_symlinks, self.budget)
+            self._files = DataFiles(path, self.follow_symlinks, self.budget, self.whole_records)
         return contextlib.nullcontext(self._files)
 
     @property

@@ -109,7 +109,7 @@ def reshard(
     check_destination(destination, write.force, write.notify)
     save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
     budget = write.max_memory // 2  # half of --max-memory for coalesced reads from object storage
-    with DataFiles(checkpoint.path, source.follow_symlinks, budget) as files:
+    with DataFiles(checkpoint.path, source.follow_symlinks, budget, distributed.active() is None) as files:
         writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, write=write)
         requests = files.requests
     return ReshardReport(origin, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,

@@ -52,9 +52,12 @@ class DataFiles:
     With a `budget` (bytes), a remote root's reads are coalesced (`coalesced` is True): the
     records to locate (`walk_records`) and the ranges the copies will read (`expect`) are
     fetched as few large spans by a `spans.SpanStore` holding at most about `budget` bytes,
-    and reads inside them are served from memory. Local roots ignore it."""
+    and reads inside them are served from memory. Local roots ignore it. `whole_records`
+    False: locating fetches only record heads and ends (a torchrun process copies a share of
+    the bytes, so it must not fetch them all to locate)."""
 
-    def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False, budget: int = 0):
+    def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False, budget: int = 0,
+                 whole_records: bool = True):
         self.root = storage.location(root)
         self.local = not storage.is_remote(self.root)
         self._inside = None if follow_symlinks else containment_root(self.root)
@@ -63,6 +66,7 @@ class DataFiles:
         self._readers: dict[str, storage.RangeReader] = {}
         self._lock = threading.Lock()
         self._spans = None if self.local or budget <= 0 else spans.SpanStore(self._fetch, budget)
+        self._whole_records = whole_records
 
     def __enter__(self) -> "DataFiles":
         return self
@@ -107,7 +111,7 @@ class DataFiles:
         interleaved = sorted(((position, blob) for found in by_file.values() for position, blob in enumerate(found)),
                              key=lambda item: (item[0], item[1].file))
         for _, blob in interleaved:
-            if spent + blob.length <= self._spans.budget:
+            if self._whole_records and spent + blob.length <= self._spans.budget:
                 spent += blob.length
                 whole.append((blob.file, blob.offset, blob.offset + blob.length))
             else:
