@@ -40,6 +40,7 @@ SPAN = 8 << 20  # most bytes one GET fetches: a file of B needed bytes costs cei
 GAP = 1 << 20  # a gap between needed ranges read through rather than paid for with another request
 IN_FLIGHT = 8  # GETs at once: at 20 ms to the first byte, eight 8 MiB responses keep a link busy
 LOOKAHEAD = 2  # spans a walker starts beyond the one it reads
+MIN_SPAN = 1 << 20  # the smallest span `fit` makes: below it a request costs more than its bytes
 
 Range = tuple[str, int, int]  # (file, start, end): bytes [start, end) of a data file
 Fetch = Callable[[str, int, int], bytes]  # (file, start, end) -> exactly those bytes, by one GET
@@ -168,6 +169,7 @@ class SpanStore:
     def __init__(self, fetch: Fetch, budget: int, in_flight: int = IN_FLIGHT):
         self._fetch = fetch
         self.budget = budget
+        self.limit = SPAN  # most bytes of one span (`fit`)
         self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="ckpttool-get")
         self._lock = threading.Lock()
         self._entries: dict[str, list[_Entry]] = {}  # file -> entries sorted by start (never overlapping)
@@ -186,6 +188,17 @@ class SpanStore:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     # -- registering ----------------------------------------------------------------------
+
+    def fit(self, files: int) -> int:
+        """Size spans so that two per file fit the budget (copies read the files side by side:
+        larger spans would not stay until read, and be fetched again); return the size.
+
+        Example:
+            >>> SpanStore(fetch, budget=64 << 20).fit(8)  # 4 MiB: 8 files x 2 spans in 64 MiB
+            4194304
+        """
+        self.limit = min(SPAN, max(MIN_SPAN, self.budget // (2 * max(1, files))))
+        return self.limit
 
     def walk(self, spans: Sequence[Span], keep: Sequence[bool] | None = None) -> None:
         """Register the spans walkers will read, in offset order per file (`keep`: whether
@@ -223,7 +236,7 @@ class SpanStore:
                 entry.need = 0
                 held.append(entry)
             kept = [entry.span for entry in held]
-            merged = coalesce(subtract(ranges, kept))
+            merged = coalesce(subtract(ranges, kept), limit=self.limit)
             new = _first_use(ranges, [Span(*piece) for piece in subtract(
                 [(s.file, s.start, s.end) for s in merged], kept)])  # a gap read through stops at a kept span
             fresh = [_Entry(span, 0) for span in new]

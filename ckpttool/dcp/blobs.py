@@ -116,7 +116,8 @@ class DataFiles:
                 whole.append((blob.file, blob.offset, blob.offset + blob.length))
             else:
                 ends.extend(_record_ends(blob, small))
-        walked = [span for span in spans.coalesce(whole + ends) if span.end <= self._sizes[span.file]]
+        limit = self._spans.fit(len(by_file))
+        walked = [span for span in spans.coalesce(whole + ends, limit=limit) if span.end <= self._sizes[span.file]]
         self._spans.walk(walked, keep=spans.overlapping(walked, whole))
 
     def passed(self, relative: str, offset: int) -> None:
