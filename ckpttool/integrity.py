@@ -21,7 +21,7 @@ import bisect
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool import dtypes
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
@@ -31,6 +31,9 @@ from ckpttool.geometry import (COLUMN_LIMIT, Coverage, column_volumes, columns_i
                                find_overlaps, in_bounds)
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 # files a DCP directory holds besides data: torch's metadata, Lightning's meta.pt, Megatron's
