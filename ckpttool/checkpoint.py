@@ -68,7 +68,7 @@ class ChunkTable(Sequence[Chunk]):
     integrity gate, inspect) reads the columns:
 
     - `offsets`, `sizes`: int64 arrays of shape (rows, ndim)
-    - `file`: int32 index into `files` of the data file holding each chunk, -1 for a chunk
+    - `file`: integer index into `files` of the data file holding each chunk, -1 for a chunk
       without a storage entry (then `blob_offset` and `blob_length` are 0)
     - `blob_offset`, `blob_length`: int64 byte ranges in that file
     - every blob has no transforms (tables are only built for such tensors)
@@ -79,12 +79,13 @@ class ChunkTable(Sequence[Chunk]):
         (array([  0, 128]), '__0_0.distcp')
     """
 
-    __slots__ = ("offsets", "sizes", "file", "blob_offset", "blob_length", "files")
+    __slots__ = ("offsets", "sizes", "file", "blob_offset", "blob_length", "files", "_chunks")
 
     def __init__(self, offsets: "np.ndarray", sizes: "np.ndarray", file: "np.ndarray", blob_offset: "np.ndarray",
                  blob_length: "np.ndarray", files: tuple[str, ...]):
         self.offsets, self.sizes, self.file = offsets, sizes, file
         self.blob_offset, self.blob_length, self.files = blob_offset, blob_length, files
+        self._chunks: tuple[Chunk, ...] | None = None  # built on the first walk (planners walk a tensor's chunks often)
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[Chunk], ndim: int) -> "ChunkTable | None":
@@ -117,6 +118,8 @@ class ChunkTable(Sequence[Chunk]):
     def __getitem__(self, index: slice) -> tuple[Chunk, ...]: ...
 
     def __getitem__(self, index: Any) -> Any:
+        if self._chunks is not None:
+            return self._chunks[index]
         if isinstance(index, slice):
             return tuple(self[i] for i in range(*index.indices(len(self))))
         file = int(self.file[index])
@@ -124,10 +127,15 @@ class ChunkTable(Sequence[Chunk]):
         return Chunk(tuple(self.offsets[index].tolist()), tuple(self.sizes[index].tolist()), blob)
 
     def __iter__(self) -> Iterator[Chunk]:
-        files = self.files
-        for offsets, sizes, file, offset, length in zip(self.offsets.tolist(), self.sizes.tolist(), self.file.tolist(),
-                                                         self.blob_offset.tolist(), self.blob_length.tolist()):
-            yield Chunk(tuple(offsets), tuple(sizes), None if file < 0 else Blob(files[file], offset, length, ()))
+        if self._chunks is None:
+            files = self.files
+            self._chunks = tuple(
+                Chunk(tuple(offsets), tuple(sizes), None if file < 0 else Blob(files[file], offset, length, ()))
+                for offsets, sizes, file, offset, length in zip(self.offsets.tolist(), self.sizes.tolist(),
+                                                                self.file.tolist(), self.blob_offset.tolist(),
+                                                                self.blob_length.tolist())
+            )
+        return iter(self._chunks)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (ChunkTable, tuple, list)):

@@ -55,6 +55,7 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
         blob = tensor.chunks[index].blob
         by_file.setdefault(blob.file if blob is not None else "", []).append(number)
     found: list[RawData | None] = [None] * len(jobs)
+    files.walk_records(tensor.chunks[index].blob for tensor, index in jobs)
 
     def walk(relative: str, numbers: list[int]) -> tuple[int, Exception] | None:
         ahead = ReadAhead(files, relative)
@@ -128,9 +129,23 @@ def reserve(fd: Output, size: int) -> None:
 def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
         max_memory: int, on_done: Callable[[int], None] | None = None) -> None:
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
-    at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each."""
+    at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each. From
+    coalesced remote files the source ranges of all operations are fetched ahead, in order."""
+    if files.coalesced:
+        operations = list(operations)
+        files.expect([span for op in operations for span in source_ranges(op)])
     tasks = (Task(_runner(op, files, outputs), op.memory) for op in operations)
     run_tasks(tasks, threads, max_memory, on_done)
+
+
+def source_ranges(op: Operation) -> list[tuple[str, int, int]]:
+    """Return the (file, start, end) byte ranges of the source that running `op` reads."""
+    if isinstance(op, Record):
+        return list(dict.fromkeys(span for part in op.parts for span in source_ranges(part)))  # a chunk is decoded once
+    if isinstance(op, (Copy, Convert)):
+        return [(op.src, op.src_offset, op.src_offset + op.length)]
+    source = op.source if op.source is not None else op.tensor.chunks[op.chunk].blob
+    return [(source.file, source.offset, source.offset + source.length)] if source is not None else []
 
 
 def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Callable[[], int]:

@@ -366,6 +366,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "tensor_bytes": plan.tensor_bytes,
         "output_bytes": plan.output_bytes,
         "seconds": round(report.seconds, 3),
+        "requests": report.requests,
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }
@@ -482,6 +483,7 @@ def reshard_document(report: ReshardReport) -> dict[str, Any]:
         "tensor_bytes": report.tensor_bytes,
         "file_bytes": report.file_bytes,
         "seconds": round(report.seconds, 3),
+        "requests": report.requests,
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }

@@ -308,8 +308,18 @@ class RangeReader:
         self.fs, self.key, self.size, self.url = fs, key, size, url
         self._blocks: OrderedDict[int, bytes] = OrderedDict()
         self._lock = threading.Lock()
+        self.requests = 0  # ranged GETs sent (a retry inside one is not counted)
+
+    def _counted(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    def get(self, start: int, end: int) -> bytes:
+        """Return exactly the bytes [start, end) by one ranged GET (no read-ahead block kept)."""
+        return self._get(start, end)
 
     def _get(self, start: int, end: int) -> bytes:
+        self._counted()
         with request_errors(self.url), _vanished(self.url), _changed(self.url):
             data = self.fs.cat_file(self.key, start=start, end=end)
         if len(data) != end - start:
@@ -344,6 +354,7 @@ class RangeReader:
         from ckpttool import s3
 
         if isinstance(self.fs, s3.S3Client):
+            self._counted()
             with request_errors(self.url), _vanished(self.url), _changed(self.url):
                 yield from self.fs.pieces(self.key, offset, length, buffer)
             return

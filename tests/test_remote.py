@@ -136,11 +136,11 @@ def test_consolidate_from_s3_is_byte_identical_to_the_local_run(s3, tmp_path, ge
     assert all(r is not None for _, r in get_log.requests), "an object was downloaded whole"
 
 
-def test_a_copy_from_s3_is_one_get_streamed_through_a_small_buffer(s3, tmp_path, get_log, monkeypatch):
-    """Memory per copy is the piece buffer, whatever the tensor's size: the response body
-    is read into it piece by piece (here 64 bytes, so a tensor takes several pieces)."""
-    monkeypatch.setattr(storage, "PIECE", 64)
+def test_an_uncoalesced_read_from_s3_is_one_get_streamed_through_a_small_buffer(s3, get_log, monkeypatch):
+    """Without a budget for coalesced spans (`DataFiles` as validate and export open it), a
+    range is one GET whose body is read into the piece buffer as it arrives (here 64 bytes)."""
     from ckpttool import s3 as native
+    from ckpttool.dcp.blobs import DataFiles
 
     fills = []
     real_pieces = native.S3Client.pieces
@@ -151,13 +151,39 @@ def test_a_copy_from_s3_is_one_get_streamed_through_a_small_buffer(s3, tmp_path,
             yield view
 
     monkeypatch.setattr(native.S3Client, "pieces", pieces)
+    name = sorted(p.name for p in SOURCE.glob("*.distcp"))[0]
+    expected = (SOURCE / name).read_bytes()[100:1100]
+    with DataFiles(storage.location(f"s3://{BUCKET}/src")) as files:
+        assert not files.coalesced
+        got = b"".join(bytes(view) for view in files.pieces(name, 100, 1000, memoryview(bytearray(64))))
+        assert files.requests == 1
+    assert got == expected
+    assert max(fills) == 64 and len(fills) == 16, "read into the piece buffer, never the whole range at once"
+    assert [r for _, r in get_log.requests] == ["bytes=100-1099"]
+
+
+def test_a_copy_from_coalesced_spans_is_written_in_pieces(s3, tmp_path, get_log, monkeypatch):
+    """consolidate from S3 fetches whole spans and writes each copy from them in views of at
+    most `storage.PIECE` bytes (here 64)."""
+    monkeypatch.setattr(storage, "PIECE", 64)
+    from ckpttool import io as moving
+
+    writes = []
+    real_write_at = moving.write_at
+
+    def write_at(fd, data, offset):
+        writes.append(len(data))
+        real_write_at(fd, data, offset)
+
+    monkeypatch.setattr("ckpttool.execute.write_at", write_at)
     assert run_cli("consolidate", SOURCE, tmp_path / "local.safetensors", "--threads", "1")[0] == 0
+    writes.clear()
     code, out, err = run_cli("consolidate", f"s3://{BUCKET}/src", tmp_path / "remote.safetensors", "--threads", "1")
     assert code == 0, out + err
     assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
-    gets = [r for url, r in get_log.requests if url.endswith(".distcp")]
-    assert max(fills) == 64, "read into the piece buffer, never the whole range at once"
-    assert len(fills) > 2 * len(gets), "one GET per copy, read in several pieces"
+    assert writes and max(writes) == 64
+    data_gets = [r for url, r in get_log.requests if url.endswith(".distcp")]
+    assert len(data_gets) == len(list(SOURCE.glob("*.distcp"))), "one span per data file"
 
 
 def test_consolidate_of_an_s3_hub_folder_reads_safetensors_headers_by_range(s3, tmp_path, get_log):

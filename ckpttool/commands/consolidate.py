@@ -11,12 +11,13 @@ FSDP's dim-0 chunks move with `copy_file_range` and never enter user space.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ContextManager
 
 from ckpttool import distributed, execute, integrity, io, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Tensor
@@ -62,6 +63,7 @@ class ConsolidateReport:
     selected: str = "everything"  # which entries were exported: see `selection_text`
     model_view: ModelView | None = None  # where the model was found, and why
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
+    requests: int = 0  # ranged GETs of the source's data files (object storage; 0 for local files)
 
     @property
     def throughput(self) -> float:
@@ -101,6 +103,36 @@ class Planned:
     problems: tuple[Problem, ...]  # the integrity gate's warnings
 
 
+class SourceFiles:
+    """The source's data files, opened once for both of consolidate's steps (`plan_output`,
+    `write_output`): from object storage, the spans fetched to locate records serve the copies
+    (`DataFiles` with a budget of `budget` bytes: the reads are coalesced)."""
+
+    def __init__(self, follow_symlinks: bool, budget: int):
+        self.follow_symlinks, self.budget = follow_symlinks, budget
+        self.whole_records = distributed.active() is None  # a torchrun process copies a share only
+        self._files: DataFiles | None = None
+
+    def __enter__(self) -> "SourceFiles":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._files is not None:
+            self._files.close()
+
+    def open(self, path: Path) -> ContextManager[DataFiles]:
+        """The DataFiles of `path`, left open when the block ends."""
+        if self._files is None or str(self._files.root) != str(path):
+            self.__exit__()
+            self._files = DataFiles(path, self.follow_symlinks, self.budget, self.whole_records)
+        return contextlib.nullcontext(self._files)
+
+    @property
+    def requests(self) -> int:
+        """The ranged GETs sent for the source's data files so far."""
+        return self._files.requests if self._files is not None else 0
+
+
 def consolidate(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -128,21 +160,26 @@ def consolidate(
     refuse_overlap(target, src)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
-    planned = plan_output(src, target.name, kind, convert, source, write.threads)
-    written, processes = write_output(planned, target, write, source) if not write.dry_run else ((), ())
+    budget = 0 if write.dry_run else write.max_memory // 2  # half of --max-memory for coalesced reads
+    with SourceFiles(source.follow_symlinks, budget) as files:
+        planned = plan_output(src, target.name, kind, convert, source, write.threads, files)
+        written, processes = write_output(planned, target, write, source, files) if not write.dry_run else ((), ())
+        requests = files.requests
     return report_of(planned, target, written, processes, write.verify and not write.dry_run, write.dry_run,
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, requests)
 
 
 def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: ConvertOptions,
-                source: SourceOptions, threads: int) -> Planned:
+                source: SourceOptions, threads: int, shared: SourceFiles | None = None) -> Planned:
     """Return consolidate's plan of `src` written as `kind` (`name`: the output's file name):
-    read the source once, gate it, choose the entries, locate their bytes, find ties, plan."""
+    read the source once, gate it, choose the entries, locate their bytes, find ties, plan.
+    `shared` keeps the source's data files open for `write_output`."""
     detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix)
     selection = select(checkpoint, view, convert.rules, kind)
-    with DataFiles(checkpoint.path, source.follow_symlinks) as files:
+    opened = shared.open(checkpoint.path) if shared is not None else DataFiles(checkpoint.path, source.follow_symlinks)
+    with opened as files:
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
         located = execute.locate_chunks(files, tensors.values(), threads)
         objects = load_objects(checkpoint, files, selection.objects) if kind.kind == "torch" else {}
@@ -155,15 +192,17 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
     return Planned(checkpoint, detection.describe(), view, convert.rules, kind, plan, warnings)
 
 
-def write_output(planned: Planned, target: Path, write: WriteOptions,
-                 source: SourceOptions) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
-    """Return the files written at `target` by running `planned`'s plan, and what each process wrote."""
-    with DataFiles(planned.checkpoint.path, source.follow_symlinks) as files:
+def write_output(planned: Planned, target: Path, write: WriteOptions, source: SourceOptions,
+                 shared: SourceFiles | None = None) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
+    """Return the files written at `target` by running `planned`'s plan, and what each process
+    wrote (`shared`: the source's data files as `plan_output` left them open)."""
+    path = planned.checkpoint.path
+    with shared.open(path) if shared is not None else DataFiles(path, source.follow_symlinks) as files:
         return _write(planned.plan, files, target, planned.kind, write)
 
 
 def report_of(planned: Planned, target: Path, written: tuple[Path, ...], processes: tuple[ProcessStats, ...],
-              verified: bool, dry_run: bool, seconds: float) -> ConsolidateReport:
+              verified: bool, dry_run: bool, seconds: float, requests: int = 0) -> ConsolidateReport:
     """Return the report of `planned` written (or not, with `dry_run`) at `target`."""
     plan = planned.plan
     return ConsolidateReport(
@@ -171,7 +210,7 @@ def report_of(planned: Planned, target: Path, written: tuple[Path, ...], process
         objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=seconds, plan=plan, ties=plan.ties,
         dropped=plan.dropped, dry_run=dry_run, verified=verified, layout=planned.layout,
         selected=selection_text(planned.view, planned.rules), model_view=planned.view,
-        problems=planned.problems, processes=processes,
+        problems=planned.problems, processes=processes, requests=requests,
     )
 
 

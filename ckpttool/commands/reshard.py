@@ -57,6 +57,7 @@ class ReshardReport:
     problems: tuple[Problem, ...] = ()  # the integrity gate's warnings
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
     model_view: ModelView | None = None  # the model the sharding rule took parameters from
+    requests: int = 0  # ranged GETs of the source's data files (object storage; 0 for local files)
 
     @property
     def world_size(self) -> int:
@@ -107,10 +108,13 @@ def reshard(
                              dry_run=True, problems=warnings, model_view=view)
     check_destination(destination, write.force, write.notify)
     save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
-    with DataFiles(checkpoint.path, source.follow_symlinks) as files:
+    budget = write.max_memory // 2  # half of --max-memory for coalesced reads from object storage
+    with DataFiles(checkpoint.path, source.follow_symlinks, budget, distributed.active() is None) as files:
         writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, write=write)
+        requests = files.requests
     return ReshardReport(origin, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,
-                         verified=write.verify, problems=warnings, processes=processes, model_view=view)
+                         verified=write.verify, problems=warnings, processes=processes, model_view=view,
+                         requests=requests)
 
 
 def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, destination: Path, *, save_id: str,

@@ -21,9 +21,9 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from ckpttool import dtypes, storage
+from ckpttool import dtypes, spans, storage
 from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
 from ckpttool.errors import CheckpointError, CorruptBlob, MissingFile, UnsupportedFormat
 from ckpttool.formats import safetensors
@@ -38,6 +38,7 @@ HEADER_WINDOW = 256 << 10  # bytes one read-ahead fill spans: the headers of man
 HEAD_WINDOW = 4 << 10  # a fill at the start of a record larger than HEADER_WINDOW: its local headers and data.pkl
 MAX_OBJECT_BYTES = 64 << 20  # a non-tensor entry decompressed: param_groups, steps, RNG states are far smaller
 RECORD_SLACK = 1 << 20  # what a one-tensor record may hold beyond its data (data.pkl, small entries, zip directory)
+RECORD_TAIL = 64 << 10  # what locating reads at a record's end: torchsave.zip.read_directory's end-record window
 DECOMPRESS_BLOCK = 4 << 20  # bytes decompressed per step
 
 
@@ -46,9 +47,17 @@ class DataFiles:
 
     Only regular files are opened (non-blocking, so a FIFO cannot hang the open), and only
     inside the checkpoint directory unless `follow_symlinks`. A remote root (`storage`) has
-    no fds (`local` is False): its reads are ranged GETs through `storage.RangeReader`."""
+    no fds (`local` is False): its reads are ranged GETs through `storage.RangeReader`.
 
-    def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False):
+    With a `budget` (bytes), a remote root's reads are coalesced (`coalesced` is True): the
+    records to locate (`walk_records`) and the ranges the copies will read (`expect`) are
+    fetched as few large spans by a `spans.SpanStore` holding at most about `budget` bytes,
+    and reads inside them are served from memory. Local roots ignore it. `whole_records`
+    False: locating fetches only record heads and ends (a torchrun process copies a share of
+    the bytes, so it must not fetch them all to locate)."""
+
+    def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False, budget: int = 0,
+                 whole_records: bool = True):
         self.root = storage.location(root)
         self.local = not storage.is_remote(self.root)
         self._inside = None if follow_symlinks else containment_root(self.root)
@@ -56,6 +65,8 @@ class DataFiles:
         self._sizes: dict[str, int] = {}
         self._readers: dict[str, storage.RangeReader] = {}
         self._lock = threading.Lock()
+        self._spans = None if self.local or budget <= 0 else spans.SpanStore(self._fetch, budget)
+        self._whole_records = whole_records
 
     def __enter__(self) -> "DataFiles":
         return self
@@ -64,10 +75,73 @@ class DataFiles:
         self.close()
 
     def close(self) -> None:
+        if self._spans is not None:
+            self._spans.close()
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+    @property
+    def coalesced(self) -> bool:
+        """True when reads are served from coalesced spans (a remote root given a budget)."""
+        return self._spans is not None
+
+    @property
+    def requests(self) -> int:
+        """The ranged GETs sent for data files so far (0 for a local root)."""
+        with self._lock:
+            return sum(reader.requests for reader in self._readers.values())
+
+    def walk_records(self, blobs: Iterable[Blob | None]) -> None:
+        """Say which blobs' records are about to be located, each file's in offset order, so
+        their headers are fetched as coalesced spans. Records are fetched whole, header and
+        data together, while their bytes fit the budget (the copies read them next: the first
+        records of every file first, as the copies come), the rest by their heads and ends
+        only. Does nothing unless `coalesced`."""
+        if self._spans is None:
+            return
+        blobs = [blob for blob in blobs if blob is not None]
+        readable = {relative for relative in {blob.file for blob in blobs} if self._opens(relative)}
+        by_file: dict[str, list[Blob]] = {}
+        for blob in sorted((blob for blob in blobs if blob.file in readable), key=lambda blob: (blob.file, blob.offset)):
+            by_file.setdefault(blob.file, []).append(blob)
+        small = spans.GAP + HEAD_WINDOW + RECORD_TAIL  # a longer record not kept: its head and its end only
+        whole, ends, spent = [], [], 0
+        interleaved = sorted(((position, blob) for found in by_file.values() for position, blob in enumerate(found)),
+                             key=lambda item: (item[0], item[1].file))
+        for _, blob in interleaved:
+            if self._whole_records and spent + blob.length <= self._spans.budget:
+                spent += blob.length
+                whole.append((blob.file, blob.offset, blob.offset + blob.length))
+            else:
+                ends.extend(_record_ends(blob, small))
+        limit = self._spans.fit(len(by_file))
+        walked = [span for span in spans.coalesce(whole + ends, limit=limit) if span.end <= self._sizes[span.file]]
+        self._spans.walk(walked, keep=spans.overlapping(walked, whole))
+
+    def passed(self, relative: str, offset: int) -> None:
+        """Say the walker of `relative` reads nothing below `offset` any more (see SpanStore.passed)."""
+        if self._spans is not None:
+            self._spans.passed(relative, offset)
+
+    def expect(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        """Say which (file, start, end) ranges are read next, in order (see SpanStore.expect);
+        does nothing unless `coalesced`."""
+        if self._spans is not None:
+            readable = {relative for relative in {r[0] for r in ranges} if self._opens(relative)}
+            self._spans.expect([r for r in ranges if r[0] in readable and r[2] <= self._sizes[r[0]]])
+
+    def _opens(self, relative: str) -> bool:
+        """True when the remote file can be read (a missing one is named by the read that needs it)."""
+        try:
+            self._reader(relative)
+        except CheckpointError:
+            return False
+        return True
+
+    def _fetch(self, relative: str, start: int, end: int) -> bytes:
+        return self._reader(relative).get(start, end)
 
     def path(self, relative: str) -> Path:
         return self.root / safe_relative_path(relative)
@@ -141,7 +215,7 @@ class DataFiles:
         """
         fd = self._checked_fd(relative, offset, len(buffer))
         if fd is None:
-            buffer[:] = self._readers[relative].read(offset, len(buffer))
+            buffer[:] = self._remote_read(relative, offset, len(buffer))
             return
         got = 0
         while got < len(buffer):  # preadv may return short reads on some filesystems
@@ -158,7 +232,13 @@ class DataFiles:
         until the next): from a remote file one ranged GET streamed through the buffer."""
         self._checked_fd(relative, offset, length)
         if not self.local:
-            yield from self._readers[relative].pieces(offset, length, buffer)
+            served = self._spans.pieces(relative, offset, length, len(buffer)) if self._spans is not None else iter([None])
+            first = next(served, None)
+            if first is None:
+                yield from self._readers[relative].pieces(offset, length, buffer)
+                return
+            yield first
+            yield from served
             return
         for done in range(0, length, len(buffer)):
             view = buffer[:min(len(buffer), length - done)]
@@ -169,7 +249,7 @@ class DataFiles:
         """Return exactly `length` bytes at `offset`, or raise CorruptBlob naming the file."""
         fd = self._checked_fd(relative, offset, length)
         if fd is None:
-            return self._readers[relative].read(offset, length)
+            return self._remote_read(relative, offset, length)
         try:
             data = os.pread(fd, length, offset)
         except OSError as error:  # EISDIR, EIO, ...
@@ -179,6 +259,12 @@ class DataFiles:
             self.read_into(relative, offset + len(data), memoryview(rest))
             data += rest
         return data
+
+    def _remote_read(self, relative: str, offset: int, length: int) -> bytes:
+        served = self._spans.read(relative, offset, length) if self._spans is not None and length else None
+        if served is None:
+            return self._readers[relative].read(offset, length)
+        return bytes(served)
 
 
 class ReadAhead:
@@ -223,13 +309,17 @@ class ReadAhead:
         return self._size
 
     def expect(self, blob: Blob) -> None:
-        """Say which record the next reads belong to (it sizes the next fills)."""
+        """Say which record the next reads belong to (it sizes the next fills; coalesced
+        spans below it may be let go)."""
         large = blob.length > HEADER_WINDOW + HEAD_WINDOW
         self._head_end = blob.offset + HEAD_WINDOW if large else 0
+        if blob.file == self.relative:
+            self.files.passed(self.relative, blob.offset)
 
     def read(self, relative: str, offset: int, length: int) -> bytes:
         """Return exactly `length` bytes at `offset`, as `DataFiles.read` does."""
-        if relative != self.relative or offset < 0 or length < 0 or length >= HEADER_WINDOW:
+        if (relative != self.relative or offset < 0 or length < 0 or length >= HEADER_WINDOW
+                or self.files.coalesced):  # coalesced spans already hold the neighbours in memory
             return self.files.read(relative, offset, length)
         end = offset + length
         if self._start <= offset and end <= self._start + len(self._window):
@@ -241,6 +331,15 @@ class ReadAhead:
         self._window = self.files.read(relative, offset, min(max(length, fill), size - offset))
         self._start = offset
         return self._window[:length]
+
+
+def _record_ends(blob: Blob, small: int) -> list[tuple[str, int, int]]:
+    """The byte ranges locating reads of the record in `blob`: all of a small one, else the
+    head (local headers, data.pkl) and the end (zip directory)."""
+    start, end = blob.offset, blob.offset + blob.length
+    if blob.length <= small:
+        return [(blob.file, start, end)]
+    return [(blob.file, start, start + HEAD_WINDOW), (blob.file, end - RECORD_TAIL, end)]
 
 
 def _blob_reader(files: DataFiles, blob: Blob) -> Callable[[int, int], bytes]:

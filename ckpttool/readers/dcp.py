@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import mmap
 import operator
 import os
 import re
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import dtypes, storage
+from ckpttool.readers import columns
+from ckpttool.readers.columns import latest, match_storage
 from ckpttool.checkpoint import OUR_TRANSFORMS, Blob, Checkpoint, Chunk, Object, Tensor, paused_gc, refuse_bad_names
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 from ckpttool.safepaths import file_kind
@@ -157,8 +160,15 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """
     root = storage.location(path)
     metadata_path = find_metadata_file(root)
-    raw = read_metadata_bytes(metadata_path)
     with paused_gc():
+        scanned = _scan_mapped(metadata_path)
+        if scanned is not None:
+            return columns.checkpoint(root, metadata_path, scanned)
+        raw = read_metadata_bytes(metadata_path)
+        scanned = scan_columns(raw)
+        if scanned is not None:
+            del raw
+            return columns.checkpoint(root, metadata_path, scanned)
         record = unpickle_metadata(raw, str(metadata_path))
         del raw
         try:
@@ -167,6 +177,44 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raise CorruptMetadata(
                 f"{metadata_path}: malformed DCP metadata ({type(error).__name__}: {clip(str(error))})"
             ) from None
+
+
+def scan_columns(raw: bytes | bytearray | mmap.mmap, mapped: bool = False) -> tuple | None:
+    """Return what the C reader (`_dcpscan.c`) reads from a `.metadata` as torch writes it,
+    or None: the file is something else, or the reader was not built (no compiler at install),
+    and the checking Python loader reads it. `mapped`: `raw` maps the file, and the reader
+    hands pages back as it goes."""
+    try:
+        from ckpttool.readers import _dcpscan
+    except ImportError:
+        return None
+    return _dcpscan.scan(raw, KNOWN_DTYPES, False, mapped)
+
+
+KNOWN_DTYPES = frozenset(dtypes.ITEMSIZE)
+MAP_METADATA_BYTES = 64 << 20  # larger local .metadata files are mapped, not read into memory
+
+
+def _scan_mapped(path: Path) -> tuple | None:
+    """`scan_columns` of a large local `.metadata` through a read-only map, so the file is
+    never resident whole; None for a remote, small, unusual or unreadable file (the caller
+    reads it into memory with the checks of `read_metadata_bytes`)."""
+    if storage.is_remote(path):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or not MAP_METADATA_BYTES <= status.st_size <= MAX_METADATA_BYTES:
+            return None
+        with mmap.mmap(fd, status.st_size, access=mmap.ACCESS_READ) as mapped:
+            return scan_columns(mapped, mapped=True)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _kind(obj: Any) -> str:
@@ -255,7 +303,7 @@ def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
         raise CorruptMetadata(f"{source}: state_dict_metadata key {_brief(bad)} is not a string")
     for fqn in sorted(names):
         entry = entries[fqn]
-        unkeyed, keyed = _latest(stored.pop(fqn, ()))
+        unkeyed, keyed = latest(stored.pop(fqn, ()))
         kind = _kind(entry)
         if kind == "BytesStorageMetadata":
             objects[fqn] = Object(fqn, unkeyed)
@@ -270,7 +318,7 @@ def _convert(root: Path, source: Path, record: Any) -> Checkpoint:
         if note:
             notes.append(note)
     for fqn, blobs in stored.items():
-        unkeyed, keyed = _latest(blobs)
+        unkeyed, keyed = latest(blobs)
         if unkeyed is not None:
             orphans.append((fqn, unkeyed))
         orphans.extend((fqn, blob) for _, blob in keyed)
@@ -329,24 +377,6 @@ def _blob(info: Any, fqn: str, source: Path) -> Blob:
 _first = operator.itemgetter(0)
 
 
-def _latest(blobs: Any) -> tuple[Blob | None, list[tuple[tuple[int, ...], Blob]]]:
-    """Return a tensor's or object's storage entries as a dict keyed by offsets would keep
-    them (the last written of equal keys): the entry without offsets, and the others sorted
-    by offsets."""
-    unkeyed, keyed = None, []
-    for offset, blob in blobs:
-        if offset is None:
-            unkeyed = blob
-        else:
-            keyed.append((offset, blob))
-    if len(keyed) > 1:
-        keyed.sort(key=_first)  # stable: equal offsets stay in storage order
-        last = [item for item, after in zip(keyed, keyed[1:]) if item[0] != after[0]]
-        last.append(keyed[-1])
-        keyed = last
-    return unkeyed, keyed
-
-
 def _tensor(fqn: str, entry: Any, keyed: list, orphans: list, source: Path) -> tuple[Tensor, str | None]:
     if type(entry) is _TensorBox:
         dtype_name, shape, raw_chunks = entry[0].name, entry[1], entry[2]
@@ -371,23 +401,7 @@ def _tensor(fqn: str, entry: Any, keyed: list, orphans: list, source: Path) -> t
             return Tensor(fqn, dtype_name, shape, chunks), note
     else:
         boxes = _boxes(fqn, raw_chunks, source)
-    # match chunks and storage entries by walking both in offsets order
-    chunks = []
-    at, count, matched = 0, len(keyed), False
-    for box in boxes:
-        offsets, sizes = box[0], box[1]
-        while at < count and keyed[at][0] < offsets:
-            if not matched:
-                orphans.append((fqn, keyed[at][1]))
-            at += 1
-            matched = False
-        if at < count and keyed[at][0] == offsets:
-            chunks.append(_new_chunk((offsets, sizes, keyed[at][1])))
-            matched = True
-        else:
-            chunks.append(_new_chunk((offsets, sizes, None)))
-    orphans.extend((fqn, blob) for _, blob in keyed[at + matched:])
-    return Tensor(fqn, dtype_name, shape, tuple(chunks)), note
+    return Tensor(fqn, dtype_name, shape, match_storage(fqn, boxes, keyed, orphans)), note
 
 
 _second = operator.itemgetter(1)

@@ -1,0 +1,850 @@
+/* Read a DCP `.metadata` pickle as torch writes it straight into columns, at C speed.
+
+   `scan(data, dtypes)` walks the pickle's opcodes as a recursive-descent parser of exactly
+   the object graph torch's `Metadata` pickles to (protocol 2 to 5; torch's `FileSystemWriter`
+   with MEMOIZE after each object, ckpttool's own writer with no memo): the Metadata record,
+   its state_dict_metadata (TensorStorageMetadata with TensorProperties, torch.Size and
+   ChunkStorageMetadata; BytesStorageMetadata), planner_data (fqn -> tuple of str/int keys),
+   storage_data (MetadataIndex -> _StorageInfo without transforms), storage_meta and version.
+
+   Nothing is built but strings, the planner's tuples and int64 columns; no code runs and no
+   class is looked up: a global is only compared with the names below. Anything else, in any
+   place (another opcode, class, field, a memo slot fetched that holds no string or class, an
+   int past int64, a dtype not in `dtypes`), returns None and the caller reads the file with
+   the checking Python loader (safepickle), which explains what is wrong or reads what this
+   does not. The work and memory are linear in the input: every read is bounds-checked,
+   there is no recursion on the input's nesting, no hashing of values the file controls but
+   str (salted), and the columns hold at most one int64 per two input bytes.
+
+   Returns (version, save_id, tensors, objects, planner, fqns, files, coords, storage) with
+   tensors a list of (fqn, dtype, shape, first coord, chunk count) in file order, coords the
+   int64 chunk rows (offsets then sizes per chunk), and storage a tuple of bytes columns
+   (fqn id, ndim or -1, coord start, file id, offset, length) in file order. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define MAX_DIMS 64
+#define RECENT 4096  /* a rank's file names and a tensor's fqn are fetched over and over */
+
+enum { K_STR = 1, K_GLOBAL, K_LAYOUT, K_MEMFMT, K_PROPS, K_BYTES };  /* what a kept memo slot holds */
+enum {
+    G_METADATA = 1, G_TSM, G_BSM, G_CHUNK, G_PROPS, G_INDEX, G_STMETA, G_INFO,
+    G_SIZE, G_DTYPE, G_GET_LAYOUT, G_MEMFMT, G_PATH
+};
+
+enum {
+    F_OFFSETS, F_SIZES, F_PROPERTIES, F_SIZE, F_CHUNKS, F_FQN, F_OFFSET, F_INDEX, F_RELATIVE_PATH, F_LENGTH, F_TRANSFORM_DESCRIPTORS, F_CHECKPOINT_ID, F_SAVE_ID, F_LOAD_ID, F_MODULES, F_STATE_DICT_METADATA, F_PLANNER_DATA, F_STORAGE_DATA, F_STORAGE_META, F_VERSION, F_COUNT
+};
+static const char *const FIELD_NAMES[] = {
+    "offsets", "sizes", "properties", "size", "chunks", "fqn", "offset", "index", "relative_path", "length", "transform_descriptors", "checkpoint_id", "save_id", "load_id", "modules", "state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version",
+};
+
+typedef struct { uint32_t index; uint8_t kind, gid; PyObject *obj; } Kept;  /* memo slots < 2**31: one per input byte at most */
+typedef struct { PyObject *bytes; int64_t *v; Py_ssize_t n, cap; } I64;  /* a bytearray's int64s */
+typedef struct { PyObject *name; Py_ssize_t id; } Named;  /* a str and the id it was given */
+
+typedef struct {
+    const unsigned char *p;
+    Py_ssize_t n, i;
+    uint64_t memo_count;
+    Kept *kept;
+    Py_ssize_t nkept, capkept;
+    PyObject *strings, *dtypes, *tensors, *objects, *planner, *fqn_ids, *fqns, *file_ids, *files, *seen;
+    PyObject *version, *save_id, *last_planner_key;
+    I64 coords, st_fqn, st_ndim, st_cstart, st_coords, st_file, st_off, st_len;
+    Py_ssize_t budget, fail_at;
+    int failed;
+    Py_ssize_t released, release_every;  /* pages of a mapped input handed back so far; 0: never */
+    Py_ssize_t recent[RECENT];  /* kept entry + 1 of recently fetched slots, by slot % RECENT */
+    Named fqn_cache[RECENT], file_cache[RECENT];  /* fqn and file ids by the str's address */
+    PyObject *fields[F_COUNT];  /* the field names the records have, interned before the scan */
+} P;
+
+typedef struct {
+    Py_ssize_t i, nkept, coords, storage, tensors, objects, planner;
+    uint64_t memo_count;
+} Snapshot;
+
+static const char *METADATA_MODULES[] = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed._shard.sharded_tensor.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint._fsspec_filesystem",
+    NULL,
+};
+
+static int fail(P *p) {
+    if (!p->failed) p->fail_at = p->i;
+    p->failed = 1;
+    return -1;
+}
+
+static int push64(I64 *a, int64_t v) {
+    if (a->n == a->cap) {
+        Py_ssize_t cap = a->cap ? a->cap * 2 : 4096;
+        if (!a->bytes && !(a->bytes = PyByteArray_FromStringAndSize(NULL, 0))) return -1;
+        if (PyByteArray_Resize(a->bytes, cap * (Py_ssize_t)sizeof(int64_t))) return -1;
+        a->v = (int64_t *)PyByteArray_AS_STRING(a->bytes);
+        a->cap = cap;
+    }
+    a->v[a->n++] = v;
+    return 0;
+}
+
+/* the opcode at the cursor after any FRAMEs (checked as the loader does), or -1 at the end */
+static int peek(P *p) {
+    while (p->i < p->n && p->p[p->i] == 0x95) {
+        if (p->n - p->i < 9) return -1;
+        uint64_t count = 0;
+        for (int k = 7; k >= 0; k--) count = (count << 8) | p->p[p->i + 1 + k];
+        if (count > (uint64_t)(p->n - p->i - 9)) return -1;
+        p->i += 9;
+    }
+    return p->i < p->n ? p->p[p->i] : -1;
+}
+
+static int take(P *p, int opcode) {
+    if (peek(p) != opcode) return 0;
+    p->i++;
+    return 1;
+}
+
+static int expect(P *p, int opcode) { return take(p, opcode) ? 0 : fail(p); }
+
+static int need(P *p, Py_ssize_t count) { return p->n - p->i >= count ? 0 : fail(p); }
+
+static uint64_t le(const unsigned char *at, int width) {
+    uint64_t value = 0;
+    for (int k = width - 1; k >= 0; k--) value = (value << 8) | at[k];
+    return value;
+}
+
+/* memoize what was just built if the next opcode says so: MEMOIZE, or a PUT of the next slot;
+   `kind` 0 keeps nothing (fetching that slot later makes the scan give up) */
+static int memo(P *p, int kind, int gid, PyObject *obj) {
+    int op = peek(p);
+    uint64_t slot;
+    if (op == 0x94) {
+        p->i++;
+    } else if (op == 'q' || op == 'r') {
+        int width = op == 'q' ? 1 : 4;
+        if (need(p, 1 + width)) return -1;
+        slot = le(p->p + p->i + 1, width);
+        if (slot != p->memo_count) return fail(p);
+        p->i += 1 + width;
+    } else {
+        return 0;
+    }
+    if (p->memo_count >= UINT32_MAX) return fail(p);
+    if (kind) {
+        if (p->nkept == p->capkept) {
+            Py_ssize_t cap = p->capkept ? p->capkept * 2 : 256;
+            Kept *grown = PyMem_Realloc(p->kept, (size_t)cap * sizeof(Kept));
+            if (!grown) { PyErr_NoMemory(); return -1; }
+            p->kept = grown;
+            p->capkept = cap;
+        }
+        Kept *k = &p->kept[p->nkept++];
+        k->index = (uint32_t)p->memo_count;
+        k->kind = kind;
+        k->gid = gid;
+        k->obj = obj;
+        Py_XINCREF(obj);
+    }
+    p->memo_count++;
+    return 0;
+}
+
+/* the kept memo entry a BINGET or LONG_BINGET at the cursor fetches (not consumed), or NULL */
+static Kept *lookup(P *p) {
+    int op = peek(p);
+    int width = op == 'h' ? 1 : op == 'j' ? 4 : 0;
+    if (!width || p->n - p->i < 1 + width) return NULL;
+    uint64_t slot = le(p->p + p->i + 1, width);
+    Py_ssize_t hit = p->recent[slot % RECENT] - 1;
+    if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
+    Py_ssize_t lo = 0, hi = p->nkept;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (p->kept[mid].index < slot) lo = mid + 1; else hi = mid;
+    }
+    if (lo == p->nkept || p->kept[lo].index != slot) return NULL;
+    p->recent[slot % RECENT] = lo + 1;
+    return &p->kept[lo];
+}
+
+/* the kept memo entry a BINGET or LONG_BINGET at the cursor fetches (consumed), or NULL */
+static Kept *fetched(P *p) {
+    Kept *k = lookup(p);
+    if (k) p->i += p->p[p->i] == 'h' ? 2 : 5;
+    return k;
+}
+
+static int is_get(P *p) { int op = peek(p); return op == 'h' || op == 'j'; }
+
+/* the kept entry of `kind` a GET at the cursor fetches (consumed), or NULL (nothing consumed) */
+static Kept *fetched_kind(P *p, int kind) {
+    Kept *k = is_get(p) ? lookup(p) : NULL;
+    return k && k->kind == kind ? fetched(p) : NULL;
+}
+
+static int is_text(P *p) { int op = peek(p); return op == 0x8c || op == 'X'; }
+
+static int is_int(P *p) { int op = peek(p); return op == 'K' || op == 'M' || op == 'J' || op == 0x8a; }
+
+/* a new reference to the string at the cursor (a literal, memoized as the pickle says, or a
+   fetched one), or NULL */
+static PyObject *text(P *p) {
+    int op = peek(p);
+    if (op == 'h' || op == 'j') {
+        Kept *k = fetched(p);
+        if (!k || k->kind != K_STR) { fail(p); return NULL; }
+        Py_INCREF(k->obj);
+        return k->obj;
+    }
+    Py_ssize_t width = op == 0x8c ? 1 : op == 'X' ? 4 : 0;
+    if (!width || need(p, 1 + width)) { fail(p); return NULL; }
+    uint64_t count = le(p->p + p->i + 1, (int)width);
+    if (count > (uint64_t)(p->n - p->i - 1 - width)) { fail(p); return NULL; }
+    const char *start = (const char *)p->p + p->i + 1 + width;
+    PyObject *decoded = PyUnicode_DecodeUTF8(start, (Py_ssize_t)count, "surrogatepass");
+    if (!decoded) {
+        if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) { PyErr_Clear(); fail(p); }
+        return NULL;
+    }
+    PyObject *interned = PyDict_SetDefault(p->strings, decoded, decoded);
+    Py_XINCREF(interned);
+    Py_DECREF(decoded);
+    if (!interned) return NULL;
+    p->i += 1 + width + (Py_ssize_t)count;
+    if (memo(p, K_STR, 0, interned)) { Py_DECREF(interned); return NULL; }
+    return interned;
+}
+
+static int integer(P *p, int64_t *out) {
+    int op = peek(p);
+    const unsigned char *at = p->p + p->i + 1;
+    if (op == 'K') {
+        if (need(p, 2)) return -1;
+        *out = at[0];
+        p->i += 2;
+    } else if (op == 'M') {
+        if (need(p, 3)) return -1;
+        *out = (int64_t)le(at, 2);
+        p->i += 3;
+    } else if (op == 'J') {
+        if (need(p, 5)) return -1;
+        *out = (int32_t)(uint32_t)le(at, 4);
+        p->i += 5;
+    } else if (op == 0x8a) {
+        if (need(p, 2)) return -1;
+        int width = at[0];
+        if (width > 8 || need(p, 2 + width)) return fail(p);
+        uint64_t value = le(at + 1, width);
+        if (width && width < 8 && (at[width] & 0x80)) value |= ~(uint64_t)0 << (8 * width);
+        *out = (int64_t)value;
+        p->i += 2 + width;
+    } else {
+        return fail(p);
+    }
+    return 0;
+}
+
+static int named(PyObject *text_object, const char *want) {
+    const char *have = PyUnicode_AsUTF8(text_object);
+    if (!have) { PyErr_Clear(); return 0; }
+    return strcmp(have, want) == 0;
+}
+
+/* which of the names this scan knows `module`.`name` is (0: none; then the scan gives up) */
+static int classify(P *p, PyObject *module, PyObject *name) {
+    const char *m = PyUnicode_AsUTF8(module), *n = PyUnicode_AsUTF8(name);
+    if (!m || !n) { PyErr_Clear(); return 0; }
+    for (int k = 0; METADATA_MODULES[k]; k++) {
+        if (strcmp(m, METADATA_MODULES[k]) != 0) continue;
+        if (!strcmp(n, "Metadata")) return G_METADATA;
+        if (!strcmp(n, "TensorStorageMetadata")) return G_TSM;
+        if (!strcmp(n, "BytesStorageMetadata")) return G_BSM;
+        if (!strcmp(n, "ChunkStorageMetadata")) return G_CHUNK;
+        if (!strcmp(n, "TensorProperties")) return G_PROPS;
+        if (!strcmp(n, "MetadataIndex")) return G_INDEX;
+        if (!strcmp(n, "StorageMeta")) return G_STMETA;
+        if (!strcmp(n, "_StorageInfo")) return G_INFO;
+        if (!strcmp(n, "_MEM_FORMAT_ENCODING")) return G_MEMFMT;
+        return 0;
+    }
+    if (!strcmp(m, "torch")) {
+        if (!strcmp(n, "Size")) return G_SIZE;
+        int known = PySet_Contains(p->dtypes, name);
+        return known == 1 ? G_DTYPE : 0;
+    }
+    if (!strcmp(m, "torch.serialization") && !strcmp(n, "_get_layout")) return G_GET_LAYOUT;
+    /* OLMo-core's writer pickles its own copy of torch's _StorageInfo (safepickle/allowlist.py) */
+    if (!strcmp(m, "olmo_core.distributed.checkpoint.filesystem") && !strcmp(n, "_StorageInfo")) return G_INFO;
+    if (!strcmp(m, "pathlib") && (!strcmp(n, "PosixPath") || !strcmp(n, "PurePosixPath") || !strcmp(n, "Path") ||
+                                  !strcmp(n, "WindowsPath") || !strcmp(n, "PureWindowsPath")))
+        return G_PATH;
+    return 0;
+}
+
+/* a global (GLOBAL, STACK_GLOBAL or fetched): its id; a dtype's name in *dtype (borrowed) */
+static int global(P *p, PyObject **dtype) {
+    int op = peek(p);
+    Kept *k = op == 'h' || op == 'j' ? lookup(p) : NULL;
+    if (k && k->kind == K_GLOBAL) {  /* else the module's name, fetched, then STACK_GLOBAL */
+        fetched(p);
+        if (dtype) *dtype = k->obj;
+        return k->gid;
+    }
+    PyObject *module = NULL, *name = NULL;
+    if (op == 'c') {
+        p->i++;
+        Py_ssize_t starts[2], ends[2];
+        for (int part = 0; part < 2; part++) {
+            starts[part] = p->i;
+            const unsigned char *line = memchr(p->p + p->i, '\n', (size_t)(p->n - p->i < 256 ? p->n - p->i : 256));
+            if (!line) return fail(p);
+            ends[part] = line - p->p;
+            p->i = ends[part] + 1;
+        }
+        module = PyUnicode_DecodeASCII((const char *)p->p + starts[0], ends[0] - starts[0], "strict");
+        name = module ? PyUnicode_DecodeASCII((const char *)p->p + starts[1], ends[1] - starts[1], "strict") : NULL;
+        if (!name) {
+            Py_XDECREF(module);
+            if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) { PyErr_Clear(); return fail(p); }
+            return -1;
+        }
+    } else {
+        module = text(p);
+        if (!module) return -1;
+        name = text(p);
+        if (!name) { Py_DECREF(module); return -1; }
+        if (!take(p, 0x93)) { Py_DECREF(module); Py_DECREF(name); return fail(p); }
+    }
+    int gid = classify(p, module, name);
+    Py_DECREF(module);
+    if (!gid) { Py_DECREF(name); return fail(p); }
+    int status = memo(p, K_GLOBAL, gid, gid == G_DTYPE ? name : NULL);
+    if (dtype && gid == G_DTYPE) {
+        if (status == 0 && p->nkept && p->kept[p->nkept - 1].obj == name) *dtype = name;  /* kept alive by the memo */
+        else *dtype = PyDict_SetDefault(p->strings, name, name);                          /* by the intern table */
+    }
+    Py_DECREF(name);
+    return status ? -1 : gid;
+}
+
+/* `cls() ` as copyreg pickles a record: the class, an empty tuple, NEWOBJ; returns its id */
+static int new_object(P *p) {
+    int gid = global(p, NULL);
+    if (gid < 0) return -1;
+    if (expect(p, ')') || expect(p, 0x81) || memo(p, 0, 0, NULL)) return -1;
+    return gid;
+}
+
+/* torch.Size(tuple of ints): its dims into `dims`, their count into *ndim */
+static int size(P *p, int64_t *dims, int *ndim) {
+    if (global(p, NULL) != G_SIZE) return fail(p);
+    int count = 0;
+    if (take(p, ')')) {
+        count = 0;
+    } else {
+        int marked = take(p, '(');
+        while (is_int(p)) {
+            if (count == MAX_DIMS || integer(p, &dims[count])) return fail(p);
+            count++;
+        }
+        if (marked ? !take(p, 't') : (count < 1 || count > 3 || !take(p, 0x84 + count))) return fail(p);
+        if (memo(p, 0, 0, NULL)) return -1;
+    }
+    if (expect(p, 0x85) || memo(p, 0, 0, NULL) || expect(p, 'R') || memo(p, 0, 0, NULL)) return -1;
+    *ndim = count;
+    return 0;
+}
+
+static int boolean(P *p) { return take(p, 0x88) || take(p, 0x89) ? 0 : fail(p); }
+
+/* TensorProperties, or one fetched (a writer may share one between tensors): its dtype's
+   name (borrowed) into *dtype */
+static int properties(P *p, PyObject **dtype) {
+    Kept *shared = fetched_kind(p, K_PROPS);
+    if (shared) {
+        *dtype = shared->obj;
+        return *dtype ? 0 : fail(p);  /* NULL: fetched inside itself */
+    }
+    if (global(p, NULL) != G_PROPS || expect(p, ')') || expect(p, 0x81)) return fail(p);
+    Py_ssize_t kept = p->nkept;
+    if (memo(p, K_PROPS, 0, NULL) || expect(p, '(')) return fail(p);
+    kept = p->nkept > kept ? kept : -1;  /* its memo entry, named once its dtype is read */
+    *dtype = NULL;
+    if (global(p, dtype) != G_DTYPE || !*dtype) return fail(p);
+    if (!fetched_kind(p, K_LAYOUT)) {  /* `_get_layout("torch.strided")`, its result not fetched */
+        if (global(p, NULL) != G_GET_LAYOUT) return fail(p);
+        PyObject *layout = text(p);
+        if (!layout) return -1;
+        int strided = named(layout, "torch.strided");
+        Py_DECREF(layout);
+        if (!strided || expect(p, 0x85) || memo(p, 0, 0, NULL) || expect(p, 'R') || memo(p, K_LAYOUT, 0, NULL)) return fail(p);
+    }
+    if (boolean(p)) return -1;
+    if (!fetched_kind(p, K_MEMFMT)) {  /* `_MEM_FORMAT_ENCODING(n)`, its result not fetched */
+        int64_t format;
+        if (global(p, NULL) != G_MEMFMT || integer(p, &format)) return fail(p);
+        if (expect(p, 0x85) || memo(p, 0, 0, NULL) || expect(p, 'R') || memo(p, K_MEMFMT, 0, NULL)) return -1;
+    }
+    if (boolean(p) || expect(p, 't') || memo(p, 0, 0, NULL) || expect(p, 'b')) return fail(p);
+    if (kept >= 0) {
+        if (kept >= p->nkept || p->kept[kept].kind != K_PROPS) return fail(p);
+        Py_INCREF(*dtype);
+        p->kept[kept].obj = *dtype;
+    }
+    return 0;
+}
+
+static void snapshot(P *p, Snapshot *s) {
+    s->i = p->i;
+    s->nkept = p->nkept;
+    s->memo_count = p->memo_count;
+    s->coords = p->coords.n;
+    s->storage = p->st_fqn.n;
+    s->tensors = PyList_GET_SIZE(p->tensors);
+    s->objects = PyList_GET_SIZE(p->objects);
+    s->planner = PyDict_GET_SIZE(p->planner);
+    p->last_planner_key = NULL;
+}
+
+static int restore(P *p, Snapshot *s) {
+    p->i = s->i;
+    while (p->nkept > s->nkept) Py_XDECREF(p->kept[--p->nkept].obj);
+    p->memo_count = s->memo_count;
+    p->coords.n = s->coords;
+    p->st_fqn.n = p->st_ndim.n = p->st_cstart.n = p->st_file.n = p->st_off.n = p->st_len.n = s->storage;
+    if (PyList_GET_SIZE(p->tensors) > s->tensors && PyList_SetSlice(p->tensors, s->tensors, PY_SSIZE_T_MAX, NULL)) return -1;
+    if (PyList_GET_SIZE(p->objects) > s->objects && PyList_SetSlice(p->objects, s->objects, PY_SSIZE_T_MAX, NULL)) return -1;
+    if (PyDict_GET_SIZE(p->planner) > s->planner && p->last_planner_key &&
+        PyDict_DelItem(p->planner, p->last_planner_key)) return -1;
+    p->failed = 0;
+    p->fail_at = 0;
+    return 0;
+}
+
+typedef int (*Item)(P *p, void *context);
+
+/* a dict's or list's items after EMPTY_DICT / EMPTY_LIST: batches of MARK ... SETITEMS (or
+   APPENDS), and a last batch of one item without MARK, told from what follows the container
+   by trying it */
+/* hand the pages of a mapped input well behind the cursor back to the page cache, so a
+   large .metadata is never resident whole (reading them again, after a restore, maps them
+   back from the file) */
+static void release(P *p) {
+    if (!p->release_every || p->i - p->released < 2 * p->release_every) return;
+    Py_ssize_t page = sysconf(_SC_PAGESIZE), end = (p->i - p->release_every) / page * page;
+    if (end > p->released && madvise((void *)(p->p + p->released), (size_t)(end - p->released), MADV_DONTNEED) == 0)
+        p->released = end;
+}
+
+static int items(P *p, int batch_op, int single_op, Item item, void *context) {
+    if (memo(p, 0, 0, NULL)) return -1;
+    for (;;) {
+        release(p);
+        if (take(p, '(')) {
+            while (peek(p) != batch_op) {
+                if (peek(p) < 0 || item(p, context)) return fail(p);
+            }
+            p->i++;
+            continue;
+        }
+        int op = peek(p);
+        if (op != 0x8c && op != 'X' && op != 'h' && op != 'j' && op != 'c') return 0;  /* no item starts so */
+        Snapshot s;
+        snapshot(p, &s);
+        if (item(p, context) == 0 && take(p, single_op)) continue;
+        if (PyErr_Occurred()) return -1;
+        return restore(p, &s);
+    }
+}
+
+static int dict_items(P *p, Item item, void *context) {
+    return expect(p, '}') ? -1 : items(p, 'u', 's', item, context);
+}
+
+static int list_items(P *p, Item item, void *context) {
+    return expect(p, ']') ? -1 : items(p, 'e', 'a', item, context);
+}
+
+/* a record's state: EMPTY_DICT, its fields, BUILD */
+static int record_state(P *p, Item field, void *context) {
+    return dict_items(p, field, context) || expect(p, 'b') ? -1 : 0;
+}
+
+/* the key of a record's field: its position in `names` (field numbers ending with -1), each
+   at most once */
+static int field_name(P *p, const int *names, unsigned *seen) {
+    PyObject *key = text(p);
+    if (!key) return -1;
+    Py_DECREF(key);  /* alive in the intern table, as every field name is */
+    for (int k = 0; names[k] >= 0; k++) {
+        if (key == p->fields[names[k]]) {
+            if (*seen & (1u << k)) return fail(p);
+            *seen |= 1u << k;
+            return k;
+        }
+    }
+    return fail(p);
+}
+
+typedef struct { unsigned seen; int64_t dims[2][MAX_DIMS]; int ndim[2]; } ChunkFields;
+
+static int chunk_field(P *p, void *context) {
+    static const int names[] = {F_OFFSETS, F_SIZES, -1};
+    ChunkFields *c = context;
+    int which = field_name(p, names, &c->seen);
+    return which < 0 ? -1 : size(p, c->dims[which], &c->ndim[which]);
+}
+
+typedef struct { int ndim; Py_ssize_t count; } ChunkList;
+
+static int chunk(P *p, void *context) {
+    ChunkList *list = context;
+    ChunkFields c = {0};
+    if (new_object(p) != G_CHUNK || record_state(p, chunk_field, &c) || c.seen != 3) return fail(p);
+    if (c.ndim[0] != c.ndim[1] || (list->ndim >= 0 && c.ndim[0] != list->ndim)) return fail(p);
+    list->ndim = c.ndim[0];
+    if (p->coords.n + 2 * c.ndim[0] > p->budget) return fail(p);
+    for (int w = 0; w < 2; w++)
+        for (int d = 0; d < c.ndim[0]; d++)
+            if (push64(&p->coords, c.dims[w][d])) return -1;
+    list->count++;
+    return 0;
+}
+
+typedef struct { unsigned seen; PyObject *dtype; int64_t shape[MAX_DIMS]; int ndim; ChunkList chunks; } TensorFields;
+
+static int tensor_field(P *p, void *context) {
+    static const int names[] = {F_PROPERTIES, F_SIZE, F_CHUNKS, -1};
+    TensorFields *t = context;
+    int which = field_name(p, names, &t->seen);
+    if (which == 0) return properties(p, &t->dtype);
+    if (which == 1) return size(p, t->shape, &t->ndim);
+    if (which == 2) return list_items(p, chunk, &t->chunks);
+    return -1;
+}
+
+/* `cls()` of a state_dict_metadata entry; a BytesStorageMetadata is kept in the memo (it
+   has no fields, so a writer may share one) */
+static int bytes_or_tensor(P *p) {
+    int gid = global(p, NULL);
+    if (gid < 0 || expect(p, ')') || expect(p, 0x81)) return -1;
+    return memo(p, gid == G_BSM ? K_BYTES : 0, 0, NULL) ? -1 : gid;
+}
+
+/* a state_dict_metadata entry: fqn -> TensorStorageMetadata or BytesStorageMetadata */
+static int entry(P *p, void *context) {
+    (void)context;
+    PyObject *fqn = text(p);
+    if (!fqn) return -1;
+    int seen = PySet_Contains(p->seen, fqn);
+    int gid = seen ? -1 : fetched_kind(p, K_BYTES) ? G_BSM : bytes_or_tensor(p);
+    if (seen || gid < 0 || PySet_Add(p->seen, fqn)) { Py_DECREF(fqn); return seen < 0 ? -1 : fail(p); }
+    if (gid == G_BSM) {
+        if (peek(p) == '}' && (expect(p, '}') || memo(p, 0, 0, NULL) || expect(p, 'b'))) { Py_DECREF(fqn); return -1; }
+        int status = PyList_Append(p->objects, fqn);
+        Py_DECREF(fqn);
+        return status;
+    }
+    if (gid != G_TSM) { Py_DECREF(fqn); return fail(p); }
+    TensorFields t = {0};
+    t.chunks.ndim = -1;
+    Py_ssize_t first = p->coords.n;
+    if (record_state(p, tensor_field, &t) || t.seen != 7 || (t.chunks.count && t.chunks.ndim != t.ndim)) {
+        Py_DECREF(fqn);
+        return fail(p);
+    }
+    PyObject *shape = PyTuple_New(t.ndim);
+    for (int d = 0; shape && d < t.ndim; d++) {
+        PyObject *dim = PyLong_FromLongLong(t.shape[d]);
+        if (!dim) { Py_CLEAR(shape); break; }
+        PyTuple_SET_ITEM(shape, d, dim);
+    }
+    PyObject *row = shape ? Py_BuildValue("(OONnn)", fqn, t.dtype, shape, first, t.chunks.count) : NULL;
+    Py_DECREF(fqn);
+    int status = row ? PyList_Append(p->tensors, row) : -1;
+    Py_XDECREF(row);
+    return status;
+}
+
+/* a planner_data entry: fqn -> tuple of str and int keys */
+static int nesting(P *p, void *context) {
+    (void)context;
+    PyObject *fqn = text(p);
+    if (!fqn) return -1;
+    PyObject *keys = PyList_New(0);
+    int status = keys ? 0 : -1;
+    if (!status && take(p, ')')) {
+        /* an empty path */
+    } else if (!status) {
+        int marked = take(p, '(');
+        while (!status && (is_text(p) || is_int(p) || is_get(p))) {
+            PyObject *key = NULL;
+            if (is_int(p)) {
+                int64_t value;
+                if (integer(p, &value) == 0) key = PyLong_FromLongLong(value); else status = -1;
+            } else {
+                key = text(p);
+            }
+            if (!key) { status = -1; break; }
+            status = PyList_Append(keys, key);
+            Py_DECREF(key);
+        }
+        Py_ssize_t count = keys ? PyList_GET_SIZE(keys) : 0;
+        if (!status && (marked ? !take(p, 't') : (count < 1 || count > 3 || !take(p, 0x84 + (int)count)))) status = fail(p);
+        if (!status) status = memo(p, 0, 0, NULL);
+    }
+    PyObject *path = status ? NULL : PyList_AsTuple(keys);
+    Py_XDECREF(keys);
+    if (!path) { Py_DECREF(fqn); return -1; }
+    status = PyDict_SetItem(p->planner, fqn, path);
+    p->last_planner_key = fqn;  /* alive in the intern table */
+    Py_DECREF(fqn);
+    Py_DECREF(path);
+    return status;
+}
+
+static Py_ssize_t number_of(PyObject *ids, PyObject *names, PyObject *name) {
+    PyObject *found = PyDict_GetItemWithError(ids, name);
+    if (found) return PyLong_AsSsize_t(found);
+    if (PyErr_Occurred()) return -1;
+    Py_ssize_t id = PyList_GET_SIZE(names);
+    PyObject *number = PyLong_FromSsize_t(id);
+    if (!number || PyDict_SetItem(ids, name, number) || PyList_Append(names, name)) { Py_XDECREF(number); return -1; }
+    Py_DECREF(number);
+    return id;
+}
+
+
+/* number_of through a cache by the str's address (every string read is interned and alive) */
+static Py_ssize_t id_of(Named *cache, PyObject *ids, PyObject *names, PyObject *name) {
+    Named *slot = &cache[((uintptr_t)name >> 4) % RECENT];
+    if (slot->name == name) return slot->id;
+    Py_ssize_t id = number_of(ids, names, name);
+    if (id >= 0) {
+        slot->name = name;
+        slot->id = id;
+    }
+    return id;
+}
+
+typedef struct { unsigned seen; PyObject *fqn; int64_t offsets[MAX_DIMS]; int ndim; } IndexFields;
+
+static int index_field(P *p, void *context) {
+    static const int names[] = {F_FQN, F_OFFSET, F_INDEX, -1};
+    IndexFields *f = context;
+    int which = field_name(p, names, &f->seen);
+    if (which == 0) {
+        Py_XDECREF(f->fqn);
+        f->fqn = text(p);
+        return f->fqn ? 0 : -1;
+    }
+    if (which == 1) {
+        if (take(p, 'N')) { f->ndim = -1; return 0; }
+        return size(p, f->offsets, &f->ndim);
+    }
+    if (which == 2) {
+        int64_t ignored;
+        return take(p, 'N') ? 0 : integer(p, &ignored);
+    }
+    return -1;
+}
+
+typedef struct { unsigned seen; PyObject *file; int64_t offset, length; } InfoFields;
+
+static int info_field(P *p, void *context) {
+    static const int names[] = {F_RELATIVE_PATH, F_OFFSET, F_LENGTH, F_TRANSFORM_DESCRIPTORS, -1};
+    InfoFields *f = context;
+    int which = field_name(p, names, &f->seen);
+    if (which == 0) {
+        Py_XDECREF(f->file);
+        f->file = text(p);
+        return f->file ? 0 : -1;
+    }
+    if (which == 1) return integer(p, &f->offset);
+    if (which == 2) return integer(p, &f->length);
+    if (which == 3) {  /* None or an empty list: no transforms */
+        if (take(p, 'N')) return 0;
+        return expect(p, ']') || memo(p, 0, 0, NULL) ? -1 : 0;
+    }
+    return -1;
+}
+
+/* a storage_data entry: MetadataIndex -> _StorageInfo */
+static int stored(P *p, void *context) {
+    (void)context;
+    IndexFields key = {0};
+    InfoFields info = {0};
+    key.ndim = -1;
+    int status = new_object(p) == G_INDEX && record_state(p, index_field, &key) == 0 && key.fqn &&
+                 new_object(p) == G_INFO && record_state(p, info_field, &info) == 0 && info.file &&
+                 (info.seen & 7) == 7 ? 0 : fail(p);
+    if (!status && p->st_coords.n + (key.ndim > 0 ? key.ndim : 0) + 6 > p->budget) status = fail(p);
+    Py_ssize_t fqn_id = status ? -1 : id_of(p->fqn_cache, p->fqn_ids, p->fqns, key.fqn);
+    Py_ssize_t file_id = fqn_id < 0 ? -1 : id_of(p->file_cache, p->file_ids, p->files, info.file);
+    Py_XDECREF(key.fqn);
+    Py_XDECREF(info.file);
+    if (status || file_id < 0) return -1;
+    if (push64(&p->st_fqn, fqn_id) || push64(&p->st_ndim, key.ndim) ||
+        push64(&p->st_cstart, p->st_coords.n) || push64(&p->st_file, file_id) ||
+        push64(&p->st_off, info.offset) || push64(&p->st_len, info.length))
+        return -1;
+    for (int d = 0; d < key.ndim; d++)
+        if (push64(&p->st_coords, key.offsets[d])) return -1;
+    return 0;
+}
+
+static int module_name(P *p, void *context) {
+    (void)context;
+    PyObject *name = text(p);
+    Py_XDECREF(name);
+    return name ? 0 : -1;
+}
+
+/* StorageMeta.checkpoint_id: None, a string, or a pathlib path `cls(*parts)` */
+static int path_value(P *p) {
+    if (take(p, 'N')) return 0;
+    Snapshot s;
+    snapshot(p, &s);
+    if (global(p, NULL) != G_PATH) {  /* a string (what looked like a global's module name) */
+        if (PyErr_Occurred() || restore(p, &s)) return -1;
+        return module_name(p, NULL);
+    }
+    if (!take(p, ')')) {
+        int marked = take(p, '('), count = 0;
+        while (is_text(p) || is_get(p)) {
+            if (module_name(p, NULL)) return -1;
+            count++;
+        }
+        if (marked ? !take(p, 't') : (count < 1 || count > 3 || !take(p, 0x84 + count))) return fail(p);
+        if (memo(p, 0, 0, NULL)) return -1;
+    }
+    return expect(p, 'R') || memo(p, 0, 0, NULL) ? -1 : 0;
+}
+
+static int storage_meta_field(P *p, void *context) {
+    static const int names[] = {F_CHECKPOINT_ID, F_SAVE_ID, F_LOAD_ID, F_MODULES, -1};
+    unsigned *seen = context;
+    int which = field_name(p, names, seen);
+    if (which == 0) return path_value(p);
+    if (which == 1 || which == 2) {
+        if (take(p, 'N')) return 0;
+        PyObject *value = text(p);
+        if (!value) return -1;
+        if (which == 1) Py_XSETREF(p->save_id, value); else Py_DECREF(value);
+        return 0;
+    }
+    if (which == 3) return list_items(p, module_name, NULL);
+    return -1;
+}
+
+static int metadata_field(P *p, void *context) {
+    static const int names[] = {F_STATE_DICT_METADATA, F_PLANNER_DATA, F_STORAGE_DATA, F_STORAGE_META, F_VERSION, -1};
+    unsigned *seen = context;
+    int which = field_name(p, names, seen);
+    if (which == 0) return dict_items(p, entry, NULL);
+    if (which == 1) return take(p, 'N') ? 0 : dict_items(p, nesting, NULL);
+    if (which == 2) return dict_items(p, stored, NULL);
+    if (which == 3) {
+        if (take(p, 'N')) return 0;
+        unsigned fields = 0;
+        return new_object(p) == G_STMETA && record_state(p, storage_meta_field, &fields) == 0 ? 0 : fail(p);
+    }
+    if (which == 4) {
+        if (take(p, 'N')) return 0;
+        PyObject *version = text(p);
+        if (!version) return -1;
+        Py_XSETREF(p->version, version);
+        return 0;
+    }
+    return -1;
+}
+
+/* the bytearray of a column, cut to its length (a new reference) */
+static PyObject *column(I64 *a) {
+    if (!a->bytes) return PyByteArray_FromStringAndSize(NULL, 0);
+    if (PyByteArray_Resize(a->bytes, a->n * (Py_ssize_t)sizeof(int64_t))) return NULL;
+    Py_INCREF(a->bytes);
+    return a->bytes;
+}
+
+static PyObject *result(P *p) {
+    PyObject *storage = Py_BuildValue("(NNNNNNN)", column(&p->st_fqn), column(&p->st_ndim), column(&p->st_cstart),
+                                      column(&p->st_coords), column(&p->st_file), column(&p->st_off), column(&p->st_len));
+    if (!storage) return NULL;
+    return Py_BuildValue("(OOOOOOONN)", p->version ? p->version : Py_None, p->save_id ? p->save_id : Py_None,
+                         p->tensors, p->objects, p->planner, p->fqns, p->files, column(&p->coords), storage);
+}
+
+static int parse(P *p) {
+    if (p->n < 2 || p->p[0] != 0x80 || p->p[1] < 2 || p->p[1] > 5) return fail(p);
+    p->i = 2;
+    unsigned fields = 0;
+    if (new_object(p) != G_METADATA || record_state(p, metadata_field, &fields) || !(fields & 1)) return fail(p);
+    if (expect(p, '.') || p->i != p->n) return fail(p);
+    return 0;
+}
+
+static PyObject *scan(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_buffer view;
+    PyObject *dtypes;
+    int where = 0, mapped = 0;
+    if (!PyArg_ParseTuple(args, "y*O!|pp", &view, &PyFrozenSet_Type, &dtypes, &where, &mapped)) return NULL;
+    P p;
+    memset(&p, 0, sizeof p);
+    p.p = view.buf;
+    p.n = view.len;
+    p.budget = view.len / 2 + 64;
+    p.release_every = mapped && (uintptr_t)view.buf % (uintptr_t)sysconf(_SC_PAGESIZE) == 0 ? 32 << 20 : 0;
+    p.dtypes = dtypes;
+    PyObject *out = NULL;
+    p.strings = PyDict_New();
+    p.tensors = PyList_New(0);
+    p.objects = PyList_New(0);
+    p.planner = PyDict_New();
+    p.fqn_ids = PyDict_New();
+    p.fqns = PyList_New(0);
+    p.file_ids = PyDict_New();
+    p.files = PyList_New(0);
+    p.seen = PySet_New(NULL);
+    for (int k = 0; p.strings && k < F_COUNT; k++) {
+        p.fields[k] = PyUnicode_InternFromString(FIELD_NAMES[k]);
+        if (!p.fields[k] || PyDict_SetItem(p.strings, p.fields[k], p.fields[k])) Py_CLEAR(p.strings);
+    }
+    if (p.strings && p.tensors && p.objects && p.planner && p.fqn_ids && p.fqns && p.file_ids && p.files && p.seen) {
+        int status = parse(&p);
+        if (status == 0) out = result(&p);
+        else if (!PyErr_Occurred()) out = where ? PyLong_FromSsize_t(p.fail_at) : Py_NewRef(Py_None);
+    }
+    while (p.nkept) Py_XDECREF(p.kept[--p.nkept].obj);
+    PyMem_Free(p.kept);
+    I64 *columns[] = {&p.coords, &p.st_fqn, &p.st_ndim, &p.st_cstart, &p.st_coords, &p.st_file, &p.st_off, &p.st_len};
+    for (size_t k = 0; k < sizeof columns / sizeof columns[0]; k++) Py_XDECREF(columns[k]->bytes);
+    Py_XDECREF(p.strings); Py_XDECREF(p.tensors); Py_XDECREF(p.objects); Py_XDECREF(p.planner);
+    for (int k = 0; k < F_COUNT; k++) Py_XDECREF(p.fields[k]);
+    Py_XDECREF(p.fqn_ids); Py_XDECREF(p.fqns); Py_XDECREF(p.file_ids); Py_XDECREF(p.files); Py_XDECREF(p.seen);
+    Py_XDECREF(p.version); Py_XDECREF(p.save_id);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS,
+     "scan(data, dtypes, where=False, mapped=False) -> columns of a DCP .metadata pickle as torch writes it, or None (see the module source)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dcpscan", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__dcpscan(void) { return PyModule_Create(&module); }

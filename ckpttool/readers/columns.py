@@ -1,0 +1,166 @@
+"""A checkpoint from the columns the C reader of `.metadata` gives (`_dcpscan.c`, called by
+readers/dcp.py): each tensor's chunks as a `ChunkTable`, matched with their storage entries by
+sorting, with no Python object per chunk. The matching rules are the Python loader's, shared
+here: `latest` keeps the last storage entry of equal offsets, `match_storage` walks chunks and
+entries in offsets order and leaves entries no chunk takes as orphans.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from pathlib import Path
+from typing import Any
+
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, refuse_bad_names
+
+_first = operator.itemgetter(0)
+_new_chunk = functools.partial(tuple.__new__, Chunk)
+
+
+def checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
+    """Return the checkpoint of `scanned` (what `_dcpscan.scan` returned for `source`)."""
+    import numpy as np
+
+    version, save_id, tensor_rows, object_fqns, planner, fqns, files, coords, storage = scanned
+    coords = np.frombuffer(coords, np.int64)
+    rows = _Storage(*(np.frombuffer(column, np.int64) for column in storage), fqns=fqns, files=tuple(files))
+    by_fqn = {fqn: number for number, fqn in enumerate(fqns)}
+    tensors: dict[str, Tensor] = {}
+    objects: dict[str, Object] = {}
+    orphans: list[tuple[str, Blob]] = []
+    names = [row[0] for row in tensor_rows] + list(object_fqns)
+    entries = {row[0]: row for row in tensor_rows}
+    entries.update((fqn, None) for fqn in object_fqns)
+    for fqn in sorted(entries):
+        number = by_fqn.pop(fqn, None)
+        row = entries[fqn]
+        if row is None:
+            unkeyed, keyed = latest(rows.blobs(number))
+            objects[fqn] = Object(fqn, unkeyed)
+            orphans.extend((fqn, blob) for _, blob in keyed)
+        else:
+            tensors[fqn] = _tensor(row, coords, rows, number, orphans)
+    for fqn, number in by_fqn.items():  # storage entries of no state_dict_metadata entry
+        unkeyed, keyed = latest(rows.blobs(number))
+        if unkeyed is not None:
+            orphans.append((fqn, unkeyed))
+        orphans.extend((fqn, blob) for _, blob in keyed)
+    refuse_bad_names(source, names, {blob.file for _, blob in orphans}, tensors, objects)
+    return Checkpoint(
+        path=root, metadata_file=source.name, version=version, tensors=tensors, objects=objects,
+        nesting=planner, orphan_blobs=tuple(sorted(orphans, key=str)), save_id=save_id,
+    )
+
+
+class _Storage:
+    """The storage table's columns (one row per MetadataIndex -> _StorageInfo, in file order)
+    and each fqn's rows."""
+
+    def __init__(self, fqn, ndim, start, coords, file, offset, length, *, fqns: list, files: tuple[str, ...]):
+        import numpy as np
+
+        self.ndim, self.start, self.coords, self.file, self.offset, self.length = ndim, start, coords, file, offset, length
+        self.files = files
+        self.order = np.argsort(fqn, kind="stable")
+        self.bounds = np.searchsorted(fqn[self.order], np.arange(len(fqns) + 1)).tolist()
+
+    def rows(self, number: int | None) -> Any:
+        """The rows of fqn `number` in file order (none for None)."""
+        if number is None:
+            return self.order[:0]
+        return self.order[self.bounds[number]:self.bounds[number + 1]]
+
+    def blobs(self, number: int | None) -> list[tuple[tuple[int, ...] | None, Blob]]:
+        """(offsets or None, blob) of fqn `number`'s rows, in file order."""
+        out = []
+        for row in self.rows(number).tolist():
+            ndim, start = int(self.ndim[row]), int(self.start[row])
+            offsets = None if ndim < 0 else tuple(self.coords[start:start + ndim].tolist())
+            out.append((offsets, Blob(self.files[self.file[row]], int(self.offset[row]), int(self.length[row]), ())))
+        return out
+
+
+def _tensor(row: tuple, coords: Any, storage: _Storage, number: int | None, orphans: list) -> Tensor:
+    """The tensor of a scanned row: its chunks as a table when each has exactly one storage
+    entry and no entry is left over (views of the scanned columns when, as torch writes them,
+    chunks and entries come in offsets order), else matched one by one."""
+    import numpy as np
+
+    fqn, dtype, shape, first, count = row
+    ndim = len(shape)
+    block = coords[first:first + 2 * ndim * count].reshape(count, 2 * ndim)
+    if not _ascending(block[:, :ndim]):
+        block = block[np.lexsort(block[:, ndim - 1::-1].T)]
+    offsets, sizes = block[:, :ndim], block[:, ndim:]
+    mine = storage.rows(number)
+    if len(mine) == count and (storage.ndim[mine] == ndim).all():
+        keys = storage.coords[storage.start[mine][:, None] + np.arange(ndim)]
+        if not _ascending(keys):
+            order = np.lexsort(keys[:, ::-1].T)
+            keys, mine = keys[order], mine[order]
+        if np.array_equal(keys, offsets) and _ascending(keys, strictly=True):
+            if count and mine[-1] - mine[0] == count - 1 and _ascending(mine[:, None], strictly=True):
+                taken: Any = slice(int(mine[0]), int(mine[-1]) + 1)  # consecutive rows: views, no copies
+            else:
+                taken = mine
+            table = ChunkTable(offsets, sizes, storage.file[taken], storage.offset[taken], storage.length[taken], storage.files)
+            return Tensor(fqn, dtype, shape, table)
+    boxes = sorted(zip(map(tuple, offsets.tolist()), map(tuple, sizes.tolist())), key=_first)
+    unkeyed, keyed_blobs = latest(storage.blobs(number))
+    if unkeyed is not None:
+        orphans.append((fqn, unkeyed))
+    return Tensor(fqn, dtype, shape, match_storage(fqn, boxes, keyed_blobs, orphans))
+
+
+def _ascending(rows: Any, strictly: bool = False) -> bool:
+    """True when `rows` (n, ndim) are in lexicographic order (strictly: no two equal). Tested
+    on the first column, where chunks of a dim-0 split differ; otherwise left to a sort."""
+    import numpy as np
+
+    if len(rows) < 2:
+        return True
+    if not rows.shape[1]:
+        return not strictly
+    steps = np.diff(rows[:, 0])
+    return bool((steps > 0).all())
+
+
+def match_storage(fqn: str, boxes: list, keyed: list, orphans: list) -> tuple[Chunk, ...]:
+    """Return the chunks of `boxes` ((offsets, sizes) sorted by offsets) with the blobs of
+    `keyed` ((offsets, blob) sorted by offsets, the last of equal offsets kept) whose offsets
+    match, walking both in offsets order; blobs no chunk takes go to `orphans`."""
+    chunks = []
+    at, count, matched = 0, len(keyed), False
+    for box in boxes:
+        offsets, sizes = box[0], box[1]
+        while at < count and keyed[at][0] < offsets:
+            if not matched:
+                orphans.append((fqn, keyed[at][1]))
+            at += 1
+            matched = False
+        if at < count and keyed[at][0] == offsets:
+            chunks.append(_new_chunk((offsets, sizes, keyed[at][1])))
+            matched = True
+        else:
+            chunks.append(_new_chunk((offsets, sizes, None)))
+    orphans.extend((fqn, blob) for _, blob in keyed[at + matched:])
+    return tuple(chunks)
+
+
+def latest(blobs: Any) -> tuple[Blob | None, list[tuple[tuple[int, ...], Blob]]]:
+    """Return a tensor's or object's storage entries as a dict keyed by offsets would keep
+    them (the last written of equal keys): the entry without offsets, and the others sorted
+    by offsets."""
+    unkeyed, keyed = None, []
+    for offset, blob in blobs:
+        if offset is None:
+            unkeyed = blob
+        else:
+            keyed.append((offset, blob))
+    if len(keyed) > 1:
+        keyed.sort(key=_first)  # stable: equal offsets stay in storage order
+        last = [item for item, after in zip(keyed, keyed[1:]) if item[0] != after[0]]
+        last.append(keyed[-1])
+        keyed = last
+    return unkeyed, keyed

@@ -1,0 +1,72 @@
+"""A DCP checkpoint saved by `world` real gloo processes with torch's own `dcp.save`: seeded
+fp32 tensors split along dim 0 over the ranks as FSDP2 shards them (DTensor, Shard(0)), plus a
+replicated bias, so each rank file holds one torch.save record per tensor.
+
+    python tests/dcp_world.py DIR [--world 8] [--tensors 12] [--rows 256] [--columns 256]
+
+`write(DIR, ...)` runs that in a subprocess (torch is imported there, once; the ranks are forked
+from it), for session fixtures and benchmarks. Sizes: tensors x rows x columns x 4 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SEED = 21
+
+
+def write(path: Path, world: int = 8, tensors: int = 12, rows: int = 256, columns: int = 256) -> Path:
+    """Write the checkpoint at `path` (which must not exist) and return `path`."""
+    subprocess.run([sys.executable, __file__, str(path), "--world", str(world), "--tensors", str(tensors),
+                    "--rows", str(rows), "--columns", str(columns)], check=True, timeout=600)
+    return path
+
+
+def _rank(rank: int, world: int, path: str, port: int, tensors: int, rows: int, columns: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(SEED)
+    model = {}
+    for index in range(tensors):
+        full = torch.randn(rows, columns, generator=generator)
+        local = full.chunk(world)[rank] if rank < len(full.chunk(world)) else full[:0]
+        model[f"layers.{index}.weight"] = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False,
+                                                             shape=full.shape, stride=full.stride())
+    model["head.bias"] = DTensor.from_local(torch.arange(columns, dtype=torch.float32), mesh, [Replicate()],
+                                            run_check=False)
+    dcp.save({"model": model}, checkpoint_id=path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path")
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--tensors", type=int, default=12)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--columns", type=int, default=256)
+    args = parser.parse_args()
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.start_processes(_rank, args=(args.world, args.path, port, args.tensors, args.rows, args.columns),
+                       nprocs=args.world, start_method="fork")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The C reader of `.metadata` (readers/_dcpscan.c) reads exactly what the checking Python
+loader reads, into chunk tables instead of a Chunk per chunk, or declines and leaves the file
+to the loader: on every fixture torch (and each framework) wrote, on our own writer's
+protocol-2 pickles, and on seeded mutants of them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ckpttool.checkpoint import Checkpoint, ChunkTable
+from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, metadata_bytes
+from ckpttool.errors import CheckpointError
+from ckpttool.formats.dcp import METADATA_FILENAME
+from ckpttool.readers import dcp
+from ckpttool.safepickle.unpickler import unpickle_metadata
+
+from conftest import FIXTURES
+
+ALL_METADATA = sorted(FIXTURES.glob("**/" + METADATA_FILENAME))
+# Megatron keeps its SavePlans on the Metadata (all_local_plans): only the Python loader reads it
+DECLINED = {"frameworks/megatron/checkpoints/iter_0000002"}
+
+
+def _columns(path: Path, raw: bytes) -> Checkpoint | None:
+    scanned = dcp.scan_columns(raw)
+    return None if scanned is None else dcp.columns.checkpoint(path.parent, path, scanned)
+
+
+def _loader(path: Path, raw: bytes) -> Checkpoint:
+    return dcp._convert(path.parent, path, unpickle_metadata(raw, str(path)))
+
+
+def _plain(checkpoint: Checkpoint) -> tuple:
+    """Everything a checkpoint says, with chunk tables as tuples of Chunk."""
+    tensors = [(t.fqn, t.dtype, t.shape, tuple(t.chunks)) for t in checkpoint.tensors.values()]
+    return (checkpoint.version, checkpoint.save_id, tensors, checkpoint.objects, checkpoint.nesting,
+            checkpoint.orphan_blobs, checkpoint.notes, checkpoint.metadata_file)
+
+
+def _outcome(read, path: Path, raw: bytes) -> tuple:
+    try:
+        return ("read", _plain(read(path, raw)))
+    except CheckpointError as error:
+        return ("refused", type(error).__name__)
+
+
+@pytest.mark.parametrize("path", ALL_METADATA, ids=lambda p: str(p.parent.relative_to(FIXTURES)))
+def test_the_c_reader_reads_every_fixture_as_the_loader_does(path):
+    raw = path.read_bytes()
+    columns = _columns(path, raw)
+    if str(path.parent.relative_to(FIXTURES)) in DECLINED:
+        assert columns is None
+        return
+    assert columns is not None
+    assert _plain(columns) == _plain(_loader(path, raw))
+    assert all(isinstance(t.chunks, ChunkTable) for t in columns.tensors.values())
+
+
+def test_the_c_reader_reads_our_writers_protocol_2_pickles():
+    source = dcp.read_checkpoint(FIXTURES / "fsdp2_world2_adamw")
+    tensors = [
+        StoredTensor(t.fqn, t.dtype, t.shape, tuple(StoredChunk(c.offsets, c.sizes, c.blob.file, c.blob.offset, c.blob.length)
+                                                    for c in t.chunks))
+        for t in source.tensors.values()
+    ]
+    objects = [StoredObject(o.fqn, o.blob.file, o.blob.offset, o.blob.length) for o in source.objects.values()]
+    raw = metadata_bytes(tensors, objects, source.nesting, "/tmp/x", "save-1")
+    path = FIXTURES / "fsdp2_world2_adamw" / METADATA_FILENAME
+    columns = _columns(path, raw)
+    assert columns is not None
+    assert _plain(columns) == _plain(_loader(path, raw))
+    assert [(t.fqn, tuple(t.chunks)) for t in columns.tensors.values()] == [(t.fqn, tuple(t.chunks)) for t in source.tensors.values()]
+
+
+def _mutant(data: bytes, rng: random.Random) -> bytes:
+    """One to three changes: a one-byte int's value (offsets, sizes, lengths; what the reader
+    reads rather than declines), byte flips, a truncation, a deleted or repeated range."""
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.randrange(7)
+        at = rng.randrange(len(data))
+        if kind >= 5:
+            ints = [i for i in range(len(data) - 1) if data[i] == ord("K")]
+            if ints:
+                data[rng.choice(ints) + 1] = rng.choice((0, 1, 2, 3, 4, 7, 8, 64, 255))
+        elif kind == 0:
+            data[at] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            data[at] = rng.randrange(256)
+        elif kind == 2:
+            del data[at:]
+        elif kind == 3:
+            del data[at:at + rng.randint(1, 40)]
+        else:
+            data[at:at] = data[at:at + rng.randint(1, 40)]
+        if not data:
+            data = bytearray(b"\x80")
+    return bytes(data)
+
+
+def test_mutants_are_read_the_same_or_left_to_the_loader():
+    rng = random.Random(0)
+    sources = [FIXTURES / name / METADATA_FILENAME for name in ("fsdp2_world2", "fsdp2_world3_uneven", "llama_world2/checkpoint")]
+    read = declined = 0
+    for _ in range(600):
+        path = rng.choice(sources)
+        raw = _mutant(path.read_bytes(), rng)
+        try:
+            columns = _columns(path, raw)
+        except CheckpointError as error:  # both refuse what they read alike (a bad name, say)
+            assert _outcome(_loader, path, raw) == ("refused", type(error).__name__)
+            continue
+        if columns is None:
+            declined += 1
+            continue
+        read += 1
+        assert ("read", _plain(columns)) == _outcome(_loader, path, raw), f"mutant {_} of {path}"
+    assert read > 100 and declined > 200  # both kinds are exercised
+
+
+def test_a_large_metadata_is_mapped_and_read_alike(monkeypatch):
+    path = FIXTURES / "fsdp2_world2_adamw"
+    monkeypatch.setattr(dcp, "MAP_METADATA_BYTES", 0)
+    mapped = dcp._scan_mapped(path / METADATA_FILENAME)
+    assert mapped is not None
+    assert _plain(dcp.columns.checkpoint(path, path / METADATA_FILENAME, mapped)) == _plain(dcp.read_checkpoint(path))
+
+
+def test_without_the_c_reader_the_loader_reads_every_checkpoint(monkeypatch):
+    monkeypatch.setattr(dcp, "scan_columns", lambda raw, mapped=False: None)
+    for path in ALL_METADATA:
+        checkpoint = dcp.read_checkpoint(path.parent)
+        assert not any(isinstance(t.chunks, ChunkTable) for t in checkpoint.tensors.values())
+
+
+def test_records_a_writer_shares_between_entries_are_read_alike(tmp_path):
+    """One TensorProperties for every tensor of a dtype and one BytesStorageMetadata for every
+    object, as a writer that reuses them pickles it (memo fetches instead of new records)."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    properties, opaque = TensorProperties(dtype=torch.bfloat16), BytesStorageMetadata()
+    state, stored, end = {}, {}, 0
+    for name in ("a", "b", "c"):
+        chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([2, 3])) for row in (0, 2)]
+        state[f"model.{name}"] = TensorStorageMetadata(properties, torch.Size([4, 3]), chunks)
+        for chunk in chunks:
+            stored[MetadataIndex(f"model.{name}", chunk.offsets)] = _StorageInfo("__0_0.distcp", end, 12)
+            end += 12
+        state[f"optim.{name}.lr"] = opaque
+        stored[MetadataIndex(f"optim.{name}.lr")] = _StorageInfo("__0_0.distcp", end, 7)
+        end += 7
+    raw = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=stored))
+    path = tmp_path / METADATA_FILENAME
+    columns = _columns(path, raw)
+    assert columns is not None and len(columns.objects) == 3
+    assert _plain(columns) == _plain(_loader(path, raw))
