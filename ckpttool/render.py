@@ -89,9 +89,10 @@ def emit_json(document: dict[str, Any], out: TextIO | None = None) -> None:
     text = json.dumps(document)
     if rows:
         parts = re.split(re.escape(json.dumps(marker)[:-1]) + r'(\d+)"', text)
+        file_texts: dict[tuple[str, ...], list[str]] = {}  # tables mostly share their files
         for at in range(0, len(parts) - 1, 2):
             out.write(parts[at])
-            out.write(rows[int(parts[at + 1])].json_text())
+            out.write(rows[int(parts[at + 1])].json_text(file_texts))
         text = parts[-1]
     out.write(text)
     out.write("\n")
@@ -131,9 +132,10 @@ class ChunkRows(list):
     def __repr__(self) -> str:
         return f"ChunkRows({self.chunks!r})"
 
-    def json_text(self) -> str:
+    def json_text(self, file_texts: dict[tuple[str, ...], list[str]] | None = None) -> str:
         """Return `json.dumps(list(self))`, formatted from the columns: one % per chunk, with
-        the values a column holds in every row (FSDP: sizes, lengths) written into the format."""
+        the values a column holds in every row (FSDP: sizes, lengths) written into the format.
+        `file_texts` keeps the JSON of each table's file names for the next table."""
         table = self.chunks.table
         if not len(table):
             return "[]"
@@ -146,7 +148,9 @@ class ChunkRows(list):
             columns.append(column.tolist() if text is None else text)
             return "%s"
 
-        files = [json.dumps(name) for name in table.files] + ["null"]
+        file_texts = {} if file_texts is None else file_texts
+        if (files := file_texts.get(table.files)) is None:
+            files = file_texts[table.files] = [json.dumps(name) for name in table.files] + ["null"]
         file_text = [files[i] for i in table.file.tolist()] if len(table.files) > 1 or not stored else files[:1]
         nulls = [] if stored else (table.file < 0).tolist()
         # fields in the order of the row: `columns` fills in that order
@@ -254,9 +258,10 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
         if rows:
             lines += ["  " + line for line in table(rows, ("TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SHARDING", "BYTES"), {3, 5})]
         if chunks:
+            names: dict[tuple[str, ...], list[str]] = {}  # tables mostly share their files
             for t in members:
                 lines.append(f"  {shown(t.fqn)}:")
-                lines += ["      " + line for line in _chunk_table(t)]
+                lines += ["      " + line for line in _chunk_table(t, names)]
         if objects:
             lines.append("  other: " + ", ".join(shown(o.fqn) for o in objects[:8]) + (" ..." if len(objects) > 8 else ""))
     if by_file:
@@ -270,15 +275,17 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
     return "\n".join(lines)
 
 
-def _chunk_table(tensor: TensorInfo) -> list[str]:
+def _chunk_table(tensor: TensorInfo, names: dict[tuple[str, ...], list[str]]) -> list[str]:
     """Return the `--chunks` table of one tensor: `table` of its chunks, from the columns of a
-    ChunkTable (cells made once per column, not per chunk object)."""
+    ChunkTable (cells made once per column, not per chunk object; `names` keeps each table's
+    file names as shown, for the next table)."""
     headers = ("OFFSETS", "SIZES", "FILE", "AT", "LENGTH")
     if not isinstance(tensor.chunks, ChunkInfos):
         rows = [(list(c.offsets), list(c.sizes), c.file, c.offset, c.length) for c in tensor.chunks]
         return table(rows, headers, {3, 4})
     chunks = tensor.chunks.table
-    files = [shown(name) for name in chunks.files] + ["None"]
+    if (files := names.get(chunks.files)) is None:
+        files = names[chunks.files] = [shown(name) for name in chunks.files] + ["None"]
     stored = (chunks.file >= 0).tolist()
     columns = [list(map(str, chunks.offsets.tolist())), list(map(str, chunks.sizes.tolist())),
                [files[i] for i in chunks.file.tolist()],

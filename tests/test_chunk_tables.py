@@ -1,10 +1,11 @@
-"""A checkpoint whose chunks are ChunkTables (what a large `.metadata` is read into) gives
-exactly what the same checkpoint with tuples of Chunk gives: the integrity gate's problems,
-inspect's report, its text and its `--json` bytes, and validate's document.
+"""A checkpoint whose chunks are ChunkTables (what the C `.metadata` reader gives) yields
+exactly what the same checkpoint with tuples of Chunk (every other reader) yields: the
+integrity gate's problems, inspect's report, its text and its `--json` bytes, and validate's
+document.
 
 Every fixture ckpttool reads, and damaged copies of a real checkpoint made in tmp_path, are
-compared read as usual and through `with_tables`; synthetic checkpoints built in memory add
-hostile numbers (negative sizes, 10**18-element chunks, coinciding blobs) and block sharding,
+compared as tuples (`with_tuples`) and as tables (`with_tables`, and tables sharing one files
+tuple as the C reader's do); synthetic checkpoints built in memory add hostile numbers (negative sizes, 10**18-element chunks, coinciding blobs) and block sharding,
 where the columns must fall back to comparing boxes. Then the fast geometry proof
 (`geometry.dim0_tiling`) against `find_overlaps` and `coverage` on random tilings.
 """
@@ -66,14 +67,45 @@ def outputs(checkpoint: Checkpoint, layout: str = "dcp") -> dict:
     }
 
 
+def with_tuples(checkpoint: Checkpoint) -> Checkpoint:
+    """`checkpoint` with every tensor's chunks as a tuple of Chunk (what readers other than the
+    C `.metadata` reader give): the baseline the tables are compared with."""
+    import dataclasses
+
+    tensors = {fqn: Tensor(t.fqn, t.dtype, t.shape, tuple(t.chunks)) if isinstance(t.chunks, ChunkTable) else t
+               for fqn, t in checkpoint.tensors.items()}
+    return dataclasses.replace(checkpoint, tensors=tensors)
+
+
+def with_shared_files(checkpoint: Checkpoint) -> Checkpoint:
+    """`with_tables`, every table naming one files tuple: all data files, most unused by it
+    (a parser may keep the storage table's file list once)."""
+    import dataclasses
+
+    import numpy as np
+
+    tabled = with_tables(checkpoint)
+    names = tuple(sorted({n for t in tabled.tensors.values() if isinstance(t.chunks, ChunkTable) for n in t.chunks.files}))
+    tensors = {}
+    for fqn, tensor in tabled.tensors.items():
+        table = tensor.chunks
+        if isinstance(table, ChunkTable):
+            numbers = np.array([names.index(n) for n in table.files] + [-1], dtype=np.int32)
+            table = ChunkTable(table.offsets, table.sizes, numbers[table.file], table.blob_offset, table.blob_length, names)
+        tensors[fqn] = Tensor(tensor.fqn, tensor.dtype, tensor.shape, table)
+    return dataclasses.replace(tabled, tensors=tensors)
+
+
 def assert_same_with_tables(checkpoint: Checkpoint, layout: str = "dcp", tables: int | None = None) -> dict:
     tabled = with_tables(checkpoint)
     count = sum(isinstance(t.chunks, ChunkTable) for t in tabled.tensors.values())
     if tables is not None:
         assert count >= tables
-    expected, actual = outputs(checkpoint, layout), outputs(tabled, layout)
-    for key in expected:
-        assert actual[key] == expected[key], key
+    expected = outputs(with_tuples(checkpoint), layout)
+    for variant in (tabled, with_shared_files(checkpoint)):
+        actual = outputs(variant, layout)
+        for key in expected:
+            assert actual[key] == expected[key], key
     return expected
 
 
@@ -171,10 +203,16 @@ def test_the_cli_prints_the_same_bytes_when_the_reader_gives_tables(tmp_path, cl
     def run_all() -> list[str]:
         return [seconds.sub("", cli(*command, path).output) for command in commands]
 
-    expected = run_all()
     read, open_checkpoint = readers.read, readers.open_checkpoint
-    monkeypatch.setattr(readers, "read", lambda *a, **k: (lambda d, c: (d, with_tables(c)))(*read(*a, **k)))
-    monkeypatch.setattr(readers, "open_checkpoint", lambda *a, **k: with_tables(open_checkpoint(*a, **k)))
+
+    def reading(form) -> None:
+        monkeypatch.setattr(readers, "read", lambda *a, **k: (lambda d, c: (d, form(c)))(*read(*a, **k)))
+        monkeypatch.setattr(readers, "open_checkpoint", lambda *a, **k: form(open_checkpoint(*a, **k)))
+
+    reading(with_tuples)
+    assert isinstance(next(iter(readers.open_checkpoint(path).tensors.values())).chunks, tuple)
+    expected = run_all()
+    reading(with_tables)
     assert isinstance(next(iter(readers.open_checkpoint(path).tensors.values())).chunks, ChunkTable)
     assert run_all() == expected
 
