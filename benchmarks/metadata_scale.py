@@ -10,8 +10,8 @@ bytes are written). Then times, in this session, each as a fresh subprocess:
 
 - baseline: `python -c "import torch.distributed.checkpoint"` + torch's own
   FileSystemReader.read_metadata() (what any torch-based tool pays before doing anything)
-- ckpttool inspect --json
-- ckpttool validate
+- ckpttool inspect, ckpttool inspect --json
+- ckpttool validate, ckpttool validate --json
 and prints a table with ratios to the baseline.
 
 `--stages` measures, in this process, only what comes after reading: the same checkpoint's
@@ -208,6 +208,7 @@ def main() -> None:
         )
         rows = [
             ("torch: import + read_metadata (baseline)", [python, "-c", baseline_code, str(path)]),
+            ("ckpttool inspect", [python, "-m", "ckpttool", "inspect", str(path)]),
             ("ckpttool inspect --json", [python, "-m", "ckpttool", "inspect", "--json", str(path)]),
             ("ckpttool validate", [python, "-m", "ckpttool", "validate", str(path)]),
             ("ckpttool validate --json", [python, "-m", "ckpttool", "validate", "--json", str(path)]),
