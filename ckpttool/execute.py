@@ -33,6 +33,12 @@ from ckpttool.torchsave.ptfile import crc32_combine
 from ckpttool.torchsave.record import record_layout
 
 VERIFY_BLOCK = 16 << 20  # bytes compared per step of --verify
+# operations writing less than SMALL_OPERATION run as one pool task per batch of neighbours
+# (up to BATCH_BYTES or BATCH_OPERATIONS): a task per 256-byte record costs more in thread
+# hand-offs than the record's IO
+SMALL_OPERATION = 1 << 20
+BATCH_BYTES = 4 << 20
+BATCH_OPERATIONS = 256
 
 T = TypeVar("T")
 Located = dict[str, dict[int, RawData | None]]  # fqn -> chunk index -> raw bytes (None: decode)
@@ -128,9 +134,51 @@ def reserve(fd: Output, size: int) -> None:
 def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
         max_memory: int, on_done: Callable[[int], None] | None = None) -> None:
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
-    at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each."""
-    tasks = (Task(_runner(op, files, outputs), op.memory) for op in operations)
+    at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
+    (one operation, or a batch of small ones: `batches`)."""
+    tasks = (_batch_task([_runner(op, files, outputs) for op in batch], max(op.memory for op in batch))
+             for batch in batches(operations))
     run_tasks(tasks, threads, max_memory, on_done)
+
+
+def batches(operations: Iterable[Operation]) -> Iterator[list[Operation]]:
+    """Yield the operations in order, in lists: one large operation alone, or neighbouring
+    small ones (each under SMALL_OPERATION bytes) together, up to BATCH_BYTES or
+    BATCH_OPERATIONS a list.
+
+    Example:
+        >>> [len(batch) for batch in batches([small] * 300 + [large] + [small])]
+        [256, 44, 1, 1]
+    """
+    batch: list[Operation] = []
+    size = 0
+    for op in operations:
+        length = op.output_length
+        if length >= SMALL_OPERATION:
+            if batch:
+                yield batch
+                batch, size = [], 0
+            yield [op]
+            continue
+        batch.append(op)
+        size += length
+        if size >= BATCH_BYTES or len(batch) >= BATCH_OPERATIONS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _batch_task(runners: list[Callable[[], int]], memory: int) -> Task:
+    """Return one task running `runners` in turn on one thread, so it holds `memory`, the
+    largest operation's buffers, at a time."""
+    if len(runners) == 1:
+        return Task(runners[0], memory)
+
+    def run_all() -> int:
+        return sum(runner() for runner in runners)
+
+    return Task(run_all, memory)
 
 
 def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Callable[[], int]:
@@ -283,7 +331,8 @@ def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[s
 
         return run_check
 
-    tasks = (Task(check(op), 2 * op.memory or 2 * STREAM_BLOCK) for op in operations)
+    tasks = (_batch_task([check(op) for op in batch], max(2 * op.memory or 2 * STREAM_BLOCK for op in batch))
+             for batch in batches(operations))
     run_tasks(tasks, threads, max_memory, on_done)
 
 
