@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Tensor
+from ckpttool.checkpoint import Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
 from ckpttool.errors import CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
@@ -54,7 +54,11 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
     several bad chunks the error raised is the first in (tensor, chunk) order, as if each
     chunk were located alone in that order.
     """
-    tensors = list(tensors)
+    with paused_gc():  # a few small acyclic objects per chunk (see paused_gc)
+        return _locate_chunks(files, list(tensors), threads)
+
+
+def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Located:
     jobs = [(tensor, index) for tensor in tensors for index in unique_chunks(tensor)]
     by_file: dict[str, list[int]] = {}
     for number, (tensor, index) in enumerate(jobs):
@@ -136,9 +140,7 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
     at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
     (one operation, or a batch of small ones: `batches`)."""
-    tasks = (_batch_task([_runner(op, files, outputs) for op in batch], max(op.memory for op in batch))
-             for batch in batches(operations))
-    run_tasks(tasks, threads, max_memory, on_done)
+    run_tasks((_batch_task(batch, files, outputs) for batch in batches(operations)), threads, max_memory, on_done)
 
 
 def batches(operations: Iterable[Operation]) -> Iterator[list[Operation]]:
@@ -169,19 +171,53 @@ def batches(operations: Iterable[Operation]) -> Iterator[list[Operation]]:
         yield batch
 
 
-def _batch_task(runners: list[Callable[[], int]], memory: int) -> Task:
-    """Return one task running `runners` in turn on one thread, so it holds `memory`, the
-    largest operation's buffers, at a time."""
-    if len(runners) == 1:
-        return Task(runners[0], memory)
+def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, int]) -> Task:
+    """Return one task running the operations of `batch` in turn on one thread (so it holds
+    the largest one's buffers at a time, and at most SMALL_OPERATION gathered writes)."""
+    memory = max(op.memory for op in batch)
+    if len(batch) == 1:
+        return Task(_runner(batch[0], files, outputs, None), memory)
+    gathered = _GatheredWrites(SMALL_OPERATION)
+    runners = [_runner(op, files, outputs, gathered) for op in batch]
 
     def run_all() -> int:
-        return sum(runner() for runner in runners)
+        written = sum(runner() for runner in runners)
+        gathered.flush()
+        return written
 
-    return Task(run_all, memory)
+    return Task(run_all, memory + SMALL_OPERATION)
 
 
-def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Callable[[], int]:
+class _GatheredWrites:
+    """One task's small writes, gathered into one pwrite per contiguous run of one output:
+    the records of a batch lie end to end (head, data, tail, next head...)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.fd: int | None = None
+        self.start = 0
+        self.data = bytearray()
+
+    def write_at(self, fd: int, block: bytes | memoryview, offset: int) -> None:
+        if fd == self.fd and offset == self.start + len(self.data) and len(self.data) + len(block) <= self.limit:
+            self.data += block
+            return
+        self.flush()
+        if len(block) >= self.limit:
+            write_at(fd, block, offset)
+            return
+        self.fd, self.start = fd, offset
+        self.data += block
+
+    def flush(self) -> None:
+        if self.data:
+            write_at(self.fd, self.data, self.start)
+            del self.data[:]
+        self.fd = None
+
+
+def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int],
+            gathered: _GatheredWrites | None) -> Callable[[], int]:
     fd = outputs[op.dst]
     if isinstance(op, Copy) and files.local and isinstance(fd, int):  # else it streams through `write` below
         def copy() -> int:
@@ -193,10 +229,11 @@ def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Call
         return copy
 
     size = STREAM_BLOCK if files.local and isinstance(fd, int) else storage.PIECE  # remote: small pieces
+    put = gathered.write_at if gathered is not None and isinstance(fd, int) else write_at
 
     def write() -> int:
         for offset, block in _blocks(op, files, size):
-            write_at(fd, block, offset)
+            put(fd, block, offset)
         return op.output_length
 
     return write
@@ -331,9 +368,14 @@ def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[s
 
         return run_check
 
-    tasks = (_batch_task([check(op) for op in batch], max(2 * op.memory or 2 * STREAM_BLOCK for op in batch))
+    tasks = (_checks([check(op) for op in batch], max(2 * op.memory or 2 * STREAM_BLOCK for op in batch))
              for batch in batches(operations))
     run_tasks(tasks, threads, max_memory, on_done)
+
+
+def _checks(checks: list[Callable[[], int]], memory: int) -> Task:
+    """Return one task running `checks` in turn."""
+    return Task(lambda: sum(check() for check in checks), memory)
 
 
 def _compare(fd: int, offset: int, expected: bytes | memoryview, op: Operation,

@@ -39,7 +39,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from ckpttool.checkpoint import Blob, Checkpoint, Tensor
+from ckpttool.checkpoint import Blob, Checkpoint, Tensor, paused_gc
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
@@ -310,6 +310,11 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] =
     Raises UnsupportedFormat for dtypes of unknown size and CorruptMetadata when a tensor's
     chunks do not cover it.
     """
+    with paused_gc():  # a few small acyclic objects per chunk (see paused_gc)
+        return _plan_reshard(checkpoint, mesh, keep_whole, view)
+
+
+def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str], view: ModelView | None) -> ReshardPlan:
     optimized = sharded_by_optimizer(checkpoint, view or find_model(checkpoint))
     rule = sharding_rule(checkpoint, optimized)
     order = _state_dict_order(checkpoint)
@@ -391,6 +396,11 @@ class ReshardWrites:
 def plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str, Mapping[int, RawData | None]]) -> ReshardWrites:
     """Return where every byte of `plan` goes (pure: reads nothing); `located` says where each
     source chunk's raw bytes are (None: its blob is decoded)."""
+    with paused_gc():  # a few small acyclic objects per chunk (see paused_gc)
+        return _plan_writes(plan, checkpoint, located)
+
+
+def _plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str, Mapping[int, RawData | None]]) -> ReshardWrites:
     files, operations, objects = [], [], []
     stored: dict[tuple[str, tuple[int, ...]], StoredChunk] = {}
     for rank_file in plan.files:
