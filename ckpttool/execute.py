@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -30,7 +31,7 @@ from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, writ
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record
 from ckpttool.torchsave.ptfile import crc32_combine
-from ckpttool.torchsave.record import record_layout
+from ckpttool.torchsave.record import RecordLayout, record_layout
 
 VERIFY_BLOCK = 16 << 20  # bytes compared per step of --verify
 # operations writing less than SMALL_OPERATION run as one pool task per batch of neighbours
@@ -140,7 +141,12 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
     at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
     (one operation, or a batch of small ones: `batches`)."""
-    run_tasks((_batch_task(batch, files, outputs) for batch in batches(operations)), threads, max_memory, on_done)
+    # a batch of small operations is interpreter work between short syscalls: several of
+    # them at once only contend for the GIL (twice the CPU for the same work), so they take
+    # turns; large operations (in-kernel copies, long reads) still run `threads` at once
+    turns = threading.Lock()
+    tasks = (_batch_task(batch, files, outputs, turns) for batch in batches(operations))
+    run_tasks(tasks, threads, max_memory, on_done)
 
 
 def batches(operations: Iterable[Operation]) -> Iterator[list[Operation]]:
@@ -171,18 +177,18 @@ def batches(operations: Iterable[Operation]) -> Iterator[list[Operation]]:
         yield batch
 
 
-def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, int]) -> Task:
+def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, int], turns: threading.Lock) -> Task:
     """Return one task running the operations of `batch` in turn on one thread (so it holds
-    the largest one's buffers at a time, and at most SMALL_OPERATION gathered writes)."""
+    the largest one's buffers at a time, and at most SMALL_OPERATION gathered writes); a
+    batch of several holds `turns` while it runs."""
     memory = max(op.memory for op in batch)
     if len(batch) == 1:
         return Task(_runner(batch[0], files, outputs, None), memory)
-    gathered = _GatheredWrites(SMALL_OPERATION)
-    runners = [_runner(op, files, outputs, gathered) for op in batch]
-
     def run_all() -> int:
-        written = sum(runner() for runner in runners)
-        gathered.flush()
+        with turns:
+            gathered = _GatheredWrites(SMALL_OPERATION)
+            written = sum(_runner(op, files, outputs, gathered)() for op in batch)
+            gathered.flush()
         return written
 
     return Task(run_all, memory + SMALL_OPERATION)
@@ -246,6 +252,10 @@ def _blocks(op: Operation, files: DataFiles, block: int = STREAM_BLOCK) -> Itera
         yield from output_blocks(op, files, {}, block)
         return
     layout = record_layout(op.dtype, op.shape)
+    whole = _small_record(op, layout, files)
+    if whole is not None:
+        yield op.offset, whole
+        return
     yield op.offset, layout.head
     pieces = sorted(
         ((offset, part, index) for part in op.parts for index, offset in enumerate(_piece_offsets(part))),
@@ -260,6 +270,25 @@ def _blocks(op: Operation, files: DataFiles, block: int = STREAM_BLOCK) -> Itera
             crc = zlib.crc32(data, crc)
             yield offset, data
     yield op.offset + layout.data_offset + layout.data_length, layout.tail(crc)
+
+
+def _small_record(op: Record, layout: RecordLayout, files: DataFiles) -> bytes | None:
+    """Return the whole record (head, data, tail) when it is small and its parts are copies
+    from local files laid end to end in output order: one read per part and one CRC-32,
+    without streaming it block by block. None for any other record."""
+    if layout.length > SMALL_OPERATION or not files.local:
+        return None
+    at = op.offset + layout.data_offset
+    data = []
+    for part in op.parts:
+        if type(part) is not Copy or part.dst_offset != at:
+            return None
+        data.append(files.read(part.src, part.src_offset, part.length))
+        at += part.length
+    joined = b"".join(data)
+    if len(joined) != layout.data_length:
+        return None
+    return b"".join((layout.head, joined, layout.tail(zlib.crc32(joined))))
 
 
 def _piece_offsets(part: Copy | Gather) -> list[int]:
