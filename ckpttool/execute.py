@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -23,16 +24,22 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Tensor
+from ckpttool.checkpoint import Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
 from ckpttool.errors import CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record
 from ckpttool.torchsave.ptfile import crc32_combine
-from ckpttool.torchsave.record import record_layout
+from ckpttool.torchsave.record import RecordLayout, record_layout
 
 VERIFY_BLOCK = 16 << 20  # bytes compared per step of --verify
+# operations writing less than SMALL_OPERATION run as one pool task per batch of neighbours
+# (up to BATCH_BYTES or BATCH_OPERATIONS): a task per 256-byte record costs more in thread
+# hand-offs than the record's IO
+SMALL_OPERATION = 1 << 20
+BATCH_BYTES = 4 << 20
+BATCH_OPERATIONS = 256
 
 T = TypeVar("T")
 Located = dict[str, dict[int, RawData | None]]  # fqn -> chunk index -> raw bytes (None: decode)
@@ -48,7 +55,11 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
     several bad chunks the error raised is the first in (tensor, chunk) order, as if each
     chunk were located alone in that order.
     """
-    tensors = list(tensors)
+    with paused_gc():  # a few small acyclic objects per chunk (see paused_gc)
+        return _locate_chunks(files, list(tensors), threads)
+
+
+def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Located:
     jobs = [(tensor, index) for tensor in tensors for index in unique_chunks(tensor)]
     by_file: dict[str, list[int]] = {}
     for number, (tensor, index) in enumerate(jobs):
@@ -129,12 +140,17 @@ def reserve(fd: Output, size: int) -> None:
 def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
         max_memory: int, on_done: Callable[[int], None] | None = None) -> None:
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
-    at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each. From
-    coalesced remote files the source ranges of all operations are fetched ahead, in order."""
+    at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
+    (one operation, or a batch of small ones: `batches`). From coalesced remote files the
+    source ranges of all operations are fetched ahead, in order."""
     if files.coalesced:
         operations = list(operations)
         files.expect([span for op in operations for span in source_ranges(op)])
-    tasks = (Task(_runner(op, files, outputs), op.memory) for op in operations)
+    # a batch of small operations is interpreter work between short syscalls: several of
+    # them at once only contend for the GIL (twice the CPU for the same work), so they take
+    # turns; large operations (in-kernel copies, long reads) still run `threads` at once
+    turns = threading.Lock()
+    tasks = (_batch_task(batch, files, outputs, turns) for batch in batches(operations))
     run_tasks(tasks, threads, max_memory, on_done)
 
 
@@ -148,7 +164,81 @@ def source_ranges(op: Operation) -> list[tuple[str, int, int]]:
     return [(source.file, source.offset, source.offset + source.length)] if source is not None else []
 
 
-def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Callable[[], int]:
+def batches(operations: Iterable[Operation]) -> Iterator[list[Operation]]:
+    """Yield the operations in order, in lists: one large operation alone, or neighbouring
+    small ones (each under SMALL_OPERATION bytes) together, up to BATCH_BYTES or
+    BATCH_OPERATIONS a list.
+
+    Example:
+        >>> [len(batch) for batch in batches([small] * 300 + [large] + [small])]
+        [256, 44, 1, 1]
+    """
+    batch: list[Operation] = []
+    size = 0
+    for op in operations:
+        length = op.output_length
+        if length >= SMALL_OPERATION:
+            if batch:
+                yield batch
+                batch, size = [], 0
+            yield [op]
+            continue
+        batch.append(op)
+        size += length
+        if size >= BATCH_BYTES or len(batch) >= BATCH_OPERATIONS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, int], turns: threading.Lock) -> Task:
+    """Return one task running the operations of `batch` in turn on one thread (so it holds
+    the largest one's buffers at a time, and at most SMALL_OPERATION gathered writes); a
+    batch of several holds `turns` while it runs."""
+    memory = max(op.memory for op in batch)
+    if len(batch) == 1:
+        return Task(_runner(batch[0], files, outputs, None), memory)
+    def run_all() -> int:
+        with turns:
+            gathered = _GatheredWrites(SMALL_OPERATION)
+            written = sum(_runner(op, files, outputs, gathered)() for op in batch)
+            gathered.flush()
+        return written
+
+    return Task(run_all, memory + SMALL_OPERATION)
+
+
+class _GatheredWrites:
+    """One task's small writes, gathered into one pwrite per contiguous run of one output:
+    the records of a batch lie end to end (head, data, tail, next head...)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.fd: int | None = None
+        self.start = 0
+        self.data = bytearray()
+
+    def write_at(self, fd: int, block: bytes | memoryview, offset: int) -> None:
+        if fd == self.fd and offset == self.start + len(self.data) and len(self.data) + len(block) <= self.limit:
+            self.data += block
+            return
+        self.flush()
+        if len(block) >= self.limit:
+            write_at(fd, block, offset)
+            return
+        self.fd, self.start = fd, offset
+        self.data += block
+
+    def flush(self) -> None:
+        if self.data:
+            write_at(self.fd, self.data, self.start)
+            del self.data[:]
+        self.fd = None
+
+
+def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int],
+            gathered: _GatheredWrites | None) -> Callable[[], int]:
     fd = outputs[op.dst]
     if isinstance(op, Copy) and files.local and isinstance(fd, int):  # else it streams through `write` below
         def copy() -> int:
@@ -160,10 +250,11 @@ def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int]) -> Call
         return copy
 
     size = STREAM_BLOCK if files.local and isinstance(fd, int) else storage.PIECE  # remote: small pieces
+    put = gathered.write_at if gathered is not None and isinstance(fd, int) else write_at
 
     def write() -> int:
         for offset, block in _blocks(op, files, size):
-            write_at(fd, block, offset)
+            put(fd, block, offset)
         return op.output_length
 
     return write
@@ -176,6 +267,10 @@ def _blocks(op: Operation, files: DataFiles, block: int = STREAM_BLOCK) -> Itera
         yield from output_blocks(op, files, {}, block)
         return
     layout = record_layout(op.dtype, op.shape)
+    whole = _small_record(op, layout, files)
+    if whole is not None:
+        yield op.offset, whole
+        return
     yield op.offset, layout.head
     pieces = sorted(
         ((offset, part, index) for part in op.parts for index, offset in enumerate(_piece_offsets(part))),
@@ -190,6 +285,25 @@ def _blocks(op: Operation, files: DataFiles, block: int = STREAM_BLOCK) -> Itera
             crc = zlib.crc32(data, crc)
             yield offset, data
     yield op.offset + layout.data_offset + layout.data_length, layout.tail(crc)
+
+
+def _small_record(op: Record, layout: RecordLayout, files: DataFiles) -> bytes | None:
+    """Return the whole record (head, data, tail) when it is small and its parts are copies
+    from local files laid end to end in output order: one read per part and one CRC-32,
+    without streaming it block by block. None for any other record."""
+    if layout.length > SMALL_OPERATION or not files.local:
+        return None
+    at = op.offset + layout.data_offset
+    data = []
+    for part in op.parts:
+        if type(part) is not Copy or part.dst_offset != at:
+            return None
+        data.append(files.read(part.src, part.src_offset, part.length))
+        at += part.length
+    joined = b"".join(data)
+    if len(joined) != layout.data_length:
+        return None
+    return b"".join((layout.head, joined, layout.tail(zlib.crc32(joined))))
 
 
 def _piece_offsets(part: Copy | Gather) -> list[int]:
@@ -298,8 +412,14 @@ def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[s
 
         return run_check
 
-    tasks = (Task(check(op), 2 * op.memory or 2 * STREAM_BLOCK) for op in operations)
+    tasks = (_checks([check(op) for op in batch], max(2 * op.memory or 2 * STREAM_BLOCK for op in batch))
+             for batch in batches(operations))
     run_tasks(tasks, threads, max_memory, on_done)
+
+
+def _checks(checks: list[Callable[[], int]], memory: int) -> Task:
+    """Return one task running `checks` in turn."""
+    return Task(lambda: sum(check() for check in checks), memory)
 
 
 def _compare(fd: int, offset: int, expected: bytes | memoryview, op: Operation,

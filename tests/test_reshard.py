@@ -344,8 +344,9 @@ def test_verify_catches_a_byte_that_differs_from_the_source_and_keeps_nothing(mo
 
     def write_at_then_flip_the_first_tensor_byte(fd, data, offset):
         real_write_at(fd, data, offset)
-        # tensor bytes stream from a reused buffer (memoryview); record heads and tails are bytes
-        if isinstance(data, memoryview) and len(data) and not flipped:
+        # tensor bytes stream from a reused buffer (memoryview), or small records come gathered
+        # (bytearray: heads, data and tails); a lone record head or tail is bytes
+        if isinstance(data, (memoryview, bytearray)) and len(data) and not flipped:
             os.pwrite(fd, bytes([data[0] ^ 0xFF]), offset)
             flipped.append(offset)
 

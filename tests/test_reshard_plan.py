@@ -3,6 +3,8 @@ bytes fill it, follow from the metadata alone."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from conftest import FIXTURES
@@ -11,7 +13,9 @@ from ckpttool.checkpoint import Blob, Chunk, Tensor
 from ckpttool.options import WriteOptions
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.errors import CorruptMetadata, UsageError
-from ckpttool.plan.reshard import EVERY_TENSOR_RULE, Mesh, fill_runs, is_sharded, parse_mesh, plan_reshard, sharding_rule
+from ckpttool.geometry import intersect, row_major_runs, split_dim0, volume
+from ckpttool.plan.reshard import (EVERY_TENSOR_RULE, Mesh, Run, _zip_runs, fill_all_runs, fill_runs, is_sharded, parse_mesh,
+                                   plan_reshard, sharding_rule)
 
 
 def tensor(fqn: str, shape: tuple, boxes: list, dtype: str = "float32") -> Tensor:
@@ -36,6 +40,53 @@ def test_missing_rows_in_the_source_are_reported_with_the_tensor_name():
     t = tensor("model.w", (10, 4), [((0, 0), (5, 4))])
     with pytest.raises(CorruptMetadata, match="model.w: the source chunks cover 80 of the 160 bytes"):
         fill_runs(t, ((0, 0), (10, 4)))
+
+
+def _runs_by_every_pair(t: Tensor, box) -> tuple[Run, ...]:
+    """fill_runs as it was: every source chunk intersected with the box (S x T per tensor)."""
+    runs = []
+    for index, chunk in enumerate(t.chunks):
+        region = intersect((chunk.offsets, chunk.sizes), box) if volume(chunk.sizes) else None
+        if region is not None:
+            runs.extend(_zip_runs(row_major_runs((chunk.offsets, chunk.sizes), region, t.itemsize),
+                                  row_major_runs(box, region, t.itemsize), index))
+    return tuple(sorted(runs, key=lambda run: run.target_offset))
+
+
+def _tiling(rng: random.Random, shape: tuple[int, ...]) -> list:
+    """A random exact tiling of `shape`: uneven dim-0 cuts, then per band uneven cuts of dim 1
+    (a 2-D mesh when some band is cut), with empty shards mixed in, in shuffled order."""
+    boxes = []
+    cuts = sorted(rng.sample(range(1, shape[0]), min(shape[0] - 1, rng.randint(0, 5))))
+    for start, end in zip([0, *cuts], [*cuts, shape[0]]):
+        if len(shape) == 1:
+            boxes.append(((start,), (end - start,)))
+            continue
+        columns = sorted(rng.sample(range(1, shape[1]), min(shape[1] - 1, rng.randint(0, 3))))
+        for left, right in zip([0, *columns], [*columns, shape[1]]):
+            boxes.append(((start, left, *(0 for _ in shape[2:])), (end - start, right - left, *shape[2:])))
+    boxes += [((shape[0], *(0 for _ in shape[1:])), (0, *shape[1:]))] * rng.randint(0, 2)
+    rng.shuffle(boxes)
+    return boxes
+
+
+def test_the_sorted_sweep_fills_every_box_as_intersecting_every_pair_did_on_random_tilings():
+    rng = random.Random(0)
+    for trial in range(300):
+        shape = tuple(rng.randint(1, 9) for _ in range(rng.choice((1, 2, 2, 3))))
+        t = tensor("model.w", shape, _tiling(rng, shape), dtype=rng.choice(("float32", "bfloat16", "int8")))
+        if rng.random() < 0.5:  # FSDP's dim-0 split for some world size, with its empty shards
+            targets = [((start, *(0 for _ in shape[1:])), (rows, *shape[1:]))
+                       for start, rows in split_dim0(shape[0], rng.randint(1, 12))]
+        else:  # another random tiling (block sharding on both sides)
+            targets = _tiling(rng, shape)
+        assert fill_all_runs(t, targets) == [_runs_by_every_pair(t, box) for box in targets], (trial, shape)
+
+
+def test_the_sorted_sweep_still_reports_a_gap_in_the_source():
+    t = tensor("model.w", (10, 4), [((0, 0), (3, 4)), ((5, 0), (5, 4))])
+    with pytest.raises(CorruptMetadata, match="cover 64 of the 96 bytes of box \\[2, 0\\]"):
+        fill_all_runs(t, [((0, 0), (2, 4)), ((2, 0), (6, 4)), ((8, 0), (2, 4))])
 
 
 def test_sharding_rule_follows_the_source_then_the_optimizer_state():

@@ -30,7 +30,8 @@ from ckpttool.formats import safetensors
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.safepickle import PickleRefused
 from ckpttool.torchsave.archive import tensor_bytes
-from ckpttool.torchsave.record import TensorRecord, find_record_problems, parse_tensor_record, read_plain_object
+from ckpttool.torchsave.record import (ParsedRecords, TensorRecord, find_record_problems, parse_tensor_record,
+                                       read_plain_object)
 from ckpttool.torchsave.zip import LOCAL_MAGIC
 
 ZSTD_TRANSFORM = "stream.zstd"  # torch/distributed/checkpoint/_extension.py ZStandard.registry_name
@@ -293,6 +294,7 @@ class ReadAhead:
         self._head_end = 0  # fills below it are HEAD_WINDOW: the head of a large record, then its data
         self._path: Path | None = None  # of `relative`, once checked: every error message names it
         self._size: int | None = None
+        self.records = ParsedRecords()  # the record layouts of this file parsed so far
 
     def path(self, relative: str) -> Path:
         if relative != self.relative:
@@ -368,9 +370,11 @@ def is_safetensors_blob(files: DataFiles, blob: Blob) -> bool:
     return len(head) == 9 and head[8:9] == b"{" and head[:4] != LOCAL_MAGIC
 
 
-def read_tensor_record(files: DataFiles, blob: Blob, where: str) -> TensorRecord:
-    """Return what the torch.save record in `blob` holds, without reading its tensor bytes."""
-    return parse_tensor_record(_blob_reader(files, blob), blob.length, where, blob.offset)
+def read_tensor_record(files: DataFiles | ReadAhead, blob: Blob, where: str) -> TensorRecord:
+    """Return what the torch.save record in `blob` holds, without reading its tensor bytes
+    (through a ReadAhead: each layout of its file parsed once, `ParsedRecords`)."""
+    parse = files.records.parse if isinstance(files, ReadAhead) else parse_tensor_record
+    return parse(_blob_reader(files, blob), blob.length, where, blob.offset)
 
 
 def record_problems(files: DataFiles, blob: Blob, where: str, skip_largest: bool) -> list[tuple[str, str]]:

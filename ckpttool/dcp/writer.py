@@ -14,13 +14,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ckpttool.checkpoint import paused_gc
 from ckpttool.formats.dcp import DATA_FILE_SUFFIX
-from ckpttool.torchsave.pickle import Global, NewObject, Reduce, dumps
+from ckpttool.torchsave.pickle import Fragment, Global, LazyDict, LazyList, NewObject, Reduce, Writer, dumps, int_bytes
 
 
 @dataclass(frozen=True)
@@ -121,29 +122,33 @@ def metadata_bytes(
 
 
 def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> NewObject:
-    """Return the stand-in for torch's `Metadata` (see `metadata_bytes` for the arguments)."""
+    """Return the stand-in for torch's `Metadata` (see `metadata_bytes` for the arguments).
+
+    The chunk lists and storage_data are written lazily through `_Fragments`: a chunk (or
+    storage entry) whose strings and classes the memo already holds is spliced in from
+    cached bytes instead of being built and walked as stand-ins (75 us a chunk otherwise).
+    """
+    fragments = _Fragments()
     state_dict_metadata: dict[str, NewObject] = {}
     # storage_data is keyed by MetadataIndex, equal when fqn and offset are (index is not
     # compared); a repeated key keeps its first MetadataIndex and takes the last value
-    storage_data: dict[tuple[str, tuple[int, ...] | None], list[NewObject]] = {}
+    storage_data: dict[tuple[str, tuple[int, ...] | None], list] = {}
 
-    def store(key: NewObject, fqn: str, offsets: tuple[int, ...] | None, info: NewObject) -> None:
-        entry = storage_data.setdefault((fqn, offsets), [key, info])
+    def store(fqn: str, offsets: tuple[int, ...] | None, index: int | None, info: tuple) -> None:
+        entry = storage_data.setdefault((fqn, offsets), [(fqn, offsets, index), info])
         entry[1] = info
 
     for tensor in tensors:
-        chunks = []
         for index, chunk in enumerate(tensor.chunks):
-            chunks.append(NewObject(_CHUNK_STORAGE_METADATA, {"offsets": _size(chunk.offsets), "sizes": _size(chunk.sizes)}))
-            info = _storage_info(chunk.file, chunk.offset, chunk.length)
-            store(_metadata_index(tensor.fqn, chunk.offsets, index), tensor.fqn, tuple(chunk.offsets), info)
+            store(tensor.fqn, tuple(chunk.offsets), index, (chunk.file, chunk.offset, chunk.length, ()))
         state_dict_metadata[tensor.fqn] = NewObject(
             _TENSOR_STORAGE_METADATA,
-            {"properties": _tensor_properties(tensor.dtype), "size": _size(tensor.shape), "chunks": chunks},
+            {"properties": _tensor_properties(tensor.dtype), "size": _size(tensor.shape),
+             "chunks": LazyList(functools.partial(fragments.chunks, tensor.chunks))},
         )
     for obj in objects:
         state_dict_metadata[obj.fqn] = NewObject(_BYTES_STORAGE_METADATA, None)  # empty __dict__
-        store(_metadata_index(obj.fqn, None, None), obj.fqn, None, _storage_info(obj.file, obj.offset, obj.length, obj.transforms))
+        store(obj.fqn, None, None, (obj.file, obj.offset, obj.length, obj.transforms))
 
     if checkpoint_id is None or isinstance(checkpoint_id, str):
         checkpoint = checkpoint_id
@@ -161,12 +166,65 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
         {
             "state_dict_metadata": state_dict_metadata,
             "planner_data": dict(planner_data),
-            "storage_data": {key: info for key, info in storage_data.values()},
+            "storage_data": LazyDict(functools.partial(fragments.storage, list(storage_data.values()))),
             "storage_meta": storage_meta,
             "version": DCP_VERSION,
         },
     )
 
+
+class _Fragments:
+    """The encoded bytes one `metadata_bytes` call reuses: whole chunk entries by box, the
+    memo fetches of fqns, file names and torch.Size values, and the fixed parts of
+    MetadataIndex and _StorageInfo. Every value is first written in full (which puts its
+    strings and classes in the memo); only then are its bytes taken from here."""
+
+    def __init__(self) -> None:
+        self.chunk: dict[tuple, bytes] = {}
+        self.fetch: dict = {}  # fqn / file name (str) / offsets (tuple: a torch.Size) -> bytes fetching it
+        self.index_parts: list[bytes] | None = None
+        self.info_parts: list[bytes] | None = None
+
+    def chunks(self, chunks: Sequence[StoredChunk], writer: Writer) -> Iterator[NewObject | Fragment]:
+        for chunk in chunks:
+            key = (tuple(chunk.offsets), tuple(chunk.sizes))
+            data = self.chunk.get(key)
+            if data is None:
+                value = NewObject(_CHUNK_STORAGE_METADATA, {"offsets": _size(chunk.offsets), "sizes": _size(chunk.sizes)})
+                data = writer.fragment(value)
+                if data is None:
+                    yield value
+                    continue
+                self.chunk[key] = data
+            yield Fragment(data)
+
+    def _fetch(self, writer: Writer, key: Any, value: Any) -> bytes | None:
+        data = self.fetch.get(key)
+        if data is None:
+            data = writer.fragment(value)
+            if data is not None:
+                self.fetch[key] = data
+        return data
+
+    def storage(self, entries: list, writer: Writer) -> Iterator[tuple[NewObject, NewObject] | Fragment]:
+        """Yield storage_data's (MetadataIndex, _StorageInfo) pairs, as one Fragment each once
+        their strings and classes are in the memo."""
+        for (fqn, offsets, index), (file, offset, length, transforms) in entries:
+            if self.index_parts is None or self.info_parts is None:
+                self.index_parts = writer.object_parts(_METADATA_INDEX, ("fqn", "index", "offset"))
+                self.info_parts = writer.object_parts(_STORAGE_INFO, ("relative_path", "offset", "length"))
+            fetch = self.fetch
+            name, size, path = fetch.get(fqn), fetch.get(offsets), fetch.get(file)
+            if name is None or size is None or path is None:
+                if offsets is not None:
+                    name, size, path = (self._fetch(writer, fqn, fqn), self._fetch(writer, offsets, _size(offsets)),
+                                        self._fetch(writer, file, file))
+            if offsets is None or transforms or None in (self.index_parts, self.info_parts, name, size, path):
+                yield _metadata_index(fqn, offsets, index), _storage_info(file, offset, length, transforms)
+                continue
+            key, info = self.index_parts, self.info_parts
+            yield Fragment(b"".join((key[0], name, key[1], int_bytes(index), key[2], size, key[3],
+                                     info[0], path, info[1], int_bytes(offset), info[2], int_bytes(length), info[3])))
 
 def data_file_name(rank: int) -> str:
     """Return torch's name for rank `rank`'s data file (FileSystemWriter: `__{rank}_{n}.distcp`)."""

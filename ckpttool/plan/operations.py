@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ckpttool import dtypes
@@ -106,11 +107,11 @@ class Record:
     shape: tuple[int, ...]
     parts: tuple[Copy | Gather, ...]
 
-    @property
+    @functools.cached_property  # asked for by batching, budgets and progress: 100k+ records
     def output_length(self) -> int:
         return sum(part.output_length for part in self.parts)
 
-    @property
+    @functools.cached_property
     def memory(self) -> int:
         decoded = {(p.tensor.fqn, p.chunk): p.memory for p in self.parts if isinstance(p, Gather)}
         return max(min(self.output_length, STREAM_BLOCK), sum(decoded.values()))

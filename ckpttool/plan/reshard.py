@@ -39,11 +39,11 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from ckpttool.checkpoint import Blob, Checkpoint, Tensor
+from ckpttool.checkpoint import Blob, Checkpoint, Tensor, paused_gc
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
-from ckpttool.geometry import Box, intersect, row_major_runs, split_dim0, volume
+from ckpttool.geometry import Box, overlapping_boxes, row_major_runs, split_dim0, volume
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.operations import Copy, Gather, Operation, Record
 from ckpttool.torchsave.record import record_layout
@@ -235,26 +235,36 @@ def fill_runs(tensor: Tensor, box: Box) -> tuple[Run, ...]:
         >>> [(r.source_chunk, r.source_offset, r.target_offset, r.length) for r in fill_runs(t, ((3, 0), (5, 4)))]
         [(0, 48, 0, 32), (1, 0, 32, 48)]
     """
+    return fill_all_runs(tensor, [box])[0]
+
+
+def fill_all_runs(tensor: Tensor, boxes: Sequence[Box]) -> list[tuple[Run, ...]]:
+    """Return `fill_runs(tensor, box)` for each of `boxes`, in their order.
+
+    One sweep along dim 0 pairs the target boxes with the source chunks they share elements
+    with (`geometry.overlapping_boxes`): the cost grows with the chunks plus their overlaps,
+    not with chunks x boxes (a world-128 source resharded for 256 ranks would otherwise try
+    128 x 129 pairs per tensor).
+    """
     itemsize = tensor.itemsize
-    runs: list[Run] = []
-    for index, chunk in enumerate(tensor.chunks):
-        if volume(chunk.sizes) == 0:
-            continue
-        region = intersect((chunk.offsets, chunk.sizes), box)
-        if region is None:
-            continue
-        source_runs = row_major_runs((chunk.offsets, chunk.sizes), region, itemsize)
-        target_runs = row_major_runs(box, region, itemsize)
-        runs.extend(_zip_runs(source_runs, target_runs, index))
-    covered = sum(run.length for run in runs)
-    expected = volume(box[1]) * itemsize
-    if covered != expected:
-        raise CorruptMetadata(
-            f"{tensor.fqn}: the source chunks cover {covered} of the {expected} bytes of "
-            f"box {list(box[0])}+{list(box[1])} (missing or overlapping chunks; run `ckpttool validate`)"
-        )
-    runs.sort(key=lambda run: run.target_offset)
-    return tuple(runs)
+    sources = [(chunk.offsets, chunk.sizes) for chunk in tensor.chunks]
+    found: list[list[Run]] = [[] for _ in boxes]
+    for target, index, region in overlapping_boxes(boxes, sources):
+        source_runs = row_major_runs(sources[index], region, itemsize)
+        target_runs = row_major_runs(boxes[target], region, itemsize)
+        found[target].extend(_zip_runs(source_runs, target_runs, index))
+    filled = []
+    for box, runs in zip(boxes, found):
+        covered = sum(run.length for run in runs)
+        expected = volume(box[1]) * itemsize
+        if covered != expected:
+            raise CorruptMetadata(
+                f"{tensor.fqn}: the source chunks cover {covered} of the {expected} bytes of "
+                f"box {list(box[0])}+{list(box[1])} (missing or overlapping chunks; run `ckpttool validate`)"
+            )
+        runs.sort(key=lambda run: run.target_offset)
+        filled.append(tuple(runs))
+    return filled
 
 
 @dataclass(frozen=True)
@@ -300,6 +310,11 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] =
     Raises UnsupportedFormat for dtypes of unknown size and CorruptMetadata when a tensor's
     chunks do not cover it.
     """
+    with paused_gc():  # a few small acyclic objects per chunk (see paused_gc)
+        return _plan_reshard(checkpoint, mesh, keep_whole, view)
+
+
+def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str], view: ModelView | None) -> ReshardPlan:
     optimized = sharded_by_optimizer(checkpoint, view or find_model(checkpoint))
     rule = sharding_rule(checkpoint, optimized)
     order = _state_dict_order(checkpoint)
@@ -349,8 +364,8 @@ def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] =
                 raise CorruptMetadata(f"{checkpoint.path}: {fqn} has no storage entry in the metadata")
             objects[assigned[(fqn, None)]].append(TargetObject(fqn, source))
             continue
-        for offsets, sizes in boxes_of[fqn]:
-            runs = fill_runs(tensor, (offsets, sizes))
+        boxes = boxes_of[fqn]
+        for (offsets, sizes), runs in zip(boxes, fill_all_runs(tensor, boxes)):
             target = TargetChunk(fqn, tensor.dtype, offsets, sizes, volume(sizes) * tensor.itemsize, runs)
             chunks[assigned[(fqn, offsets)]].append(target)
     files = tuple(
@@ -381,6 +396,11 @@ class ReshardWrites:
 def plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str, Mapping[int, RawData | None]]) -> ReshardWrites:
     """Return where every byte of `plan` goes (pure: reads nothing); `located` says where each
     source chunk's raw bytes are (None: its blob is decoded)."""
+    with paused_gc():  # a few small acyclic objects per chunk (see paused_gc)
+        return _plan_writes(plan, checkpoint, located)
+
+
+def _plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str, Mapping[int, RawData | None]]) -> ReshardWrites:
     files, operations, objects = [], [], []
     stored: dict[tuple[str, tuple[int, ...]], StoredChunk] = {}
     for rank_file in plan.files:

@@ -19,10 +19,11 @@ Example (read back through our allowlist loader, as ckpttool reads every pickle)
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 PROTOCOL = 2  # torch.save's DEFAULT_PROTOCOL; torch's weights_only unpickler expects it
 
@@ -73,6 +74,30 @@ class Opcodes:
     data: bytes
 
 
+@dataclass(frozen=True)
+class Fragment:
+    """Stands for a value `Writer.fragment` (or `Writer.object_parts`) encoded earlier in
+    the same `dumps`: spliced in as it is (it only fetches from the memo)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class LazyList:
+    """Stands for `list(items(writer))`, its items made as the writer reaches them (so they
+    can be `Fragment`s of what the memo holds by then)."""
+
+    items: Callable[["Writer"], Iterable[Any]]
+
+
+@dataclass(frozen=True)
+class LazyDict:
+    """Stands for `dict(items(writer))`, its (key, value) pairs made as the writer reaches them;
+    a pair may come as one `Fragment` holding the key's bytes and then the value's."""
+
+    items: Callable[["Writer"], Iterable[tuple[Any, Any]]]
+
+
 _CODECS_ENCODE = Global("_codecs", "encode")  # how protocol 2 pickles bytes
 
 
@@ -84,17 +109,22 @@ def dumps(value: Any) -> bytes:
         >>> dumps([1, "a"])
         b'\\x80\\x02](K\\x01X\\x01\\x00\\x00\\x00aq\\x00e.'
     """
-    writer = _Writer()
+    writer = Writer()
     writer.out += pickle.PROTO + bytes([PROTOCOL])
     writer.write(value)
     writer.out += pickle.STOP
     return bytes(writer.out)
 
 
-class _Writer:
+class Writer:
     """Appends opcodes to `out`. Strings and globals are written once and then fetched from
     the memo: `.metadata` repeats the same field names, fqns, file names and classes for every
-    chunk, and writing them in full makes it ~3x larger and ~2x slower to load."""
+    chunk, and writing them in full makes it ~3x larger and ~2x slower to load.
+
+    Fast paths for many similar values (a million chunks) take their bytes from `fragment`
+    and `object_parts` once and splice them in as `Fragment`s: the same bytes, without
+    walking the value again.
+    """
 
     def __init__(self) -> None:
         self.out = bytearray()
@@ -113,35 +143,71 @@ class _Writer:
             self.out += pickle.BINGET + bytes([slot]) if slot < 256 else pickle.LONG_BINGET + struct.pack("<I", slot)
         return slot is not None
 
+    def fragment(self, value: Any) -> bytes | None:
+        """Return the bytes `write(value)` would append now, when they only fetch from the
+        memo (every string and global in `value` is there already), else None; writes
+        nothing. (Not for values holding `Opcodes`, which reset the memo.)"""
+        out, slots = self.out, len(self.memo)
+        self.out = bytearray()
+        try:
+            self.write(value)
+            data = bytes(self.out) if len(self.memo) == slots else None
+        finally:
+            self.out = out
+            while len(self.memo) > slots:  # forget what the trial remembered: it was not written
+                self.memo.popitem()
+        return data
+
+    def object_parts(self, cls: Global, keys: tuple[str, ...]) -> list[bytes] | None:
+        """Return the bytes around the values of `NewObject(cls, {key: value, ...})` with these
+        keys (non-empty): the parts before each value, then the closing part; None unless
+        `cls` and the keys are in the memo.
+
+        Example: `parts[0] + fragment(v0) + parts[1] + fragment(v1) + parts[2]` is the
+        bytes of `NewObject(cls, {keys[0]: v0, keys[1]: v1})`."""
+        head = self.fragment(cls)
+        names = [self.fragment(key) for key in keys]
+        if head is None or None in names:
+            return None
+        names[0] = head + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK + names[0]
+        return names + [pickle.SETITEMS + pickle.BUILD]
+
     def remember(self, key: str | Global) -> None:
         slot = self.memo[key] = len(self.memo)
         self.out += pickle.BINPUT + bytes([slot]) if slot < 256 else pickle.LONG_BINPUT + struct.pack("<I", slot)
 
 
-def _int(writer: _Writer, value: int) -> None:
-    out = writer.out
+def int_bytes(value: int) -> bytes:
+    """Return the opcodes `write(value)` appends for an int (ints need no memo).
+
+    Example:
+        >>> int_bytes(300)
+        b'M,\\x01'
+    """
     if 0 <= value <= 0xFF:
-        out += pickle.BININT1 + bytes([value])
-    elif 0 <= value <= 0xFFFF:
-        out += pickle.BININT2 + struct.pack("<H", value)
-    elif -0x80000000 <= value <= 0x7FFFFFFF:
-        out += pickle.BININT + struct.pack("<i", value)
-    else:
-        encoded = pickle.encode_long(value)
-        if len(encoded) < 256:
-            out += pickle.LONG1 + bytes([len(encoded)]) + encoded
-        else:
-            out += pickle.LONG4 + struct.pack("<i", len(encoded)) + encoded
+        return pickle.BININT1 + bytes([value])
+    if 0 <= value <= 0xFFFF:
+        return pickle.BININT2 + struct.pack("<H", value)
+    if -0x80000000 <= value <= 0x7FFFFFFF:
+        return pickle.BININT + struct.pack("<i", value)
+    encoded = pickle.encode_long(value)
+    if len(encoded) < 256:
+        return pickle.LONG1 + bytes([len(encoded)]) + encoded
+    return pickle.LONG4 + struct.pack("<i", len(encoded)) + encoded
 
 
-def _str(writer: _Writer, value: str) -> None:
+def _int(writer: Writer, value: int) -> None:
+    writer.out += int_bytes(value)
+
+
+def _str(writer: Writer, value: str) -> None:
     if not writer.fetched(value):
         data = value.encode("utf-8", "surrogatepass")
         writer.out += pickle.BINUNICODE + struct.pack("<I", len(data)) + data
         writer.remember(value)
 
 
-def _tuple(writer: _Writer, value: tuple) -> None:
+def _tuple(writer: Writer, value: tuple) -> None:
     if len(value) > 3:
         writer.out += pickle.MARK
     for item in value:
@@ -152,7 +218,7 @@ def _tuple(writer: _Writer, value: tuple) -> None:
 _TUPLE_OPCODES = {0: pickle.EMPTY_TUPLE, 1: pickle.TUPLE1, 2: pickle.TUPLE2, 3: pickle.TUPLE3}
 
 
-def _list(writer: _Writer, value: list) -> None:
+def _list(writer: Writer, value: list) -> None:
     writer.out += pickle.EMPTY_LIST
     if value:
         writer.out += pickle.MARK
@@ -161,7 +227,7 @@ def _list(writer: _Writer, value: list) -> None:
         writer.out += pickle.APPENDS
 
 
-def _dict(writer: _Writer, value: dict) -> None:
+def _dict(writer: Writer, value: dict) -> None:
     writer.out += pickle.EMPTY_DICT
     if value:
         writer.out += pickle.MARK
@@ -171,19 +237,19 @@ def _dict(writer: _Writer, value: dict) -> None:
         writer.out += pickle.SETITEMS
 
 
-def _global(writer: _Writer, value: Global) -> None:
+def _global(writer: Writer, value: Global) -> None:
     if not writer.fetched(value):
         writer.out += pickle.GLOBAL + f"{value.module}\n{value.name}\n".encode("utf-8")
         writer.remember(value)
 
 
-def _reduce(writer: _Writer, value: Reduce) -> None:
+def _reduce(writer: Writer, value: Reduce) -> None:
     _global(writer, value.function)
     _tuple(writer, value.args)
     writer.out += pickle.REDUCE
 
 
-def _new_object(writer: _Writer, value: NewObject) -> None:
+def _new_object(writer: Writer, value: NewObject) -> None:
     _global(writer, value.cls)
     writer.out += pickle.EMPTY_TUPLE + pickle.NEWOBJ
     if value.state is not None:
@@ -191,17 +257,47 @@ def _new_object(writer: _Writer, value: NewObject) -> None:
         writer.out += pickle.BUILD
 
 
-def _persistent_id(writer: _Writer, value: PersistentId) -> None:
+def _lazy_list(writer: Writer, value: LazyList) -> None:
+    items = iter(value.items(writer))
+    first = next(items, _NOTHING)
+    writer.out += pickle.EMPTY_LIST
+    if first is not _NOTHING:
+        writer.out += pickle.MARK
+        writer.write(first)
+        for item in items:
+            writer.write(item)
+        writer.out += pickle.APPENDS
+
+
+def _lazy_dict(writer: Writer, value: LazyDict) -> None:
+    pairs = iter(value.items(writer))
+    first = next(pairs, _NOTHING)
+    writer.out += pickle.EMPTY_DICT
+    if first is not _NOTHING:
+        writer.out += pickle.MARK
+        for pair in itertools.chain((first,), pairs):
+            if type(pair) is Fragment:
+                writer.out += pair.data
+                continue
+            writer.write(pair[0])
+            writer.write(pair[1])
+        writer.out += pickle.SETITEMS
+
+
+_NOTHING = object()
+
+
+def _persistent_id(writer: Writer, value: PersistentId) -> None:
     _tuple(writer, value.pid)
     writer.out += pickle.BINPERSID
 
 
-def _opcodes(writer: _Writer, value: Opcodes) -> None:
+def _opcodes(writer: Writer, value: Opcodes) -> None:
     writer.out += value.data
     writer.memo.clear()  # its memo slots may be ours: forget what they held
 
 
-_WRITERS: dict[type, Callable[[_Writer, Any], None]] = {
+_WRITERS: dict[type, Callable[[Writer, Any], None]] = {
     type(None): lambda writer, value: writer.out.extend(pickle.NONE),
     bool: lambda writer, value: writer.out.extend(pickle.NEWTRUE if value else pickle.NEWFALSE),
     int: _int,
@@ -216,4 +312,7 @@ _WRITERS: dict[type, Callable[[_Writer, Any], None]] = {
     NewObject: _new_object,
     PersistentId: _persistent_id,
     Opcodes: _opcodes,
+    Fragment: lambda writer, value: writer.out.extend(value.data),
+    LazyList: _lazy_list,
+    LazyDict: _lazy_dict,
 }

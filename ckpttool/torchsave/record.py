@@ -21,9 +21,10 @@ from __future__ import annotations
 import functools
 import io
 import math
+import struct
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpttool import dtypes
@@ -31,10 +32,11 @@ from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata
 from ckpttool.safepickle import RestrictedUnpickler
 from ckpttool.torchsave import archive
 from ckpttool.torchsave.pickle import dumps
-from ckpttool.torchsave.zip import (LOCAL, UNSUPPORTED_FLAGS, Read, entry_bytes, entry_data_offset, entry_in, find_entry,
+from ckpttool.torchsave.zip import (LOCAL, UNSUPPORTED_FLAGS, Entry, Read, entry_bytes, entry_data_offset, entry_in, find_entry,
                                     read_directory)
 
 MAX_PICKLE_BYTES = 64 << 20  # a torch.save data.pkl for one tensor is a few hundred bytes
+CRC_IN_LOCAL_HEADER, CRC_IN_CENTRAL_HEADER = 14, 16  # APPNOTE.TXT: a header's crc-32 field, from its start
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class RecordLayout:
     head: bytes
     data_length: int
     archive_layout: archive.Layout
+    tail_patches: "_TailPatches"
 
     @property
     def length(self) -> int:
@@ -56,8 +59,51 @@ class RecordLayout:
 
     def tail(self, crc32: int) -> bytes:
         """Return the bytes after the data, given the CRC-32 of the data."""
-        end = self.data_offset + self.data_length
-        return b"".join(data for offset, data in archive.writes(self.archive_layout, [crc32]) if offset >= end)
+        return self.tail_patches.tail(crc32)
+
+
+@dataclass(frozen=True)
+class _TailPatches:
+    """A record's tail for any data CRC-32: the tail written for CRC 0, with the fields that
+    depend on the CRC written over (the data's CRC in its descriptor and central header; the
+    serialization id, a digest of every entry's CRC, and its own CRC in both places).
+    Offsets are from the tail's start."""
+
+    template: bytes
+    crcs_before: tuple[int, ...]  # of the entries before data/0, in write order
+    crcs_after: tuple[int, ...]  # of those after it, but for the serialization id
+    data_crc_at: tuple[int, ...]
+    id_at: int
+    id_crc_at: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: archive.Layout, data_end: int) -> "_TailPatches":
+        template = b"".join(data for offset, data in archive.writes(layout, [0]) if offset >= data_end)
+
+        def read(offset: int, length: int) -> bytes:
+            if offset < data_end:
+                raise ValueError("the directory lies after the data")
+            return template[offset - data_end:offset - data_end + length]
+
+        central = {entry.name: entry.central_offset for entry in read_directory(read, data_end + len(template), "layout").values()}
+        storage, identity = layout.storages[0], layout.entries[-1]
+        crcs = [zlib.crc32(data) if data is not None else None for data in layout.contents[:-1]]
+        index = layout.entries.index(storage)
+        return cls(template, tuple(crcs[:index]), tuple(crcs[index + 1:]),
+                   (storage.data_offset + storage.size + 4 - data_end, central[storage.name] + CRC_IN_CENTRAL_HEADER - data_end),
+                   identity.data_offset - data_end,
+                   (identity.data_offset + identity.size + 4 - data_end, central[identity.name] + CRC_IN_CENTRAL_HEADER - data_end))
+
+    def tail(self, crc32: int) -> bytes:
+        out = bytearray(self.template)
+        identity = archive.serialization_id((*self.crcs_before, crc32, *self.crcs_after))
+        identity_crc = zlib.crc32(identity)
+        out[self.id_at:self.id_at + len(identity)] = identity
+        for at in self.data_crc_at:
+            struct.pack_into("<I", out, at, crc32)
+        for at in self.id_crc_at:
+            struct.pack_into("<I", out, at, identity_crc)
+        return bytes(out)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,7 +121,7 @@ def record_layout(dtype: str, shape: tuple[int, ...]) -> RecordLayout:
     layout = archive.lay_out(dumps(archive.tensor("0", dtype, shape)), [data_length])
     data_offset = layout.storages[0].data_offset
     head = b"".join(data for offset, data in archive.writes(layout, [0]) if offset < data_offset)
-    return RecordLayout(head, data_length, layout)
+    return RecordLayout(head, data_length, layout, _TailPatches.of(layout, data_offset + data_length))
 
 
 def record_bytes(dtype: str, shape: tuple[int, ...], data: bytes) -> bytes:
@@ -165,6 +211,11 @@ def parse_tensor_record(read: Read, length: int, where: str, offset: int = 0) ->
     """Return what the torch.save record of `length` bytes holds, without reading its tensor
     bytes: `read(start, count)` returns the record's bytes at `start`; `offset` is where the
     record starts in its file (TensorRecord.data_offset counts from the file's start)."""
+    return _parse(read, length, where, offset)[0]
+
+
+def _parse(read: Read, length: int, where: str, offset: int) -> tuple[TensorRecord, list[Entry], Entry]:
+    """`parse_tensor_record`, also returning the zip entries and the one of the tensor's data."""
     entries = read_directory(read, length, where)
     pickle_entry = find_entry(entries, "data.pkl")
     if pickle_entry is None:
@@ -192,9 +243,119 @@ def parse_tensor_record(read: Read, length: int, where: str, offset: int = 0) ->
     if byteorder_entry is not None:
         byteorder = entry_bytes(read, length, byteorder_entry, where, 16).decode("ascii", "replace")
     data_offset = offset + entry_data_offset(read, length, data_entry, where)
-    return TensorRecord(dtype=dtype, shape=rebuilt.shape, stride=rebuilt.stride,
-                        storage_offset=rebuilt.storage_offset, data_offset=data_offset, data_length=data_entry.size,
-                        crc32=data_entry.crc32, byteorder=byteorder)
+    record = TensorRecord(dtype=dtype, shape=rebuilt.shape, stride=rebuilt.stride,
+                          storage_offset=rebuilt.storage_offset, data_offset=data_offset,
+                          data_length=data_entry.size, crc32=data_entry.crc32, byteorder=byteorder)
+    return record, list(entries.values()), data_entry
+
+
+class ParsedRecords:
+    """`parse_tensor_record` for the many records of one data file, parsing each layout once.
+
+    The records of one checkpoint differ, apart from their data, only in CRC-32s (of the
+    data, and of `.data/serialization_id`, which torch derives from it): a chunk of the same
+    dtype and shape gets the same zip layout and data.pkl. The parse is a function of the
+    bytes it reads; so when a record has the length of one parsed before and every byte range
+    that parse read holds the same bytes in it, apart from the entries' CRC-32 fields (which
+    the parse ignores, but for the data's in the central directory, which it returns), the
+    parse would read the same ranges and reach the same result: that result is reused, with
+    this record's offset and CRC-32. Anything else is parsed in full. Keeps at most
+    MAX_LAYOUTS layouts; not thread-safe (one per file walk).
+
+    Example:
+        >>> records = ParsedRecords()
+        >>> [records.parse(read, length, where, offset) for read, length, where, offset in file_records]
+    """
+
+    MAX_LAYOUTS = 64
+
+    def __init__(self) -> None:
+        self._layouts: dict[int, list[_Layout]] = {}  # by record length
+        self._kept = 0
+
+    def parse(self, read: Read, length: int, where: str, offset: int = 0) -> TensorRecord:
+        """Return `parse_tensor_record(read, length, where, offset)`."""
+        for layout in self._layouts.get(length, ()):
+            record = layout.reuse(read, offset)
+            if record is not None:
+                return record
+        reads: list[tuple[int, bytes]] = []
+
+        def logged(start: int, count: int) -> bytes:
+            data = read(start, count)
+            reads.append((start, bytes(data)))
+            return data
+
+        record, entries, data_entry = _parse(logged, length, where, offset)
+        if self._kept < self.MAX_LAYOUTS:
+            layout = _Layout.of(record, offset, entries, data_entry, reads)
+            if layout is not None:
+                self._layouts.setdefault(length, []).append(layout)
+                self._kept += 1
+        return record
+
+
+SPAN_GAP = 4096  # ranges a parse read this close together are read again as one (the bytes between are not compared)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a full parse read and found: `spans` are (start, length, pieces) record-relative
+    ranges to read again, each piece (from, to, bytes) a part of the span that must hold
+    the same bytes; the CRC-32 fields are the gaps between pieces."""
+
+    spans: tuple[tuple[int, int, tuple[tuple[int, int, bytes], ...]], ...]
+    crc_at: int  # of the data entry's central directory crc-32 field
+    record: TensorRecord
+    data_start: int  # TensorRecord.data_offset - the record's offset
+
+    @classmethod
+    def of(cls, record: TensorRecord, offset: int, entries: list[Entry], data_entry: Entry,
+           reads: list[tuple[int, bytes]]) -> "_Layout | None":
+        """Return the layout of a parsed record, or None when a CRC-32 field that was read lies
+        in more than one of the ranges read, or partly in one, or two fields overlap
+        (structures that overlap: never reused)."""
+        crc_at = data_entry.central_offset + CRC_IN_CENTRAL_HEADER
+        fields = {entry.central_offset + CRC_IN_CENTRAL_HEADER for entry in entries}
+        fields |= {entry.local_offset + CRC_IN_LOCAL_HEADER for entry in entries}
+        cuts = sorted(cut for cut in fields if any(start < cut + 4 and cut < start + len(data) for start, data in reads))
+        if any(b < a + 4 for a, b in zip(cuts, cuts[1:])):
+            return None
+        if any(sum(start < cut + 4 and cut < start + len(data) for start, data in reads) > 1 for cut in cuts):
+            return None
+        if not any(start <= crc_at and crc_at + 4 <= start + len(data) for start, data in reads):
+            return None
+        spans: list[tuple[int, int, list]] = []
+        for start, data in sorted(set(reads)):
+            pieces, at = [], 0
+            for cut in (cut - start for cut in cuts):
+                if 0 <= cut and cut + 4 <= len(data):
+                    pieces.append((at, cut, data[at:cut]))
+                    at = cut + 4
+                elif -4 < cut < len(data):
+                    return None
+            pieces.append((at, len(data), data[at:]))
+            if spans and start <= spans[-1][0] + spans[-1][1] + SPAN_GAP:  # read with the previous range
+                shift = start - spans[-1][0]
+                spans[-1] = (spans[-1][0], max(spans[-1][1], shift + len(data)), spans[-1][2])
+                spans[-1][2].extend((shift + begin, shift + end, piece) for begin, end, piece in pieces)
+            else:
+                spans.append((start, len(data), pieces))
+        return cls(tuple((start, length, tuple(p for p in pieces if p[2])) for start, length, pieces in spans),
+                   crc_at, record, record.data_offset - offset)
+
+    def reuse(self, read: Read, offset: int) -> TensorRecord | None:
+        """Return the parse of the record `read` reads, at `offset` of its file, when its bytes
+        are this layout's; else None."""
+        for start, length, pieces in self.spans:
+            data = read(start, length)
+            for begin, end, expected in pieces:
+                if data[begin:end] != expected:
+                    return None
+        record = self.record
+        return TensorRecord(record.dtype, record.shape, record.stride, record.storage_offset,
+                            offset + self.data_start, record.data_length,
+                            int.from_bytes(read(self.crc_at, 4), "little"), record.byteorder)
 
 
 def find_record_problems(read: Read, length: int, where: str, skip_largest: bool) -> list[tuple[str, str]]:

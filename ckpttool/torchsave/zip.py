@@ -58,12 +58,19 @@ class Entry:
     uncompressed_size: int = 0
     flags: int = 0
     disk: int = 0  # the disk its local header is on: 0 in any archive torch can read
+    central_offset: int = -1  # where its central directory header starts in the archive
 
 
 def read_directory(read: Read, length: int, where: str) -> dict[str, Entry]:
     """Return the archive's entries by name, from its end records and central directory."""
-    tail_length = min(length, 65536)
+    # the end record is the last signature that leaves room for it: at length - 22 when the
+    # archive has no comment (as torch writes it), then the last bytes (with the zip64
+    # locator before it) are all there is to read; else search the last 64 KiB
+    tail_length = min(length, EOCD.size + EOCD64_LOCATOR.size)
     tail = read(length - tail_length, tail_length)
+    if tail[-EOCD.size:-EOCD.size + 4] != b"PK\x05\x06" or len(tail) < EOCD.size:
+        tail_length = min(length, 65536)
+        tail = read(length - tail_length, tail_length)
     position = tail.rfind(b"PK\x05\x06", 0, len(tail) - EOCD.size + 4)
     if position < 0:
         raise CorruptBlob(f"{where}: torch.save record has no zip directory (truncated blob?)")
@@ -108,7 +115,7 @@ def read_directory(read: Read, length: int, where: str) -> dict[str, Entry]:
         usize, csize, local_offset = _zip64_values(extra, usize, csize, local_offset)
         if fields[15] & DOS_DIRECTORY or name.endswith("/"):
             raise CorruptBlob(f"{where}: zip entry {name} is marked as a directory (torch's reader returns no bytes for it)")
-        entries[name] = Entry(name, local_offset, csize, crc, method, usize, fields[3], fields[13])
+        entries[name] = Entry(name, local_offset, csize, crc, method, usize, fields[3], fields[13], cd_offset + at)
         at = name_start + name_length + extra_length + comment_length
     return entries
 

@@ -1,0 +1,94 @@
+"""Parsing each record layout of a data file once (`ParsedRecords`) gives what parsing every
+record in full gives: the same results, and on damaged bytes the same errors."""
+
+from __future__ import annotations
+
+import io
+import random
+import zlib
+
+import pytest
+import torch
+
+from ckpttool.errors import CheckpointError
+from ckpttool.torchsave.record import ParsedRecords, parse_tensor_record, record_bytes, record_layout
+
+
+def reader(data: bytes, base: int):
+    def read(start: int, count: int) -> bytes:
+        if start < 0 or count < 0 or start + count > len(data) - base:
+            raise CheckpointError(f"range {start}+{count} is outside the record")
+        return data[base + start:base + start + count]
+    return read
+
+
+def outcome(parse, data: bytes, base: int, length: int):
+    try:
+        return parse(reader(data, base), length, "test", base)
+    except Exception as error:  # compared by type and message
+        return (type(error).__name__, str(error))
+
+
+def torch_record(values: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(values, buffer)  # miniz: CRC-32 in the local header too, no data descriptor
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("writer", ["ckpttool", "torch"])
+def test_records_of_one_layout_are_parsed_once_with_each_its_own_offset_and_crc(writer):
+    rng = random.Random(0)
+    records = []
+    for _ in range(20):
+        shape = rng.choice([(4, 8), (4, 8), (32,), ()])
+        values = torch.randn(shape)
+        data = values.numpy().tobytes()
+        records.append(record_bytes("float32", shape, data) if writer == "ckpttool" else torch_record(values))
+    parsed = ParsedRecords()
+    at = 0
+    blob = b"".join(records)
+    for record in records:
+        found = parsed.parse(reader(blob, at), len(record), "test", at)
+        assert found == parse_tensor_record(reader(blob, at), len(record), "test", at)
+        assert found.crc32 == zlib.crc32(blob[found.data_offset:found.data_offset + found.data_length])
+        at += len(record)
+    assert parsed._kept <= 4  # one layout per (shape, writer): reused for the rest
+
+
+def test_a_record_damaged_anywhere_outside_its_data_fails_or_parses_as_a_full_parse_would():
+    rng = random.Random(1)
+    layout = record_layout("float32", (4, 8))
+    good = record_bytes("float32", (4, 8), bytes(128))
+    for trial in range(1500):
+        damaged = bytearray(record_bytes("float32", (4, 8), rng.randbytes(128)))
+        for _ in range(rng.choice((1, 1, 2, 4))):
+            position = rng.randrange(len(damaged))
+            if layout.data_offset <= position < layout.data_offset + 128:
+                continue  # the data may be anything
+            damaged[position] = rng.randrange(256)
+        parsed = ParsedRecords()
+        parsed.parse(reader(good, 0), len(good), "test", 0)  # the layout it may reuse
+        data = good + bytes(damaged)
+        assert outcome(parsed.parse, data, len(good), len(damaged)) == \
+            outcome(parse_tensor_record, data, len(good), len(damaged)), trial
+
+
+def test_a_record_of_the_same_length_but_another_dtype_is_parsed_in_full():
+    parsed = ParsedRecords()
+    a = record_bytes("float32", (8,), bytes(32))
+    b = record_bytes("int32", (8,), bytes(32))
+    assert len(a) == len(b)
+    parsed.parse(reader(a, 0), len(a), "test", 0)
+    assert parsed.parse(reader(b, 0), len(b), "test", 0).dtype == "int32"
+
+
+@pytest.mark.parametrize("dtype, shape", [("float32", (4, 8)), ("bfloat16", ()), ("int8", (0, 3)), ("float64", (70000,)),
+                                          ("float8_e4m3fn", (3, 5, 7))])
+def test_a_record_tail_patched_for_a_crc_is_the_tail_written_in_full(dtype, shape):
+    from ckpttool.torchsave import archive
+
+    layout = record_layout(dtype, shape)
+    end = layout.data_offset + layout.data_length
+    for crc in (0, 1, 0xFFFFFFFF, 0x12345678, random.Random(2).getrandbits(32)):
+        written = b"".join(data for offset, data in archive.writes(layout.archive_layout, [crc]) if offset >= end)
+        assert layout.tail(crc) == written
