@@ -250,7 +250,8 @@ def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int],
         return copy
 
     size = STREAM_BLOCK if files.local and isinstance(fd, int) else storage.PIECE  # remote: small pieces
-    put = gathered.write_at if gathered is not None and isinstance(fd, int) else write_at
+    # small local writes are gathered; from remote files each piece is written as it comes (bounded by PIECE)
+    put = gathered.write_at if gathered is not None and isinstance(fd, int) and files.local else write_at
 
     def write() -> int:
         for offset, block in _blocks(op, files, size):
