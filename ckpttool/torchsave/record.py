@@ -24,7 +24,7 @@ import math
 import struct
 import sys
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ckpttool import dtypes
