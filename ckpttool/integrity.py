@@ -131,14 +131,16 @@ class _FileIndex:
 
 def _first_users(checkpoint: Checkpoint, index: _FileIndex) -> dict[str, str]:
     """Return each referenced data file -> the first entry (in fqn order) whose blob is in it."""
-    import numpy as np
-
     users: dict[str, str] = {}
-    seen = np.zeros(0, dtype=bool)  # by number in `index`: files some table already named
+    seen = None  # by number in `index`: files some table already named (numpy only once a table comes)
     for entry in checkpoint.entries():
         if not isinstance(entry, Tensor):
             names = [entry.blob.file] if entry.blob is not None else []
         elif isinstance(entry.chunks, ChunkTable):
+            import numpy as np
+
+            if seen is None:
+                seen = np.zeros(0, dtype=bool)
             table = entry.chunks
             used = np.flatnonzero(np.bincount(table.file + 1, minlength=len(table.files) + 1)[1:])
             numbers = index.of(table.files)[used]

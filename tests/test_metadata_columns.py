@@ -162,3 +162,30 @@ def test_records_a_writer_shares_between_entries_are_read_alike(tmp_path):
     columns = _columns(path, raw)
     assert columns is not None and len(columns.objects) == 3
     assert _plain(columns) == _plain(_loader(path, raw))
+
+
+def test_small_checkpoints_keep_chunk_tuples_and_large_ones_read_as_tables(monkeypatch):
+    """Below COLUMNS_FROM_BYTES the loader is quicker than importing numpy for tables; above
+    it every command sees tables, with the same verdicts."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    source = FIXTURES / "fsdp2_world3_uneven"
+    small = dcp.read_checkpoint(source)
+    assert not any(isinstance(t.chunks, ChunkTable) for t in small.tensors.values())
+    before = [CliRunner().invoke(main, [command, "--json", str(source)]) for command in ("inspect", "validate")]
+    monkeypatch.setattr(dcp, "COLUMNS_FROM_BYTES", 0)
+    large = dcp.read_checkpoint(source)
+    assert all(isinstance(t.chunks, ChunkTable) for t in large.tensors.values())
+    after = [CliRunner().invoke(main, [command, "--json", str(source)]) for command in ("inspect", "validate")]
+    assert [(r.exit_code, _untimed(r.output)) for r in after] == [(r.exit_code, _untimed(r.output)) for r in before]
+    assert before[1].exit_code == 0
+
+
+def _untimed(document: str) -> dict:
+    import json
+
+    found = json.loads(document)
+    found.pop("seconds", None)
+    return found

@@ -165,7 +165,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if scanned is not None:
             return columns.checkpoint(root, metadata_path, scanned)
         raw = read_metadata_bytes(metadata_path)
-        scanned = scan_columns(raw)
+        scanned = scan_columns(raw) if len(raw) >= COLUMNS_FROM_BYTES else None
         if scanned is not None:
             del raw
             return columns.checkpoint(root, metadata_path, scanned)
@@ -192,6 +192,9 @@ def scan_columns(raw: bytes | bytearray | mmap.mmap, mapped: bool = False) -> tu
 
 
 KNOWN_DTYPES = frozenset(dtypes.ITEMSIZE)
+# below this the Python loader takes tens of milliseconds, less than importing numpy for the
+# chunk tables costs (~0.1 s, 15 MB): small checkpoints keep tuples of Chunk (2 MB: ~15k chunks)
+COLUMNS_FROM_BYTES = 2 << 20
 MAP_METADATA_BYTES = 64 << 20  # larger local .metadata files are mapped, not read into memory
 
 
