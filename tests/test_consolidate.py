@@ -409,13 +409,20 @@ def writing_into(pid: int, directory: Path) -> bool:
     return False
 
 
+def default_sigint() -> None:
+    """Give the child SIGINT's default action: a suite started in the background by a
+    non-interactive shell inherits SIGINT ignored, and ckpttool keeps an ignored SIGINT
+    ignored (as under nohup)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 def test_killing_a_consolidation_midway_leaves_no_file_at_out(how, large_checkpoint, tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     process = subprocess.Popen(
         [CKPTTOOL, "consolidate", "--quiet", "--threads", "1", "--dtype", "bf16", large_checkpoint, out_dir / "m.safetensors"],
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
     )
     deadline = time.monotonic() + 30
     while not writing_into(process.pid, out_dir) and time.monotonic() < deadline and process.poll() is None:

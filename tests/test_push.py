@@ -223,11 +223,16 @@ def test_installed_ckpttool_reads_hf_endpoint_and_hf_token_from_the_environment(
     assert hub.commits[-1].repo_id == "tester/tiny-env"
 
 
+def default_sigint() -> None:
+    """SIGINT's default action in the child, even when the suite inherited it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupted_push_removes_its_temporary_export(hub, tmp_path):
     """SIGINT while the commit is in flight: exit 130, nothing left in TMPDIR."""
     hub.hold_commits = 3.0  # seconds the stand-in waits before answering a commit
     process = subprocess.Popen([CKPTTOOL, "push", SOURCE, "tester/interrupted", "--quiet"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while not any(path.endswith("/interrupted/commit/main") for _, path in hub.requests):
