@@ -161,14 +161,15 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     root = storage.location(path)
     metadata_path = find_metadata_file(root)
     with paused_gc():
+        raw = None
         scanned = _scan_mapped(metadata_path)
+        if scanned is _NOT_MAPPED:
+            raw = read_metadata_bytes(metadata_path)
+            scanned = scan_columns(raw) if len(raw) >= COLUMNS_FROM_BYTES else None
         if scanned is not None:
             return columns.checkpoint(root, metadata_path, scanned)
-        raw = read_metadata_bytes(metadata_path)
-        scanned = scan_columns(raw) if len(raw) >= COLUMNS_FROM_BYTES else None
-        if scanned is not None:
-            del raw
-            return columns.checkpoint(root, metadata_path, scanned)
+        if raw is None:  # mapped, and declined by the C reader: read once for the loader
+            raw = read_metadata_bytes(metadata_path)
         record = unpickle_metadata(raw, str(metadata_path))
         del raw
         try:
@@ -198,24 +199,28 @@ COLUMNS_FROM_BYTES = 2 << 20
 MAP_METADATA_BYTES = 64 << 20  # larger local .metadata files are mapped, not read into memory
 
 
-def _scan_mapped(path: Path) -> tuple | None:
+_NOT_MAPPED = object()  # what `_scan_mapped` returns for a file it did not map
+
+
+def _scan_mapped(path: Path) -> Any:
     """`scan_columns` of a large local `.metadata` through a read-only map, so the file is
-    never resident whole; None for a remote, small, unusual or unreadable file (the caller
-    reads it into memory with the checks of `read_metadata_bytes`)."""
+    never resident whole (None: the C reader declined it); _NOT_MAPPED for a remote, small,
+    unusual or unreadable file, which the caller reads into memory with the checks of
+    `read_metadata_bytes`."""
     if storage.is_remote(path):
-        return None
+        return _NOT_MAPPED
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
-        return None
+        return _NOT_MAPPED
     try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or not MAP_METADATA_BYTES <= status.st_size <= MAX_METADATA_BYTES:
-            return None
+            return _NOT_MAPPED
         with mmap.mmap(fd, status.st_size, access=mmap.ACCESS_READ) as mapped:
             return scan_columns(mapped, mapped=True)
     except (OSError, ValueError):
-        return None
+        return _NOT_MAPPED
     finally:
         os.close(fd)
 
