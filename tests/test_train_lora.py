@@ -253,17 +253,28 @@ def test_ckpttool_validates_and_inspects_a_lora_checkpoint(lora_runs):
     assert "model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in fqns
 
 
-def test_init_from_plain_weights_loads_them_into_the_base_layers(tmp_path):
-    """`--init-from` a LlamaForCausalLM-keyed file into a LoRA run: the base weights are the
-    file's, the adapters their fresh init (lr 0, so the one step moves nothing)."""
+@pytest.mark.parametrize("how", ["init_from", "import_and_resume"])
+def test_plain_llama_weights_load_into_the_base_layers_of_a_lora_run(how, tmp_path):
+    """A LlamaForCausalLM-keyed Hub folder into a LoRA run, by `--init-from` (world 1) or by
+    `ckpttool import` + `--resume` (world 2): the base weights are the folder's, the adapters
+    their fresh init (lr 0 and no weight decay, so the one step moves nothing)."""
     from train_minimal.config import parse_args
     from train_minimal.model import build_model
 
     torch.manual_seed(7)
     plain = build_model(parse_args(list(LLAMA_FLAGS))).state_dict()
-    save_file(plain, tmp_path / "base.safetensors")
-    run_trainer(tmp_path, *LLAMA_FLAGS, *VARIANTS["attention"]["flags"], "--init-from", tmp_path / "base.safetensors",
-                "--lr", "0", "--weight-decay", "0", "--export", tmp_path / "out.safetensors", nproc=1, steps=1)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    save_file(plain, hub / "model.safetensors", metadata={"format": "pt"})
+    (hub / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                 **LLAMA_CONFIG, "tie_word_embeddings": False}))
+    flags = (*LLAMA_FLAGS, *VARIANTS["attention"]["flags"], "--lr", "0", "--weight-decay", "0",
+             "--export", tmp_path / "out.safetensors")
+    if how == "init_from":
+        run_trainer(tmp_path, *flags, "--init-from", hub, nproc=1, steps=1)
+    else:
+        ckpttool("import", hub, tmp_path / "imported", "--world", "2")
+        run_trainer(tmp_path, *flags, "--resume", tmp_path / "imported", nproc=2, steps=1)
     out = load_file(tmp_path / "out.safetensors")
     fresh = initial_model("attention").state_dict()
     assert sorted(out) == sorted(fresh)
