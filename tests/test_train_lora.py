@@ -283,6 +283,19 @@ def test_plain_llama_weights_load_into_the_base_layers_of_a_lora_run(how, tmp_pa
         assert_same_bytes(value, expected, key)
 
 
+def test_lora_checkpoint_resumes_at_world_3(lora_runs, tmp_path):
+    """The rsLoRA run's step-1 checkpoint (world 2) resumed at world 3 for one step. The
+    tolerance is test_train_minimal's for a resume at another world size: the same weights see
+    the same samples, but the loss is a mean of per-rank means summed in another order and the
+    matmuls see other batch shapes (float32 epsilon is 1.2e-7); no dropout in this variant."""
+    directory = lora_runs["mlp_rslora_tied"]
+    run_trainer(tmp_path, *LLAMA_FLAGS, *VARIANTS["mlp_rslora_tied"]["flags"],
+                "--resume", directory / "ckpt" / "step-00000001", nproc=3, steps=HALF)
+    resumed, straight = losses(tmp_path), losses(directory)
+    assert sorted(resumed) == [HALF]
+    assert abs(resumed[HALF] - straight[HALF]) <= 1e-5 * abs(straight[HALF]), (resumed, straight)
+
+
 def test_resume_with_other_lora_settings_is_refused(lora_runs, tmp_path):
     flags = [*LLAMA_FLAGS, *VARIANTS["attention"]["flags"]]
     flags[flags.index("--lora-rank") + 1] = "8"

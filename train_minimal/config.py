@@ -126,7 +126,7 @@ class TrainConfig:
     lora_targets: str | None = setting(None, "comma-separated module names that get an adapter, from "
                                              f"{','.join(LORA_TARGETS)} (default {DEFAULT_LORA_TARGETS})",
                                        metavar="NAMES")
-    lora_dropout: float | None = setting(None, "dropout on the adapter's input (default 0.0)")
+    lora_dropout: float | None = setting(None, "dropout on the adapter's input (default 0.0)", metavar="P")
     rslora: bool = setting(False, "rank-stabilised LoRA: scale by alpha / sqrt(R) instead of alpha / R")
 
     data: str | None = setting(None, "train on this file's bytes instead of the built-in synthetic arithmetic corpus",
