@@ -17,12 +17,14 @@ same order, so a PEFT model holding the same weights gives the same float32 logi
 
 peft is never imported here.
 
-Example:
-    >>> llama = build_model(parse_args(["--arch", "llama", "--lora-rank", "4", "--lora-targets", "q_proj"]))
-    >>> apply_lora(llama, parse_args([...same flags...]))
-    >>> sorted(key for key in llama.state_dict() if ".q_proj." in key)[:3]
+Example (model.build_model calls apply_lora):
+    >>> config = parse_args(["--arch", "llama", "--lora-rank", "4", "--lora-targets", "q_proj"])
+    >>> llama = build_model(config)
+    >>> sorted(key for key in llama.state_dict() if "layers.0.self_attn.q_proj" in key)
     ['model.layers.0.self_attn.q_proj.base_layer.weight', 'model.layers.0.self_attn.q_proj.lora_A.default.weight',
      'model.layers.0.self_attn.q_proj.lora_B.default.weight']
+    >>> adapter_config(config)["target_modules"], sum(p.numel() for p in llama.parameters() if p.requires_grad)
+    (['q_proj'], 512)
 """
 
 from __future__ import annotations
