@@ -247,6 +247,7 @@ def test_ckpttool_validates_and_inspects_a_lora_checkpoint(lora_runs):
     validated = runner.invoke(main, ["validate", str(step_dir), "--deep", "--json"], catch_exceptions=False)
     assert validated.exit_code == 0, validated.output
     assert json.loads(validated.output)["valid"] is True
+    assert json.loads(validated.output)["problems"] == []  # adapter_config.json is a known file
     inspected = runner.invoke(main, ["inspect", str(step_dir), "--json"], catch_exceptions=False)
     assert inspected.exit_code == 0, inspected.output
     fqns = {tensor["fqn"] for tensor in json.loads(inspected.output)["tensors"]}
