@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Chunk, Tensor, paused_gc
+from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
 from ckpttool.errors import CheckpointError, CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
@@ -60,8 +60,15 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
 
 
 def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Located:
-    jobs = [(tensor, index) for tensor in tensors for index in unique_chunks(tensor)]
-    chunks = [tensor.chunks[index] for tensor, index in jobs]
+    jobs: list[tuple[Tensor, int]] = []
+    chunks: list[Chunk] = []
+    for tensor in tensors:
+        indices = unique_chunks(tensor)
+        jobs.extend((tensor, index) for index in indices)
+        if isinstance(tensor.chunks, ChunkTable):
+            chunks.extend(tensor.chunks.rows(indices))  # one pass over the columns
+        else:
+            chunks.extend(tensor.chunks[index] for index in indices)
     by_file: dict[str, list[int]] = {}
     for number, chunk in enumerate(chunks):
         by_file.setdefault(chunk.blob.file if chunk.blob is not None else "", []).append(number)
