@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, NamedTuple
 from ckpttool import dtypes, execute, integrity, readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate
-from ckpttool.errors import CorruptMetadata, MissingEntry, UsageError
+from ckpttool.errors import CorruptMetadata, KeyCollision, MissingEntry, UsageError
 from ckpttool.geometry import Box, intersect, volume
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, Task, parse_size, run_tasks
 from ckpttool.keys import KeyRules, output_keys
@@ -51,6 +51,7 @@ OUTPUT = "memory"  # the name plans give the one output: the tensor being filled
 # and scattered (one read instead of a syscall per row) when most of its bytes are wanted
 MANY_RUNS = 64
 SMALL_RUN = 64 << 10
+INLINE_BYTES = 1 << 20  # a tensor smaller than this is read on the calling thread
 _PLAN_KIND = OutputFormat("torch", False, None)  # select(): tensors and python objects alike
 
 
@@ -145,7 +146,7 @@ class CheckpointFile:
         for names in ("_model", "_everything"):
             try:
                 found = getattr(self, names).get(key)
-            except UsageError:  # no model here: only stored names
+            except (UsageError, KeyCollision):  # no model here, or names that collide: stored names only
                 continue
             if found is not None:
                 return found
@@ -222,11 +223,8 @@ class CheckpointFile:
     def _fill(self, tensor: Tensor, dtype: str, view: memoryview) -> None:
         """Write `tensor` cast to `dtype` as row-major bytes into `view`, by consolidate's plan."""
         self._check_open()
-        located = self._located.get(tensor.fqn)
-        if located is None:
-            located = execute.locate_chunks(self._files, [tensor], self.threads)[tensor.fqn]
-            self._located[tensor.fqn] = located
-        self._run(plan_tensor(tensor, located, dtype, OUTPUT, 0), view)
+        self._locate([tensor])
+        self._run(plan_tensor(tensor, self._located[tensor.fqn], dtype, OUTPUT, 0), view)
 
     def _region(self, tensor: Tensor, box: Box) -> tuple[Any, memoryview]:
         """Return the box of `tensor` (its own dtype) and its bytes, reading only the chunks it meets."""
@@ -247,8 +245,19 @@ class CheckpointFile:
 
     def _run(self, operations: Sequence[Operation], view: memoryview) -> None:
         files = self._files
+        if len(operations) == 1 or sum(op.output_length for op in operations) < INLINE_BYTES:
+            for op in operations:  # a thread pool would cost more than the reads
+                _apply(op, files, view)
+            return
         tasks = (Task(functools.partial(_apply, op, files, view), op.memory) for op in operations)
         run_tasks(tasks, self.threads, self.max_memory)
+
+    def _locate(self, tensors: Iterable[Tensor]) -> None:
+        """Locate every chunk of `tensors` not located yet, in one walk of each data file (the
+        record headers of neighbouring chunks come from one read)."""
+        wanted = [tensor for tensor in tensors if tensor.fqn not in self._located]
+        if wanted:
+            self._located.update(execute.locate_chunks(self._files, wanted, self.threads))
 
     def _allocate(self, dtype: str, shape: Sequence[int]) -> tuple[Any, memoryview]:
         if self.framework == "np":
@@ -478,6 +487,7 @@ def load_state_dict(path: str | os.PathLike, *, model_only: bool = True, keys: C
                 raise MissingEntry(f"{handle.checkpoint.path}: no {'model ' if model_only else ''}entry named "
                                    f"{unknown[0]!r}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}")
             names = {key: fqn for key, fqn in names.items() if key in wanted}
+        handle._locate(handle.checkpoint.tensors[fqn] for fqn in names.values() if fqn in handle.checkpoint.tensors)
         return {key: handle.get_tensor(fqn, dtype=dtype) if fqn in handle.checkpoint.tensors else handle.get_object(fqn)
                 for key, fqn in names.items()}
 
@@ -517,6 +527,8 @@ def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: boo
         if strict and (missing or unexpected):
             raise UsageError(f"{where}: does not match the module: missing {_few(missing)}, unexpected "
                              f"{_few(unexpected)}; pass strict=False to load the rest")
+        handle._locate(handle.checkpoint.tensors[sources[key]] for key in state
+                       if sources.get(key) in handle.checkpoint.tensors)
         for key, target in state.items():
             fqn = sources.get(key)
             if fqn is None:

@@ -316,15 +316,16 @@ def transformers():
     return transformers
 
 
-def test_load_into_a_llama_gives_from_pretraineds_logits_exactly(transformers, tmp_path):
+@pytest.mark.parametrize("fixture", [LLAMA, FIXTURES / "llama_tied_world2"], ids=["untied", "tied"])
+def test_load_into_a_llama_gives_from_pretraineds_logits_exactly(transformers, tmp_path, fixture):
     import torch
 
-    ckpttool.export(LLAMA / "checkpoint", tmp_path / "hf", LLAMA / "config")
+    ckpttool.export(fixture / "checkpoint", tmp_path / "hf", fixture / "config")
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    config = transformers.AutoConfig.from_pretrained(LLAMA / "config")
+    config = transformers.AutoConfig.from_pretrained(fixture / "config")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert ckpttool.load_into(model, LLAMA / "checkpoint") == ([], [])
+    assert ckpttool.load_into(model, fixture / "checkpoint") == ([], [])
     for key, value in pretrained.state_dict().items():
         assert_same_bytes(model.state_dict()[key], value, key)
     with torch.no_grad():
