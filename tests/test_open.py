@@ -417,3 +417,21 @@ def test_storage_options_reach_the_reads(s3):
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     with ckpttool.open("s3://ckpts/src", storage_options={"endpoint_url": endpoint}) as f:
         assert f.get_tensor("embed.weight").shape == f.metadata("embed.weight").shape
+
+
+def test_replicated_chunks_are_read_once_and_device_moves_the_result(monkeypatch):
+    import dataclasses
+
+    with ckpttool.open(LAYOUTS["fsdp2_world3_uneven"][0]) as f:
+        full = f.get_tensor("layers.0.fc1.weight")
+        tensor = f.metadata("layers.0.fc1.weight")
+        twice = tuple(sorted(tensor.chunks + tensor.chunks, key=lambda chunk: chunk.offsets))  # HSDP: every box twice
+        tensors = {**f.checkpoint.tensors, tensor.fqn: dataclasses.replace(tensor, chunks=twice)}
+        f.checkpoint = dataclasses.replace(f.checkpoint, tensors=tensors)
+        f._located.clear()
+        assert_same_bytes(f.get_tensor(tensor.fqn), full)
+        counted = CountedReads(monkeypatch)
+        assert_same_bytes(f.get_slice(tensor.fqn)[6:9], full[6:9])
+        # (covering each box twice would fail reshard's geometry: the slice reads each box once)
+        assert {twice[i].offsets for i in counted.chunks_touched(f.metadata(tensor.fqn))} == {(0, 0), (7, 0)}
+        assert f.get_tensor(tensor.fqn, device="meta").device.type == "meta"
