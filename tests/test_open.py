@@ -398,6 +398,13 @@ def test_s3_reads_the_same_bytes_by_ranged_gets(s3):
             assert_same_bytes(state[key], hub.get_tensor(key), key)
 
 
+def test_s3_slice_gets_only_from_the_file_of_the_chunk_it_meets(s3):
+    with ckpttool.open(FIXTURES / "fsdp2_world2") as local, ckpttool.open("s3://ckpts/src") as f:
+        rows = f.get_slice("embed.weight")[8:11]  # rows 7..13 are rank 1's chunk
+        assert_same_bytes(rows, local.get_tensor("embed.weight")[8:11])
+        assert set(f._files._readers) == {"__1_0.distcp"} and 0 < f._files.requests <= 3
+
+
 def test_s3_damaged_checkpoint_raises_validates_code(s3, tmp_path):
     path = tmp_path / "damaged"
     shutil.copytree(FIXTURES / "fsdp2_world2", path)
