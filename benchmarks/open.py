@@ -48,7 +48,8 @@ import ckpttool.load  # what `ckpttool.open` imports on first use: the readers, 
 imported = time.perf_counter()
 with ckpttool.open(sys.argv[1]) as f:
     opened = time.perf_counter()
-    tensor = f.get_tensor(sys.argv[2])
+    rows = int(sys.argv[4])  # 0: the whole tensor; else get_slice(key)[:rows]
+    tensor = f.get_slice(sys.argv[2])[:rows] if rows else f.get_tensor(sys.argv[2])
     done = time.perf_counter()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the floor's buffer below
 floor = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)  # the same bytes into fresh memory
@@ -127,8 +128,9 @@ def interleaved(commands: list[tuple[list[str] | str, bool]], repeat: int) -> li
     return results
 
 
-def chunk_ranges(source: Path) -> list[tuple[Path, int, int]]:
-    """(file, offset, length) of each chunk's raw bytes of TENSOR (no torch: ckpttool's locate)."""
+def chunk_ranges(source: Path, rows: int | None = None) -> list[tuple[Path, int, int]]:
+    """(file, offset, length) of the raw bytes of TENSOR's first `rows` rows (all by default),
+    chunk by chunk (no torch: ckpttool's locate)."""
     from ckpttool import execute
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.readers.dcp import read_checkpoint
@@ -136,7 +138,15 @@ def chunk_ranges(source: Path) -> list[tuple[Path, int, int]]:
     tensor = read_checkpoint(source).tensors[TENSOR]
     with DataFiles(source) as files:
         located = execute.locate_chunks(files, [tensor])[TENSOR]
-    return [(source / raw.file, raw.offset, raw.length) for _, raw in sorted(located.items())]
+    rows = tensor.shape[0] if rows is None else rows
+    row_bytes = tensor.nbytes // tensor.shape[0]
+    ranges = []
+    for index, raw in sorted(located.items()):
+        start, height = tensor.chunks[index].offsets[0], tensor.chunks[index].sizes[0]
+        taken = min(height, max(0, rows - start))
+        if taken:
+            ranges.append((source / raw.file, raw.offset, taken * row_bytes))
+    return ranges
 
 
 def main() -> None:
@@ -159,14 +169,23 @@ def main() -> None:
         shapes = [list(checkpoint.tensors[f"model.layers.{i}.weight"].shape) for i in range(len(checkpoint.tensors))]
         model_bytes = sum(t.nbytes for t in checkpoint.tensors.values())
         python = sys.executable
-        dd = " ; ".join(f"dd if={file} of=/dev/null bs={CAT_BLOCK} iflag=skip_bytes,count_bytes skip={offset} "
-                        f"count={length} status=none" for file, offset, length in ranges)
+        half = checkpoint.tensors[TENSOR].shape[0] // 2
+        half_ranges = chunk_ranges(source, half)
+        half_bytes = sum(length for _, _, length in half_ranges)
 
-        peek_command = [python, "-c", PEEK, str(source), TENSOR, json.dumps([[str(f), o, n] for f, o, n in ranges])]
+        def dd(found: list) -> str:
+            return " ; ".join(f"dd if={file} of=/dev/null bs={CAT_BLOCK} iflag=skip_bytes,count_bytes skip={offset} "
+                              f"count={length} status=none" for file, offset, length in found)
+
+        def peek_command(found: list, rows: int) -> list[str]:
+            return [python, "-c", PEEK, str(source), TENSOR, json.dumps([[str(f), o, n] for f, o, n in found]), str(rows)]
+
         (start_wall, start_fastest, start_rss, _), (cat_wall, cat_fastest, cat_rss, _), \
-            (peek_wall, peek_fastest, _, peek) = interleaved(
-                [([python, "-c", "import ckpttool, torch"], False), (dd, True), (peek_command, False)], args.repeat)
-        peek_rss = peek["peak"]  # the process's peak before it measured the floor
+            (peek_wall, peek_fastest, _, peek), (half_cat_wall, half_cat_fastest, half_cat_rss, _), \
+            (slice_wall, slice_fastest, _, sliced) = interleaved(
+                [([python, "-c", "import ckpttool, torch"], False), (dd(ranges), True), (peek_command(ranges, 0), False),
+                 (dd(half_ranges), True), (peek_command(half_ranges, half), False)], args.repeat)
+        peek_rss, slice_rss = peek["peak"], sliced["peak"]  # the processes' peaks before they measured the floor
         out = root / "torch.pt"
         torch_wall, torch_rss, torch_peek = measure([python, "-c", TORCH_PEEK, str(source), TENSOR, str(out)])
         out.unlink(missing_ok=True)
@@ -183,7 +202,11 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|")
         print(f"| interpreter start (`import ckpttool, torch`) | {start_wall:.3f} | | {start_rss / mb:.0f} | |")
         print(f"| `cat` of the tensor's bytes (dd, 128 KiB reads) | {cat_wall:.3f} | | {cat_rss / mb:.0f} | |")
+        print(f"| `cat` of its first half's bytes ({half_bytes / mb:.0f} MB) | {half_cat_wall:.3f} | | "
+              f"{half_cat_rss / mb:.0f} | |")
         for name, wall, rss, inner in (("ckpttool.open + get_tensor", peek_wall, peek_rss, peek),
+                                       (f"ckpttool.open + get_slice(...)[:{half}] ({half_bytes / mb:.0f} MB, "
+                                        f"{len(half_ranges)} chunks)", slice_wall, slice_rss, sliced),
                                        ("torch today: dcp_to_torch_save + torch.load", torch_wall, torch_rss, torch_peek),
                                        ("ckpttool.load_into (8 tensors)", load_wall, load_rss, load),
                                        ("torch dcp.load(no_dist=True) into the module", dcp_wall, dcp_rss, dcp_load)):
@@ -196,6 +219,11 @@ def main() -> None:
               f"get_tensor {peek['get_tensor']:.3f} s = {peek['get_tensor'] / cat_wall:.2f}x cat and "
               f"{peek['get_tensor'] / peek['floor']:.2f}x preadv of the same ranges into fresh memory "
               f"({peek['floor']:.3f} s: cat reuses one small buffer, a tensor's pages are faulted in once)")
+        print(f"- open + get_slice of the first half, whole process / (cat of those bytes + interpreter start): "
+              f"{slice_wall / (half_cat_wall + start_wall):.2f}x by the medians, "
+              f"{slice_fastest / (half_cat_fastest + start_fastest):.2f}x by the fastest; in process "
+              f"{sliced['get_tensor']:.3f} s = {sliced['get_tensor'] / sliced['floor']:.2f}x preadv of those bytes into "
+              f"fresh memory; {(slice_rss - sliced['rss_before'] - half_bytes) / mb:.0f} MB above the slice")
         print(f"- open + get_tensor memory above the tensor: {(peek_rss - peek['rss_before'] - tensor_bytes) / mb:.0f} MB "
               f"above the interpreter's, {(peek_rss - start_rss - tensor_bytes) / mb:.0f} MB above the bare "
               "interpreter's peak (acceptance: <= 100 MB)")
