@@ -249,7 +249,9 @@ class CheckpointFile:
             for op in operations:  # a thread pool would cost more than the reads
                 _apply(op, files, view)
             return
-        tasks = (Task(functools.partial(_apply, op, files, view), op.memory) for op in operations)
+        # neighbouring small operations run as one task (execute.batches), as consolidate runs them
+        tasks = (Task(functools.partial(_apply_all, batch, files, view), max(op.memory for op in batch))
+                 for batch in execute.batches(operations))
         run_tasks(tasks, self.threads, self.max_memory)
 
     def _locate(self, tensors: Iterable[Tensor]) -> None:
@@ -397,6 +399,10 @@ def region_operations(tensor: Tensor, runs: Iterable[Run], located: Mapping[int,
             operations.extend(Copy(raw.file, raw.offset + run.source_offset, OUTPUT, run.target_offset, run.length)
                               for run in found)
     return operations
+
+
+def _apply_all(operations: list[Operation], files: DataFiles, view: memoryview) -> int:
+    return sum(_apply(op, files, view) for op in operations)
 
 
 def _apply(op: Operation, files: DataFiles, view: memoryview) -> int:

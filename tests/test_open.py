@@ -121,6 +121,26 @@ def test_the_same_tensor_through_a_chunk_table_and_tuples(consolidated):
                 assert_same_bytes(f.get_slice(fqn)[1:rows - 1], everything[fqn][1:rows - 1], fqn)
 
 
+@pytest.mark.parametrize("small", [1 << 20, 0], ids=["batched", "one-task-per-operation"])
+def test_reads_on_the_thread_pool_give_the_same_bytes(consolidated, monkeypatch, small):
+    import torch
+
+    from ckpttool import execute, load
+
+    monkeypatch.setattr(load, "INLINE_BYTES", 0)  # fixture tensors are small: every read would run inline
+    monkeypatch.setattr(execute, "SMALL_OPERATION", small)
+    for name in ("fsdp2_world3_uneven", "megatron"):
+        everything, _ = consolidated(name)
+        with ckpttool.open(LAYOUTS[name][0], threads=3, max_memory=4096) as f:
+            for fqn in f.checkpoint.tensors:
+                expected = everything[fqn]
+                assert_same_bytes(f.get_tensor(fqn), expected, fqn)
+                cast = torch.float16 if expected.is_floating_point() else expected.dtype  # ints keep theirs
+                assert_same_bytes(f.get_tensor(fqn, dtype="float16"), expected.to(cast), fqn)
+                if expected.dim() and expected.shape[0] > 3:
+                    assert_same_bytes(f.get_slice(fqn)[1:-1], dense(expected[1:-1]), fqn)
+
+
 def test_dtype_casts_floating_tensors_as_consolidate_dtype_does(tmp_path):
     from safetensors.torch import load_file
 
