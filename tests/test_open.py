@@ -141,6 +141,35 @@ def test_reads_on_the_thread_pool_give_the_same_bytes(consolidated, monkeypatch,
                     assert_same_bytes(f.get_slice(fqn)[1:-1], dense(expected[1:-1]), fqn)
 
 
+@pytest.mark.parametrize("writer_options", ["safetensors", "zstd"])
+def test_safetensors_format_and_zstd_blobs_read_as_saved(writer_options, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    if writer_options == "zstd":  # blobs that must be decoded: Gather without a raw source
+        pytest.importorskip("zstandard")
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        options = {"_extensions": [ZStandard()]}
+    else:
+        options = {"serialization_format": SerializationFormat.SAFETENSORS}
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(7, 5), "b": torch.randn(5).to(torch.bfloat16), "i": torch.arange(4),
+                       "s": torch.tensor(3.0)}, "extra": {"step": 3}}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "ckpt", **options), no_dist=True)
+    with ckpttool.open(tmp_path / "ckpt") as f:
+        assert sorted(f.model_keys()) == ["b", "i", "s", "w"]
+        for key, value in state["model"].items():
+            assert_same_bytes(f.get_tensor(key), value, key)
+            if value.dim():
+                assert_same_bytes(f.get_slice(key)[1:3], value[1:3], key)
+        assert_same_bytes(f.get_slice("w")[2:6, 1:4], dense(state["model"]["w"][2:6, 1:4]))
+        assert_same_bytes(f.get_tensor("w", dtype="bfloat16"), state["model"]["w"].to(torch.bfloat16))
+        assert f.get_object("extra.step") == 3
+
+
 def test_dtype_casts_floating_tensors_as_consolidate_dtype_does(tmp_path):
     from safetensors.torch import load_file
 
