@@ -62,7 +62,9 @@ class CheckpointFile:
     Names: `keys()` are the entries as stored (full fqns); `model_keys()` the model's own
     keys as consolidate names them (`model.state_dict()` names). `get_tensor`,
     `get_slice`, `get_object` and `metadata` take either; a stored fqn wins where a name is
-    both.
+    both. `layout` says what was found (`readers.detect`), `checkpoint` is the checkpoint as
+    our types, `problems` the integrity gate's warnings. Not for use by several threads at
+    once (each call reads on its own bounded pool).
 
     Example:
         >>> with CheckpointFile("ckpt/step-100") as f:
