@@ -172,8 +172,8 @@ class CheckpointFile:
         tensor, or with `framework="np"` a numpy array).
 
         `dtype` casts floating tensors as consolidate's `--dtype` does (`tensor.to(dtype)`
-        block by block; integer and bool tensors keep theirs). `device` moves the result
-        after it is read on the CPU.
+        block by block; integer and bool tensors keep theirs): a torch dtype, a numpy one or
+        a name (`"bf16"`). `device` moves a torch result after it is read on the CPU.
 
         Example:
             >>> f.get_tensor("layers.0.attn.weight", dtype=torch.bfloat16).dtype
@@ -427,7 +427,11 @@ def _dtype_name(dtype: Any) -> str | None:
     """Return torch's name of a dtype given as a torch dtype, numpy dtype or string, or None."""
     if dtype is None:
         return None
-    name = str(dtype).removeprefix("torch.")
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if isinstance(dtype, type):  # a numpy scalar type (np.float32)
+        import numpy as np
+
+        name = np.dtype(dtype).name
     try:
         return dtypes.canonical(name)
     except KeyError:

@@ -217,6 +217,28 @@ def test_numpy_reads_of_raw_chunks_never_import_torch():
     assert result.stdout.split("\n")[:2] == ["(13, 8) (6, 8)", "False"]
 
 
+def test_read_into_fills_a_given_tensor_or_array_in_place():
+    import numpy as np
+    import torch
+
+    with ckpttool.open(LAYOUTS["fsdp2_world3_uneven"][0]) as f:
+        expected = f.get_tensor("layers.0.fc1.weight")
+        out = torch.zeros(20, 8)
+        address = out.data_ptr()
+        f.read_into("layers.0.fc1.weight", out)
+        assert out.data_ptr() == address
+        assert_same_bytes(out, expected)
+        array = np.zeros((20, 8), dtype=np.float16)
+        f.read_into("layers.0.fc1.weight", array)  # cast to the array's floating dtype
+        assert array.tobytes() == expected.to(torch.float16).numpy().tobytes()
+        with pytest.raises(UsageError, match=r"has shape \[20, 8\], the destination \[8, 20\]"):
+            f.read_into("layers.0.fc1.weight", torch.zeros(8, 20))
+        with pytest.raises(UsageError, match="is int64, the destination float32"):
+            f.read_into("position_ids", torch.zeros(5))
+    with ckpttool.open(LAYOUTS["fsdp2_world3_uneven"][0], framework="np") as f:
+        assert f.get_tensor("embed.weight", dtype=np.float16).dtype == np.float16
+
+
 INDICES = [
     slice(None), slice(2, 5), slice(-3, None), slice(1, 9, 3), 0, -1, (slice(None), 1), (Ellipsis, slice(2, 4)),
     (slice(3, 3),), (slice(None, None, 2), Ellipsis), (4, slice(1, None, 5)),
