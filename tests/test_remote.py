@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import urllib.request
 import signal
 import subprocess
 import sys
@@ -41,6 +42,9 @@ def s3(tmp_path_factory):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets per process, not per server: start from none (another module's
+    # server, e.g. test_open's use of this fixture, may have left this bucket behind)
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     saved = dict(os.environ)
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=f"http://{host}:{port}")
