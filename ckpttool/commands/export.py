@@ -33,8 +33,9 @@ from dataclasses import replace
 
 from ckpttool import __version__
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.commands.consolidate import (ConsolidateReport, Planned, load_objects, output_format, plan_output,
-                                           report_of, write_output)
+from ckpttool.adapter import AdapterMerge, check_merge_target
+from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
+                                           plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CorruptMetadata, InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.execute import write_file
@@ -42,7 +43,7 @@ from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.io import parse_size
-from ckpttool.options import ConvertOptions, SourceOptions, WriteOptions
+from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.plan.consolidate import ConsolidatePlan
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.readers.hub_folder import INDEX_FILENAME
@@ -99,6 +100,7 @@ def export(
     convert: ConvertOptions = ConvertOptions(),
     write: WriteOptions = WriteOptions(),
     source: SourceOptions = SourceOptions(),
+    merge_adapter: AdapterOptions | None = None,
 ) -> ExportReport:
     """Return a report after writing `src` as a Hub model folder at `outdir`.
 
@@ -107,7 +109,9 @@ def export(
     are copied, and its config decides the check: a transformers Llama/Mistral/Qwen2 config
     must match every key and shape, a `model.safetensors.index.json` beside it every key. A
     tied config writes one copy of the tied pair. Raises InvalidCheckpoint
-    (`config-mismatch`) and writes nothing when the weights disagree.
+    (`config-mismatch`) and writes nothing when the weights disagree. `merge_adapter` writes a
+    LoRA model as its base model with the adapter merged in (`adapter.AdapterMerge`); the
+    adapter itself is `export_adapter.export_adapter`.
 
     Example:
         >>> export("ckpt/step-00000010", "out/", "config/", ConvertOptions(dtype="bf16")).dtype
@@ -124,8 +128,14 @@ def export(
                               drop_tied=convert.drop_tied or tied)
     kind = output_format(target, weights_convert.max_shard_size)
     refuse_overlap(target, src)
-    planned = plan_output(src, target.name, kind, weights_convert, source, write.threads)  # the source is read once, here
+    merge = AdapterMerge(merge_adapter, assets) if merge_adapter is not None else None
+    if merge is not None:
+        check_merge_target(target)
+    planned = plan_output(src, target.name, kind, weights_convert, source, write.threads,  # the source is read once, here
+                          adapt=merge.view if merge else None)
     plan, checkpoint = planned.plan, planned.checkpoint
+    if merge is not None:
+        merge.plan(plan)
     extras = _trainer_entries(checkpoint, source.follow_symlinks)
     shapes = {t.key: t.shape for t in plan.tensors}
     oversized = [f for f in plan.files if f.size > HUB_MAX_FILE_SIZE]
@@ -133,6 +143,8 @@ def export(
         raise UsageError(f"{target / oversized[0].name}: {oversized[0].size} bytes, over the Hub's 50GB per-file limit "
                          f"(one tensor larger than that cannot be uploaded)")
     config, config_from, checked, notes = _check_config(config, asset_dir, extras, checkpoint, plan, shapes)
+    if merge is not None:
+        notes.append(merge.note())
     written_dtype = _written_dtype(plan)
     documents: dict[str, bytes] = {}
     if config is not None:
@@ -149,7 +161,8 @@ def export(
         (name, len(data)) for name, data in documents.items())
     weights = report_of(planned, target, (), (), False, True, 0.0)
     if not write.dry_run:
-        weights = _write_folder(planned, target, write, source, weight_files, asset_dir, copied, documents)
+        weights = _write_folder(planned, target, write, source, weight_files, asset_dir, copied, documents,
+                                merge.patch if merge else None)
     return ExportReport(
         source=checkpoint.path, output=target, files=files, weights=weights, dtype=written_dtype,
         parameters=sum(_numel(t.shape) for t in plan.tensors), step=step, config=config_from, checked=checked,
@@ -211,7 +224,7 @@ def _card(src: str | os.PathLike, assets: str | os.PathLike | None, convert: Con
 
 def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: SourceOptions,
                   weight_files: tuple[tuple[str, int], ...], asset_dir: Path | None, copied: list[str],
-                  documents: dict[str, bytes]) -> ConsolidateReport:
+                  documents: dict[str, bytes], patch: Patch | None = None) -> ConsolidateReport:
     """Write the planned weights, the copied assets and the documents into one temporary
     directory renamed to `target`; return the weights' report."""
     started = time.perf_counter()
@@ -219,7 +232,7 @@ def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: S
         with atomic_directory(target, force=write.force, notify=write.notify) as output:
             weights_at = output.path / _WEIGHTS_DIRECTORY
             inner = replace(write, force=False)  # a fresh directory inside the temporary one
-            written, processes = write_output(planned, weights_at, inner, source)
+            written, processes = write_output(planned, weights_at, inner, source, patch=patch)
             weights = report_of(planned, weights_at, written, processes, write.verify, False,
                                 time.perf_counter() - started)
             for name, _ in weight_files:

@@ -1,0 +1,138 @@
+"""A checkpoint's LoRA adapter as export and consolidate use it: found by structure in the model
+(`lora.find_lora`), its adapter_config.json (beside the checkpoint, in --assets, or flags,
+checked against the weights), and `--merge-adapter` inside consolidate's own pipeline
+(`AdapterMerge`: re-key the model as the base model, plan the merge, patch the written weights
+before they are committed).
+
+Example:
+    >>> found = find_adapter("runs/lora/step-00000200", None, SourceOptions())
+    >>> found.adapter.targets, found.adapter.ranks
+    (('q_proj', 'v_proj'), (4,))
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ckpttool import integrity, readers
+from ckpttool.checkpoint import Checkpoint
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.errors import UsageError
+from ckpttool.formats import peft
+from ckpttool.lora import Adapter, LoraLayout, find_lora, model_shapes
+from ckpttool.merge import run_merge
+from ckpttool.model_view import ModelView, find_model
+from ckpttool.options import AdapterOptions, SourceOptions
+from ckpttool.plan.consolidate import ConsolidatePlan
+from ckpttool.plan.merge import MergePlan, plan_merge
+
+
+@dataclass(frozen=True)
+class FoundAdapter:
+    """A checkpoint read and gated, its model view, its LoRA layout, the chosen adapter and the
+    model key -> fqn of every model tensor."""
+
+    checkpoint: Checkpoint
+    layout_name: str
+    view: ModelView
+    lora: LoraLayout
+    adapter: Adapter
+    fqns: Mapping[str, str]
+    problems: tuple
+
+
+def find_adapter(src: str | os.PathLike, name: str | None, source: SourceOptions) -> FoundAdapter:
+    """Return the checkpoint at `src` with its LoRA adapter `name` (None: the only one);
+    UsageError when the model holds no LoRA weights."""
+    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
+    problems = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
+    view = find_model(checkpoint, source.model_prefix).require()
+    shapes, fqns = model_shapes(checkpoint, view)
+    lora = find_lora(shapes)
+    if lora is None:
+        raise UsageError(f"{checkpoint.path}: the model holds no LoRA weights (no lora_A/lora_B keys); "
+                         "export it without --adapter/--merge-adapter")
+    return FoundAdapter(checkpoint, detection.describe(), view, lora, lora.adapter(name), fqns, problems)
+
+
+def adapter_config(found: FoundAdapter, assets: str | os.PathLike | None,
+                   options: AdapterOptions) -> tuple[dict[str, Any], str]:
+    """Return (adapter_config.json, where its fields came from): the first adapter_config.json
+    in the checkpoint directory or `assets`, flags over it, checked against the weights."""
+    candidates = [Path(found.checkpoint.path) / peft.CONFIG_NAME] if isinstance(found.checkpoint.path, Path) else []
+    if assets is not None:
+        candidates.append(Path(assets) / peft.CONFIG_NAME)
+    path = next((c for c in candidates if c.is_file()), None)
+    given = peft.read_config(path) if path is not None else None
+    adapter = found.adapter
+    flags = options.flags()
+    if given is None:
+        flags.setdefault("use_dora", any(m.magnitude_key for m in adapter.modules) or None)
+        flags.setdefault("lora_bias", any(m.bias_key for m in adapter.modules) or None)
+        flags.setdefault("fan_in_fan_out", any(m.transposed for m in adapter.modules) or None)
+        saved = sorted({key.rsplit(".", 1)[0].rsplit(".", 1)[-1] for key in adapter.saved.values()})
+        flags.setdefault("modules_to_save", saved or None)
+    where = str(path) if path is not None else "the flags"
+    config = peft.build_config(given, [(m.path, m.rank) for m in adapter.modules], flags, where)
+    return config, where + (" and the flags" if path is not None and options.flags() else "")
+
+
+class AdapterMerge:
+    """`--merge-adapter` for consolidate and export, in their own pipeline: `view` (given to
+    `plan_output`) re-keys the model as the base model (adapter tensors left out, a
+    modules_to_save copy in place of its original), `plan` then plans the merge over the written
+    plan, and `patch` (given to `write_output`) merges each module into the written output
+    before it is committed.
+
+    Example:
+        >>> merge = AdapterMerge(AdapterOptions(lora_alpha=16), assets=None)
+        >>> planned = plan_output(src, name, kind, convert, source, threads, adapt=merge.view)
+        >>> merge.plan(planned.plan).steps[0].module
+        'model.layers.0.self_attn.q_proj'
+    """
+
+    def __init__(self, options: AdapterOptions, assets: str | os.PathLike | None):
+        self.options, self.assets = options, assets
+        self.found: FoundAdapter | None = None
+        self.merge: MergePlan | None = None
+        self.config_from = ""
+
+    def view(self, checkpoint: Checkpoint, view: ModelView) -> ModelView:
+        """Return `view` with base model keys: LoRA tensors out, `base_layer.` gone."""
+        shapes, fqns = model_shapes(checkpoint, view)
+        lora = find_lora(shapes)
+        if lora is None:
+            raise UsageError(f"{checkpoint.path}: the model holds no LoRA weights (no lora_A/lora_B keys); "
+                             "nothing to merge: export it without --merge-adapter")
+        adapter = lora.adapter(self.options.name)
+        self.found = FoundAdapter(checkpoint, "", view, lora, adapter, fqns, ())
+        replaced = set(adapter.saved.values())
+        keys = {fqns[key]: base for key, base in lora.base_keys.items() if base not in replaced}
+        keys.update({fqns[key]: base for key, base in adapter.saved.items()})
+        objects = {fqn: key for fqn, key in view.keys.items() if fqn not in checkpoint.tensors}
+        return replace(view, keys=dict(sorted({**keys, **objects}.items())))
+
+    def plan(self, plan: ConsolidatePlan) -> MergePlan:
+        """Return the merge of the adapter into what `plan` writes."""
+        assert self.found is not None, "view() runs first, inside plan_output"
+        config, self.config_from = adapter_config(self.found, self.assets, self.options)
+        self.merge = plan_merge(plan, self.found.adapter, config, self.found.fqns)
+        return self.merge
+
+    def patch(self, files: DataFiles, fds: dict[str, int]) -> None:
+        assert self.found is not None and self.merge is not None
+        run_merge(self.merge, self.found.checkpoint, files, fds)
+
+    def note(self) -> str:
+        merge = self.merge
+        return (f"merged LoRA adapter {merge.adapter!r} into {len(merge.steps)} base weights "
+                f"(lora_alpha and options from {self.config_from})") if merge else ""
+
+
+def check_merge_target(target: Any) -> None:
+    """--merge-adapter reads written weights back: a local output only."""
+    if not isinstance(target, Path):
+        raise UsageError(f"{target}: --merge-adapter writes local outputs only; write locally, then `ckpttool push`")
