@@ -75,9 +75,11 @@ def adapter_config(found: FoundAdapter, assets: str | os.PathLike | None,
         flags.setdefault("fan_in_fan_out", any(m.transposed for m in adapter.modules) or None)
         saved = sorted({key.rsplit(".", 1)[0].rsplit(".", 1)[-1] for key in adapter.saved.values()})
         flags.setdefault("modules_to_save", saved or None)
-    where = str(path) if path is not None else "the flags"
+    where = str(path) if path is not None else str(found.checkpoint.path)
     config = peft.build_config(given, [(m.path, m.rank) for m in adapter.modules], flags, where)
-    return config, where + (" and the flags" if path is not None and options.flags() else "")
+    if path is None:
+        return config, "the weights and the flags"
+    return config, str(path) + (" and the flags" if options.flags() else "")
 
 
 class AdapterMerge:

@@ -1,7 +1,8 @@
 """Runs a `plan.merge.MergePlan` on written outputs: one LoRA module at a time, each base
 weight read back from the output, `W += delta` computed exactly as PEFT's
-`peft/tuners/lora/layer.py` computes it (`get_delta_weight`, then `merge` without safe_merge:
-the same torch ops in the same dtype, so the result is bit-identical to `merge_and_unload`),
+`peft/tuners/lora/layer.py` computes it (`get_delta_weight`, then `merge` without safe_merge,
+on an adapter loaded as `PeftModel.from_pretrained` loads it: the same torch ops in the same
+dtypes, so the result is bit-identical to `merge_and_unload`),
 and written back in place. Memory holds one module: its base weight, the delta, A and B.
 
 Example:
@@ -33,27 +34,26 @@ def run_merge(plan: MergePlan, checkpoint: Checkpoint, files: DataFiles, fds: Ma
 
 def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int]) -> None:
     weight = _read_output(torch, step.weight, fds)
-    dtype = weight.dtype
-    # a model loaded in the written dtype holds A and B in it too
-    a = read_tensor(torch, files, checkpoint.tensors[step.a_fqn]).to(dtype)
-    b = read_tensor(torch, files, checkpoint.tensors[step.b_fqn]).to(dtype)
-    # LoraLayer.get_delta_weight: (b)float16 on CPU is merged in float32, then cast back
-    cast_to_fp32 = dtype in (torch.float16, torch.bfloat16)
-    if cast_to_fp32:
-        a, b = a.float(), b.float()
+    # PeftModel.from_pretrained(autocast_adapter_dtype=True) holds a float16/bfloat16 adapter in
+    # float32 (peft.tuners.tuners_utils cast_adapter_dtype); get_delta_weight then computes in it
+    a = _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.a_fqn]))
+    b = _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.b_fqn]))
     delta = b @ a
     if step.kind == "embedding" or step.fan_in_fan_out:
         delta = delta.T
     delta = delta * step.scaling
-    if cast_to_fp32:
-        delta = delta.to(dtype=dtype)
+    del a
     weight += delta  # Linear.merge / Embedding.merge: base_layer.weight.data += delta_weight
-    del delta, a
+    del delta
     _write_output(step.weight, weight, fds)
     if step.bias is not None:
         bias = _read_output(torch, step.bias, fds)
-        bias += read_tensor(torch, files, checkpoint.tensors[step.bias_fqn]).to(bias.dtype) * step.scaling
+        bias += _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.bias_fqn])) * step.scaling
         _write_output(step.bias, bias, fds)
+
+
+def _adapter_dtype(torch: Any, tensor: Any) -> Any:
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
 def read_tensor(torch: Any, files: DataFiles, tensor: Tensor) -> Any:
