@@ -60,7 +60,7 @@ class LoraModule:
     base_shape: tuple[int, ...] | None = None
     bias_key: str | None = None  # lora_B bias (LoraConfig lora_bias)
     magnitude_key: str | None = None  # DoRA
-    quantized: bool = False  # the base weight holds half the elements: packed 4-bit (bitsandbytes Params4bit)
+    quantized: bool = False  # the base weight is packed 4-bit (bitsandbytes Params4bit, QLoRA)
 
     @property
     def name(self) -> str:
@@ -187,12 +187,19 @@ def _module(module: str, adapter: str, kind: str, pair: Mapping[str, str], extra
         fits = base_shape in (None, (b_shape[0], a_shape[1]), (a_shape[1], b_shape[0]))
     else:
         fits = base_shape in (None, (a_shape[1], b_shape[0]))
-    quantized = not fits and base_shape is not None and math.prod(base_shape) * 2 == b_shape[0] * a_shape[1]
+    quantized = not fits and _packed(base_shape, b_shape[0] * a_shape[1])
     if not fits and not quantized:
         raise InvalidCheckpoint(f"{path}: adapter {adapter!r} lora_A {list(a_shape)} and lora_B {list(b_shape)} do not "
                                 f"fit the base weight {list(base_shape)}", code="adapter-invalid")
     return LoraModule(path, adapter, kind, a_shape[0], pair["A"], pair["B"], a_shape, b_shape, base_key, base_shape,
                       extra.get("bias"), extra.get("magnitude"), quantized)
+
+
+def _packed(shape: tuple[int, ...] | None, numel: int) -> bool:
+    """bitsandbytes' Params4bit: two 4-bit values a byte, flattened to (bytes / itemsize, 1) in its
+    quant_storage dtype (uint8, or bf16/fp16/fp32 so FSDP can shard it)."""
+    return (shape is not None and len(shape) == 2 and shape[1] == 1 and shape[0] > 0
+            and numel % shape[0] == 0 and numel // shape[0] in (2, 4, 8))
 
 
 def _base_key(key: str, wrapped: bool) -> str:

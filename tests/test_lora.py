@@ -213,3 +213,172 @@ def test_export_of_a_lora_checkpoint_without_merge_is_refused_against_the_base_c
     result = cli("export", PEFT_FIXTURES / "attention" / "checkpoint", tmp_path / "out", "--assets",
                  PEFT_FIXTURES / "attention" / "base")
     assert result.exit_code == 1 and "config-mismatch" in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# Other PEFT shapes, each a real PEFT model's state dict saved with a single-process dcp.save
+
+def tiny_llama(hf, tied: bool = False):
+    import torch
+
+    transformers, _ = hf
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                                      tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(config)
+
+
+def peft_model(hf, base_dir: Path, **lora):
+    """A PeftModel on a seeded tiny Llama (saved to `base_dir` first), its adapter weights random
+    (init_lora_weights=False: B is not zero, so a merge changes the weights)."""
+    _, peft = hf
+    base = tiny_llama(hf)
+    base.save_pretrained(base_dir)
+    return peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **lora))
+
+
+def save_checkpoint(model, path: Path, wrapped: bool = True, change=None) -> Path:
+    """dcp.save({"model": state dict}) of `model` (keys without `base_model.model.` unless wrapped)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if not wrapped:
+        state = {k.removeprefix("base_model.model."): v for k, v in state.items()}
+    if change is not None:
+        change(state)
+    dcp.save({"model": state}, checkpoint_id=str(path))
+    return path
+
+
+def test_dora_adapter_exports_as_peft_saves_it_and_its_merge_is_refused_in_one_line(hf, cli, tmp_path):
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"])
+    model.save_pretrained(tmp_path / "peft")
+    source = save_checkpoint(model, tmp_path / "ckpt")
+    assert "adapter 'default': DoRA r=4" in cli("inspect", source).output
+    result = cli("export", source, tmp_path / "out", "--adapter", "--lora-alpha", "8", "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
+                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["use_dora"] is True
+    refused = cli("export", source, tmp_path / "merged", "--merge-adapter", "--lora-alpha", "8")
+    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
+    assert "model.layers.0.self_attn.q_proj: a DoRA adapter" in refused.output
+    assert not (tmp_path / "merged").exists()
+
+
+def test_modules_to_save_export_and_merge_equal_peft_save_pretrained_and_merge_and_unload(hf, cli, tmp_path):
+    import torch
+
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                       modules_to_save=["lm_head"])
+    with torch.no_grad():  # a trained copy that differs from the original lm_head
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.25)
+    model.save_pretrained(tmp_path / "peft")
+    source = save_checkpoint(model, tmp_path / "ckpt")
+    result = cli("export", source, tmp_path / "out", "--adapter", "--assets", tmp_path / "peft", "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
+                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    merged = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8", "-q")
+    assert merged.exit_code == 0, merged.output
+    assert_same_state(load_file(tmp_path / "merged.safetensors"), model.merge_and_unload().state_dict())
+
+
+def test_second_adapter_is_chosen_by_name_and_equals_peft_saving_it(hf, cli, tmp_path):
+    _, peft = hf
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["up_proj"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "peft", selected_adapters=["second"])
+    source = save_checkpoint(model, tmp_path / "ckpt")
+    unnamed = cli("export", source, tmp_path / "none", "--adapter", "--lora-alpha", "4")
+    assert unnamed.exit_code == 2 and "2 adapters (default, second)" in unnamed.output
+    result = cli("export", source, tmp_path / "out", "--adapter", "second", "--lora-alpha", "4", "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
+                      load_file(tmp_path / "peft" / "second" / "adapter_model.safetensors"))
+
+
+def test_lora_injected_without_peftmodel_gets_peft_prefix_and_loads_with_the_same_logits(hf, cli, tmp_path):
+    """inject_adapter_in_model and the bundled trainer save no `base_model.model.` wrapper."""
+    import torch
+
+    transformers, peft = hf
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    model.save_pretrained(tmp_path / "peft")
+    source = save_checkpoint(model, tmp_path / "ckpt", wrapped=False)
+    result = cli("export", source, tmp_path / "out", "--adapter", "--assets", tmp_path / "peft", "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
+                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "out").eval()
+    assert torch.equal(logits(loaded), logits(model.eval()))
+
+
+def _drop_first_b(state):
+    del state[next(k for k in sorted(state) if ".lora_B." in k)]
+
+
+def _narrow_first_a(state):
+    key = next(k for k in sorted(state) if ".lora_A." in k)
+    state[key] = state[key][:3].clone()
+
+
+@pytest.mark.parametrize("damage, words", [
+    (_drop_first_b, "model.layers.0.self_attn.q_proj: adapter 'default' has"),
+    (_narrow_first_a, "model.layers.0.self_attn.q_proj: adapter 'default' has lora_A [3, 32] and lora_B [32, 4]"),
+])
+def test_broken_adapter_exits_1_naming_the_module_and_writes_nothing(hf, cli, tmp_path, damage, words):
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    source = save_checkpoint(model, tmp_path / "ckpt", change=damage)
+    for command in (["export", source, tmp_path / "out", "--adapter", "--lora-alpha", "8"],
+                    ["export", source, tmp_path / "out", "--merge-adapter", "--lora-alpha", "8"],
+                    ["consolidate", source, tmp_path / "out.safetensors", "--merge-adapter", "--lora-alpha", "8"]):
+        result = cli(*command)
+        assert result.exit_code == 1 and words in result.output and "adapter-invalid" in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.safetensors").exists()
+    assert "LoRA keys that do not form an adapter" in cli("inspect", source).output
+
+
+def test_config_whose_rank_or_targets_disagree_with_the_weights_exits_1_naming_the_module(cli, tmp_path):
+    fixture = PEFT_FIXTURES / "attention"
+    for change, words in ((("r", 8), "model.layers.0.self_attn.q_proj has rank 4 in the weights, the config says r=8"),
+                          (("target_modules", ["q_proj"]), "does not select model.layers.0.self_attn.v_proj"),
+                          (("target_modules", ["q_proj", "v_proj", "k_proj"]), "names 'k_proj', but no k_proj")):
+        assets = tmp_path / f"assets-{change[0]}-{len(str(change[1]))}"
+        assets.mkdir()
+        config = json.loads((fixture / "adapter" / "adapter_config.json").read_text())
+        config[change[0]] = change[1]
+        (assets / "adapter_config.json").write_text(json.dumps(config))
+        result = cli("export", fixture / "checkpoint", tmp_path / "out", "--adapter", "--assets", assets)
+        assert result.exit_code == 1 and "config-mismatch" in result.output and words in result.output, result.output
+        assert not (tmp_path / "out").exists()
+
+
+def test_qlora_4bit_base_exports_the_adapter_and_refuses_to_merge_naming_the_tensor(hf, cli, tmp_path):
+    """A QLoRA base as bitsandbytes' Params4bit saves it: the weight packed two 4-bit values a
+    byte into (out*in/2, 1) uint8, its quant state beside it (absmax, quant_map, quant_state)."""
+    import torch
+
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model.save_pretrained(tmp_path / "peft")
+
+    def pack(state):
+        for key in [k for k in state if k.endswith(".base_layer.weight")]:
+            numel = state[key].numel()
+            state[key] = torch.randint(0, 256, (numel // 2, 1), dtype=torch.uint8)
+            state[key + ".absmax"] = torch.rand(numel // 64)
+            state[key + ".quant_map"] = torch.linspace(-1, 1, 16)
+            state[key + ".quant_state.bitsandbytes__nf4"] = torch.zeros(64, dtype=torch.uint8)
+
+    source = save_checkpoint(model, tmp_path / "ckpt", change=pack)
+    result = cli("export", source, tmp_path / "out", "--adapter", "--assets", tmp_path / "peft", "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
+                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    refused = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8")
+    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight: the base weight is uint8" in refused.output
+    assert not (tmp_path / "merged.safetensors").exists()
