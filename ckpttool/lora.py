@@ -36,9 +36,11 @@ from ckpttool.model_view import ModelView
 WRAPPER_PREFIX = "base_model.model."  # peft.PeftModel -> LoraModel -> the base model
 BASE_LAYER = "base_layer"  # peft.tuners.tuners_utils.BaseTunerLayer wraps the original module here
 # peft/tuners/lora/layer.py LoraLayer.adapter_layer_names and other_param_names
-_LINEAR = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])\.(?P<adapter>[^.]+)\.(?P<param>weight|bias)$")
-_EMBEDDING = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<side>[AB])\.(?P<adapter>[^.]+)$")
-_MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector\.(?P<adapter>[^.]+)(?:\.weight)?$")
+# an adapter file (save_pretrained) drops the adapter name: `<module>.lora_A.weight`; PEFT loads it as "default"
+_LINEAR = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$")
+_EMBEDDING = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<side>[AB])(?:\.(?P<adapter>[^.]+))?$")
+_MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.(?P<adapter>(?!weight$)[^.]+))?(?:\.weight)?$")
+FILE_ADAPTER = "default"  # peft.PeftModel.from_pretrained(adapter_name="default")
 # peft/utils/other.py ModulesToSaveWrapper: the trained copy and the original
 _SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
@@ -138,7 +140,7 @@ def find_lora(shapes: Mapping[str, tuple[int, ...]]) -> LoraLayout | None:
     adapter_keys = set()
     for key in shapes:
         if match := _LINEAR.match(key):
-            module, adapter = match["module"], match["adapter"]
+            module, adapter = match["module"], match["adapter"] or FILE_ADAPTER
             if match["param"] == "bias":
                 if match["side"] == "B":
                     extras[(module, adapter)]["bias"] = key
@@ -146,9 +148,9 @@ def find_lora(shapes: Mapping[str, tuple[int, ...]]) -> LoraLayout | None:
                 continue
             sides[(module, adapter, "linear")][match["side"]] = key
         elif match := _EMBEDDING.match(key):
-            sides[(match["module"], match["adapter"], "embedding")][match["side"]] = key
+            sides[(match["module"], match["adapter"] or FILE_ADAPTER, "embedding")][match["side"]] = key
         elif match := _MAGNITUDE.match(key):
-            extras[(match["module"], match["adapter"])]["magnitude"] = key
+            extras[(match["module"], match["adapter"] or FILE_ADAPTER)]["magnitude"] = key
         elif match := _SAVED.match(key):
             saved[match["adapter"]][key] = f"{match['module']}.{match['rest']}"
         else:

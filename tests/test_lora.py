@@ -118,6 +118,25 @@ def test_inspect_shows_the_adapter_its_rank_targets_and_trainable_and_frozen_cou
     assert json.loads(cli("inspect", FIXTURES / "llama_world2" / "checkpoint", "--json").output)["adapters"] == []
 
 
+def test_recognition_reads_peft_file_keys_embeddings_and_transposed_bases_from_shapes_alone():
+    from ckpttool.lora import find_lora
+
+    layout = find_lora({
+        "base_model.model.wte.base_layer.weight": (10, 4), "base_model.model.wte.lora_embedding_A": (2, 10),
+        "base_model.model.wte.lora_embedding_B": (4, 2), "base_model.model.h.0.attn.c_attn.base_layer.weight": (4, 12),
+        "base_model.model.h.0.attn.c_attn.lora_A.weight": (2, 4), "base_model.model.h.0.attn.c_attn.lora_B.weight": (12, 2),
+    })
+    [adapter] = layout.adapters
+    modules = {m.path: m for m in adapter.modules}
+    assert adapter.name == "default" and adapter.targets == ("c_attn", "wte")
+    assert modules["wte"].kind == "embedding" and modules["h.0.attn.c_attn"].transposed  # GPT-2 Conv1D: (in, out)
+    assert layout.base_keys["base_model.model.h.0.attn.c_attn.base_layer.weight"] == "h.0.attn.c_attn.weight"
+
+
+def test_inspect_of_an_exported_adapter_folder_shows_the_adapter(cli, adapters):
+    assert "adapter 'default': LoRA r=4 on q_proj, v_proj (4 modules)" in cli("inspect", adapters["attention"]).output
+
+
 # ---------------------------------------------------------------------------------------------
 # export --adapter
 
