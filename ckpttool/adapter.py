@@ -18,16 +18,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ckpttool import integrity, readers
-from ckpttool.checkpoint import Checkpoint
+from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import UsageError
-from ckpttool.formats import peft
+from ckpttool.formats import bnb4bit, peft
 from ckpttool.lora import Adapter, LoraLayout, find_lora, model_shapes
-from ckpttool.merge import run_merge
+from ckpttool.merge import run_merge, tensor_bytes
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import AdapterOptions, SourceOptions
 from ckpttool.plan.consolidate import ConsolidatePlan
-from ckpttool.plan.merge import MergePlan, plan_merge
+from ckpttool.plan.merge import MergePlan, Quantised, plan_merge
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,16 @@ class AdapterMerge:
         'model.layers.0.self_attn.q_proj'
     """
 
-    def __init__(self, options: AdapterOptions, assets: str | os.PathLike | None):
-        self.options, self.assets = options, assets
+    def __init__(self, options: AdapterOptions, assets: str | os.PathLike | None, follow_symlinks: bool = False):
+        self.options, self.assets, self.follow_symlinks = options, assets, follow_symlinks
         self.found: FoundAdapter | None = None
         self.merge: MergePlan | None = None
+        self.quantised: dict[str, Quantised] = {}  # model key of a 4-bit weight -> what dequantises it
         self.config_from = ""
 
-    def view(self, checkpoint: Checkpoint, view: ModelView) -> ModelView:
-        """Return `view` with base model keys: LoRA tensors out, `base_layer.` gone."""
+    def view(self, checkpoint: Checkpoint, view: ModelView) -> tuple[Checkpoint, ModelView]:
+        """Return the checkpoint and `view` as the base model: LoRA tensors out, `base_layer.`
+        gone, a 4-bit weight in its dequantised dtype and shape (its quant state left out)."""
         shapes, fqns = model_shapes(checkpoint, view)
         lora = find_lora(shapes)
         if lora is None:
@@ -111,17 +113,44 @@ class AdapterMerge:
                              "nothing to merge: export it without --merge-adapter")
         adapter = lora.adapter(self.options.name)
         self.found = FoundAdapter(checkpoint, "", view, lora, adapter, fqns, ())
+        self.quantised = self._quantised(checkpoint, shapes, fqns)
+        state_keys = {fqns[key] for q in self.quantised.values() for key in q.siblings.values()} | {
+            q.state_fqn for q in self.quantised.values()}
         replaced = set(adapter.saved.values())
-        keys = {fqns[key]: base for key, base in lora.base_keys.items() if base not in replaced}
+        keys = {fqns[key]: base for key, base in lora.base_keys.items()
+                if base not in replaced and fqns[key] not in state_keys}
         keys.update({fqns[key]: base for key, base in adapter.saved.items()})
         objects = {fqn: key for fqn, key in view.keys.items() if fqn not in checkpoint.tensors}
-        return replace(view, keys=dict(sorted({**keys, **objects}.items())))
+        # the planner lays out a 4-bit weight as the dequantised tensor; no bytes are copied for it
+        tensors = {q.fqn: Tensor(q.fqn, q.dtype, q.shape, ()) for q in self.quantised.values()}
+        if tensors:
+            checkpoint = replace(checkpoint, tensors={**checkpoint.tensors, **tensors})
+        return checkpoint, replace(view, keys=dict(sorted({**keys, **objects}.items())))
+
+    def _quantised(self, checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]],
+                   fqns: Mapping[str, str]) -> dict[str, Quantised]:
+        """Return the model's bitsandbytes 4-bit weights, each with its quant state read."""
+        found = bnb4bit.quantised_weights(shapes)
+        if not found:
+            return {}
+        quantised = {}
+        with DataFiles(checkpoint.path, self.follow_symlinks) as files:
+            for key, siblings in found.items():
+                state_fqn = fqns[siblings[-1]]
+                where = f"{checkpoint.path}: {state_fqn}"
+                state = bnb4bit.read_state(tensor_bytes(files, checkpoint.tensors[state_fqn]), where)
+                quantised[key] = Quantised(
+                    fqns[key], checkpoint.tensors[fqns[key]], state["dtype"], state["shape"],
+                    {k.rsplit(".", 1)[-1]: k for k in siblings[:-1]}, state_fqn, state)
+        return quantised
 
     def plan(self, plan: ConsolidatePlan) -> MergePlan:
         """Return the merge of the adapter into what `plan` writes."""
         assert self.found is not None, "view() runs first, inside plan_output"
         config, self.config_from = adapter_config(self.found, self.assets, self.options)
-        self.merge = plan_merge(plan, self.found.adapter, config, self.found.fqns)
+        self.merge = plan_merge(plan, self.found.adapter, config, self.found.fqns,
+                                {q.fqn: replace(q, siblings={s: self.found.fqns[k] for s, k in q.siblings.items()})
+                                 for q in self.quantised.values()})
         return self.merge
 
     def patch(self, files: DataFiles, fds: dict[str, int]) -> None:
@@ -130,8 +159,12 @@ class AdapterMerge:
 
     def note(self) -> str:
         merge = self.merge
-        return (f"merged LoRA adapter {merge.adapter!r} into {len(merge.steps)} base weights "
-                f"(lora_alpha and options from {self.config_from})") if merge else ""
+        if merge is None:
+            return ""
+        merged = sum(1 for step in merge.steps if step.a_fqn)
+        quantised = f"; {len(self.quantised)} 4-bit base weights dequantised" if self.quantised else ""
+        return (f"merged LoRA adapter {merge.adapter!r} into {merged} base weights{quantised} "
+                f"(lora_alpha and options from {self.config_from})")
 
 
 def check_merge_target(target: Any) -> None:

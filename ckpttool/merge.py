@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, read_chunk
+from ckpttool.formats import bnb4bit
 from ckpttool.io import write_at
 from ckpttool.plan.merge import MergePlan, MergeStep, Target
 
@@ -33,7 +34,10 @@ def run_merge(plan: MergePlan, checkpoint: Checkpoint, files: DataFiles, fds: Ma
 
 
 def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int]) -> None:
-    weight = _read_output(torch, step.weight, fds)
+    weight = _read_output(torch, step.weight, fds) if step.quantised is None else _dequantise(torch, step, checkpoint, files)
+    if step.a_fqn is None:  # a 4-bit weight outside the adapter: dequantised only
+        _write_output(step.weight, weight, fds)
+        return
     # PeftModel.from_pretrained(autocast_adapter_dtype=True) holds a float16/bfloat16 adapter in
     # float32 (peft.tuners.tuners_utils cast_adapter_dtype); get_delta_weight then computes in it
     a = _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.a_fqn]))
@@ -54,6 +58,20 @@ def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataF
 
 def _adapter_dtype(torch: Any, tensor: Any) -> Any:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+def _dequantise(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles) -> Any:
+    """Return a 4-bit base weight dequantised (formats.bnb4bit), in the dtype the output holds."""
+    quant = step.quantised
+    siblings = {suffix: read_tensor(torch, files, checkpoint.tensors[fqn]) for suffix, fqn in quant.siblings.items()}
+    return bnb4bit.dequantize(torch, read_tensor(torch, files, quant.packed), siblings, quant.state, step.weight.dtype,
+                              f"{checkpoint.path}: {quant.fqn}")
+
+
+def tensor_bytes(files: DataFiles, tensor: Tensor) -> bytes:
+    """Return a small 1-D tensor's raw bytes (a quant state's packed JSON), chunks in order."""
+    chunks = sorted(tensor.chunks, key=lambda chunk: chunk.offsets)
+    return b"".join(read_chunk(files, tensor, chunk) for chunk in chunks)
 
 
 def read_tensor(torch: Any, files: DataFiles, tensor: Tensor) -> Any:

@@ -376,9 +376,59 @@ def test_config_whose_rank_or_targets_disagree_with_the_weights_exits_1_naming_t
         assert not (tmp_path / "out").exists()
 
 
-def test_qlora_4bit_base_exports_the_adapter_and_refuses_to_merge_naming_the_tensor(hf, cli, tmp_path):
-    """A QLoRA base as bitsandbytes' Params4bit saves it: the weight packed two 4-bit values a
-    byte into (out*in/2, 1) uint8, its quant state beside it (absmax, quant_map, quant_state)."""
+@pytest.mark.parametrize("quant_type, double", [("nf4", True), ("fp4", False)])
+def test_qlora_adapter_exports_and_merge_dequantizes_as_bitsandbytes_and_peft_do(hf, cli, tmp_path, quant_type, double):
+    """A real QLoRA model (transformers' BitsAndBytesConfig, 4-bit on CPU): --adapter equals
+    save_pretrained; --merge-adapter equals, for each LoRA module, PEFT's own Linear4bit.merge
+    before it requantises (`dequantize_bnb_weight(W) + get_delta_weight`), and for every other
+    4-bit weight bitsandbytes' `dequantize_4bit`. Rows are 64 and 128 values, whole blocks of 64:
+    there bitsandbytes' CPU kernel and its generic one agree (see formats/bnb4bit.py)."""
+    import torch
+
+    bnb = pytest.importorskip("bitsandbytes")
+    transformers, peft = hf
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    torch.manual_seed(11)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                                   bnb_4bit_use_double_quant=double)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quantization,
+                                                             device_map="cpu")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                      init_lora_weights=False))
+    model.save_pretrained(tmp_path / "peft")
+    source = save_checkpoint(model, tmp_path / "ckpt")
+    result = cli("export", source, tmp_path / "adapter", "--adapter", "--assets", tmp_path / "peft", "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+
+    merged = cli("export", source, tmp_path / "merged", "--merge-adapter", "--assets", tmp_path / "base",
+                 "--lora-alpha", "8", "-q")
+    assert merged.exit_code == 0, merged.output
+    expected = {}
+    with torch.no_grad():
+        for name, module in model.base_model.model.named_modules():
+            if isinstance(module, peft.tuners.lora.bnb.Linear4bit):
+                weight = module.get_base_layer().weight
+                expected[f"{name}.weight"] = dequantize_bnb_weight(weight, state=weight.quant_state) + \
+                    module.get_delta_weight("default")
+            elif isinstance(module, bnb.nn.Linear4bit) and not name.endswith("base_layer"):
+                expected[f"{name}.weight"] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        for key, value in model.base_model.model.state_dict().items():
+            if ".lora_" not in key and "base_layer" not in key and key not in expected and value.dtype != torch.uint8 \
+                    and not any(part in key for part in ("absmax", "quant_map", "quant_state")):
+                expected[key] = value
+    assert_same_state(load_file(tmp_path / "merged" / "model.safetensors"), expected)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def test_packed_4bit_base_without_a_readable_quant_state_exports_the_adapter_and_refuses_to_merge(hf, cli, tmp_path):
+    """A base packed as Params4bit saves it, (out*in/2, 1) uint8, but its quant state unreadable."""
     import torch
 
     model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -398,6 +448,7 @@ def test_qlora_4bit_base_exports_the_adapter_and_refuses_to_merge_naming_the_ten
     assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
                       load_file(tmp_path / "peft" / "adapter_model.safetensors"))
     refused = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8")
-    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
-    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight: the base weight is uint8" in refused.output
+    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1, refused.output
+    assert ("model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight.quant_state.bitsandbytes__nf4: "
+            "not a bitsandbytes quant state") in refused.output
     assert not (tmp_path / "merged.safetensors").exists()

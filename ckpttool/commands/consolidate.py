@@ -165,7 +165,7 @@ def consolidate(
     refuse_overlap(target, src)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
-    merge = AdapterMerge(merge_adapter, None) if merge_adapter is not None else None
+    merge = AdapterMerge(merge_adapter, None, source.follow_symlinks) if merge_adapter is not None else None
     if merge is not None:
         check_merge_target(target)
     budget = 0 if write.dry_run else write.max_memory // 2  # half of --max-memory for coalesced reads
@@ -184,16 +184,17 @@ def consolidate(
 
 def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: ConvertOptions,
                 source: SourceOptions, threads: int, shared: SourceFiles | None = None,
-                adapt: Callable[[Checkpoint, ModelView], ModelView] | None = None) -> Planned:
+                adapt: Callable[[Checkpoint, ModelView], tuple[Checkpoint, ModelView]] | None = None) -> Planned:
     """Return consolidate's plan of `src` written as `kind` (`name`: the output's file name):
     read the source once, gate it, choose the entries, locate their bytes, find ties, plan.
     `shared` keeps the source's data files open for `write_output`; `adapt` may re-key the
-    model view (--merge-adapter: the base model's keys, the adapter left out)."""
+    model view and stand in tensors (--merge-adapter: the base model's keys, the adapter left
+    out, a 4-bit weight as its dequantised shape; the merge writes those)."""
     detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix)
     if adapt is not None:
-        view = adapt(checkpoint, view.require())
+        checkpoint, view = adapt(checkpoint, view.require())
     selection = select(checkpoint, view, convert.rules, kind)
     opened = shared.open(checkpoint.path) if shared is not None else DataFiles(checkpoint.path, source.follow_symlinks)
     with opened as files:

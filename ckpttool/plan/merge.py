@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ckpttool.checkpoint import Tensor
 from ckpttool.errors import UnsupportedFormat, UsageError
 from ckpttool.formats import peft
 from ckpttool.lora import Adapter
@@ -37,18 +38,34 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Quantised:
+    """A bitsandbytes 4-bit weight (formats.bnb4bit): its packed source tensor, the dtype and
+    shape it dequantises to, its sibling entries (suffix -> fqn or model key) and quant state."""
+
+    fqn: str
+    packed: Tensor
+    dtype: str
+    shape: tuple[int, ...]
+    siblings: Mapping[str, str]
+    state_fqn: str
+    state: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class MergeStep:
-    """One LoRA module merged into its base weight (and bias)."""
+    """One LoRA module merged into its base weight (and bias); or, with no A and B, a 4-bit base
+    weight only dequantised."""
 
     module: str  # its path in the base model, for messages
     kind: str  # "linear" | "embedding"
     weight: Target
-    a_fqn: str
-    b_fqn: str
+    a_fqn: str | None
+    b_fqn: str | None
     scaling: float
     fan_in_fan_out: bool
     bias: Target | None = None  # the base bias, when the adapter has a lora_B bias
     bias_fqn: str | None = None
+    quantised: Quantised | None = None  # the weight is dequantised from this, not read from the output
 
 
 @dataclass(frozen=True)
@@ -57,14 +74,21 @@ class MergePlan:
     steps: tuple[MergeStep, ...]
 
 
-def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any], fqns: Mapping[str, str]) -> MergePlan:
+def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any], fqns: Mapping[str, str],
+               quantised: Mapping[str, Quantised] = {}) -> MergePlan:
     """Return the merge of `adapter` into the base weights `plan` writes; `fqns` maps model keys
-    to checkpoint fqns. Raises UnsupportedFormat naming the module for DoRA and for a base
-    weight that is not floating point (a 4-bit or 8-bit quantised base), UsageError when a base
-    weight is not written (dropped by --filter or as a tied copy)."""
+    to checkpoint fqns, `quantised` (by fqn) the 4-bit weights, each dequantised (and merged
+    where it is a LoRA module's base). Raises UnsupportedFormat naming the module for DoRA and
+    naming the tensor for a base weight that is neither floating point nor a 4-bit weight with
+    its quant state, UsageError when a base weight is not written (dropped by --filter or as a
+    tied copy)."""
     by_fqn = {t.fqn: t for t in plan.tensors}
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     steps = []
+    lora_bases = {fqns[m.base_key] for m in adapter.modules if m.base_key}
+    for fqn, quant in sorted(quantised.items()):
+        if fqn not in lora_bases and fqn in by_fqn:
+            steps.append(MergeStep(fqn, "linear", _target(by_fqn[fqn]), None, None, 0.0, False, quantised=quant))
     for module in adapter.modules:
         if module.magnitude_key:
             raise UnsupportedFormat(f"{module.path}: a DoRA adapter (lora_magnitude_vector); --merge-adapter merges plain "
@@ -73,7 +97,8 @@ def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any
         if base is None:
             raise UsageError(f"{module.path}: its base weight {module.base_key or module.path + '.base_layer.weight'} is "
                              "not in the output (left out by --filter, a tied copy, or not saved); cannot merge into it")
-        if base.dtype not in FLOATING or module.quantized:
+        quant = quantised.get(base.fqn)
+        if base.dtype not in FLOATING or (module.quantized and quant is None):
             raise UnsupportedFormat(f"{module.base_key}: the base weight is {base.dtype} {list(base.shape)} (a quantised "
                                     "base, e.g. bitsandbytes 4-bit); --merge-adapter merges into floating-point weights "
                                     "only: export the adapter with --adapter")
@@ -85,7 +110,7 @@ def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any
             bias, bias_fqn = _target(bias_tensor), fqns[module.bias_key]
         steps.append(MergeStep(module.path, module.kind, _target(base), fqns[module.a_key], fqns[module.b_key],
                                peft.module_scaling(config, module.path, module.rank),
-                               fan_in_fan_out and module.kind == "linear", bias, bias_fqn))
+                               fan_in_fan_out and module.kind == "linear", bias, bias_fqn, quant))
     return MergePlan(adapter.name, tuple(steps))
 
 
