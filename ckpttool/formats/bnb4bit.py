@@ -9,7 +9,11 @@ quantisation: `W.nested_absmax`, `W.nested_quant_map`), `W.quant_map` (the 16 co
 dtype, shape, nested_blocksize, nested_dtype, nested_offset). `dequantize` computes what
 `bitsandbytes.functional.dequantize_4bit` does (backends/default/ops.py
 `_dequantize_4bit_compute`, `_dequantize_blockwise_compute`): one float32 multiply per value,
-then a cast to the original dtype.
+then a cast to the original dtype. Measured with bitsandbytes 0.50.2 on CPU: bit-identical to
+its generic implementation for every shape, and to its CPU kernel (what `dequantize_4bit` runs
+on CPU) when a row holds whole blocks (row length a multiple of the blocksize, as in real
+models); for shorter rows (e.g. 32 values with blocksize 64) that kernel gives other values,
+about 3x further from the original weights than the generic implementation and this one.
 
 Example:
     >>> quantised_weights(["fc.weight", "fc.weight.absmax", "fc.weight.quant_map",
