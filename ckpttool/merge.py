@@ -3,7 +3,8 @@ weight read back from the output, `W += delta` computed exactly as PEFT's
 `peft/tuners/lora/layer.py` computes it (`get_delta_weight`, then `merge` without safe_merge,
 on an adapter loaded as `PeftModel.from_pretrained` loads it: the same torch ops in the same
 dtypes, so the result is bit-identical to `merge_and_unload`),
-and written back in place. Memory holds one module: its base weight, the delta, A and B.
+and written back in place. Memory holds one module: its delta (the size of its base weight),
+A, B, and 16 MB of the base weight at a time (a 4-bit base: the whole dequantised weight).
 
 Example:
     >>> with DataFiles(checkpoint.path) as files:
@@ -12,14 +13,17 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, read_chunk
 from ckpttool.formats import bnb4bit
 from ckpttool.io import write_at
 from ckpttool.plan.merge import MergePlan, MergeStep, Target
+
+MERGE_BLOCK = 16 << 20  # bytes of a base weight read, added to and rewritten at once
 
 
 def run_merge(plan: MergePlan, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int],
@@ -34,9 +38,8 @@ def run_merge(plan: MergePlan, checkpoint: Checkpoint, files: DataFiles, fds: Ma
 
 
 def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int]) -> None:
-    weight = _read_output(torch, step.weight, fds) if step.quantised is None else _dequantise(torch, step, checkpoint, files)
     if step.a_fqn is None:  # a 4-bit weight outside the adapter: dequantised only
-        _write_output(step.weight, weight, fds)
+        _write_output(step.weight, _dequantise(torch, step, checkpoint, files), fds)
         return
     # PeftModel.from_pretrained(autocast_adapter_dtype=True) holds a float16/bfloat16 adapter in
     # float32 (peft.tuners.tuners_utils cast_adapter_dtype); get_delta_weight then computes in it
@@ -47,13 +50,31 @@ def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataF
         delta = delta.T
     delta.mul_(step.scaling)  # PEFT's `* scaling`, the same elementwise op, without a second delta in memory
     del a, b
-    weight += delta  # Linear.merge / Embedding.merge: base_layer.weight.data += delta_weight
+    if step.quantised is not None:
+        weight = _dequantise(torch, step, checkpoint, files)
+        weight += delta  # peft/tuners/lora/bnb.py Linear4bit.merge: dequantised weight + delta
+        _write_output(step.weight, weight, fds)
+    else:
+        # Linear.merge / Embedding.merge: base_layer.weight.data += delta_weight, elementwise, so
+        # the written weight is read, added and rewritten a block of rows at a time
+        for rows, weight in _row_blocks(torch, step.weight, fds):
+            weight += delta[rows]
+            _write_output(step.weight, weight, fds, rows.start)
     del delta
-    _write_output(step.weight, weight, fds)
     if step.bias is not None:
         bias = _read_output(torch, step.bias, fds)
         bias += _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.bias_fqn])) * step.scaling
         _write_output(step.bias, bias, fds)
+
+
+def _row_blocks(torch: Any, target: Target, fds: Mapping[str, int]) -> Iterator[tuple[slice, Any]]:
+    """Yield (rows, those rows of the written tensor), about MERGE_BLOCK bytes at a time."""
+    rows = target.shape[0] if target.shape else 1
+    row_bytes = getattr(torch, target.dtype).itemsize * math.prod(target.shape[1:])
+    step = max(1, MERGE_BLOCK // max(1, row_bytes))
+    for start in range(0, rows, step):
+        block = slice(start, min(rows, start + step))
+        yield block, _read_output(torch, target, fds, block)
 
 
 def _adapter_dtype(torch: Any, tensor: Any) -> Any:
@@ -86,23 +107,26 @@ def read_tensor(torch: Any, files: DataFiles, tensor: Tensor) -> Any:
     return whole
 
 
-def _read_output(torch: Any, target: Target, fds: Mapping[str, int]) -> Any:
+def _read_output(torch: Any, target: Target, fds: Mapping[str, int], rows: slice | None = None) -> Any:
+    """Return the written tensor `target` (or its `rows`) as a torch tensor over fresh memory."""
     dtype = getattr(torch, target.dtype)
-    count = dtype.itemsize
-    for size in target.shape:
-        count *= size
+    row_bytes = dtype.itemsize * math.prod(target.shape[1:])
+    shape = target.shape if rows is None else (rows.stop - rows.start, *target.shape[1:])
+    count = dtype.itemsize * math.prod(shape)
+    at_start = target.offset + (rows.start * row_bytes if rows is not None else 0)
     data = bytearray(count)
     view, at = memoryview(data), 0
     while at < count:
-        read = os.preadv(fds[target.file], [view[at:]], target.offset + at)
+        read = os.preadv(fds[target.file], [view[at:]], at_start + at)
         if read <= 0:
             raise OSError(f"{target.file}: short read of {target.key}")
         at += read
-    return torch.frombuffer(data, dtype=dtype).reshape(target.shape) if count else torch.empty(target.shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape) if count else torch.empty(shape, dtype=dtype)
 
 
-def _write_output(target: Target, value: Any, fds: Mapping[str, int]) -> None:
-    flat = value.contiguous().reshape(-1)
+def _write_output(target: Target, value: Any, fds: Mapping[str, int], first_row: int = 0) -> None:
     import torch
 
-    write_at(fds[target.file], memoryview(flat.view(torch.uint8).numpy()), target.offset)
+    flat = value.contiguous().reshape(-1)
+    row_bytes = getattr(torch, target.dtype).itemsize * math.prod(target.shape[1:])
+    write_at(fds[target.file], memoryview(flat.view(torch.uint8).numpy()), target.offset + first_row * row_bytes)

@@ -452,3 +452,17 @@ def test_packed_4bit_base_without_a_readable_quant_state_exports_the_adapter_and
     assert ("model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight.quant_state.bitsandbytes__nf4: "
             "not a bitsandbytes quant state") in refused.output
     assert not (tmp_path / "merged.safetensors").exists()
+
+
+def test_merge_in_row_blocks_equals_merge_and_unload_for_linear_and_embedding_loras(hf, cli, tmp_path, monkeypatch):
+    """The base weight is read, added to and rewritten a block of rows at a time (here 256 bytes:
+    several blocks per tensor); an embedding's delta is (B @ A) transposed."""
+    from ckpttool import merge
+
+    monkeypatch.setattr(merge, "MERGE_BLOCK", 256)
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "embed_tokens"])
+    source = save_checkpoint(model, tmp_path / "ckpt")
+    assert "adapter 'default': LoRA r=4 on down_proj, embed_tokens, q_proj" in cli("inspect", source).output
+    result = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8", "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(tmp_path / "merged.safetensors"), model.merge_and_unload().state_dict())
