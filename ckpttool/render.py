@@ -370,6 +370,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "output_bytes": plan.output_bytes,
         "seconds": round(report.seconds, 3),
         "requests": report.requests,
+        "merged_adapter": report.merged or None,
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }

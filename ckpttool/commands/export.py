@@ -156,7 +156,7 @@ def export(
     weight_files = tuple((f.name, f.size) for f in plan.files) + (
         ((plan.index_name, len(plan.index)),) if plan.index_name else ())
     documents[CARD_FILENAME] = model_card(_card(src, assets, convert, planned, step, written_dtype, config,
-                                                weight_files)).encode()
+                                                weight_files, merge.note() if merge else None)).encode()
     files = weight_files + tuple((name, _size(asset_dir / name)) for name in copied) + tuple(
         (name, len(data)) for name, data in documents.items())
     weights = report_of(planned, target, (), (), False, True, 0.0)
@@ -209,14 +209,14 @@ def _check_config(config: dict[str, Any] | None, asset_dir: Path | None, extras:
 
 def _card(src: str | os.PathLike, assets: str | os.PathLike | None, convert: ConvertOptions, planned: Planned,
           step: int | None, written_dtype: str, config: Mapping[str, Any] | None,
-          weight_files: tuple[tuple[str, int], ...]) -> CardFacts:
+          weight_files: tuple[tuple[str, int], ...], merged: str | None = None) -> CardFacts:
     plan = planned.plan
     architectures = config.get("architectures") if config else None
     return CardFacts(
         source=str(src), layout=planned.layout, step=step, dtype=written_dtype,
         parameters=sum(_numel(t.shape) for t in plan.tensors),
         tensors=tuple(CardTensor(t.key, t.dtype, t.shape, t.nbytes) for t in plan.tensors),
-        files=weight_files, command=_command_line(src, assets, convert),
+        files=weight_files, command=_command_line(src, assets, convert, merged is not None), merged=merged,
         version=__version__, architecture=(architectures or [config.get("model_type") if config else None])[0],
         library="transformers" if config and config.get("model_type") not in (None, TRAINER_MODEL_TYPE) else None,
     )
@@ -431,7 +431,7 @@ def _copy_regular(source: Path, destination: Path) -> None:
         os.fsync(writer.fileno())
 
 
-def _command_line(src, assets, convert: ConvertOptions) -> str:
+def _command_line(src, assets, convert: ConvertOptions, merged: bool = False) -> str:
     parts = ["ckpttool export", str(Path(src).name) or str(src), "OUTDIR"]
     if assets is not None:
         parts += ["--assets", Path(assets).name or str(assets)]
@@ -443,4 +443,6 @@ def _command_line(src, assets, convert: ConvertOptions) -> str:
         parts.append("--drop-tied")
     for rule in convert.renames:
         parts += ["--rename", repr(rule)]
+    if merged:
+        parts.append("--merge-adapter")
     return " ".join(parts)
