@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from ckpttool import integrity, readers
 from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import UsageError
+from ckpttool.errors import InvalidCheckpoint, UsageError
 from ckpttool.formats import bnb4bit, peft
 from ckpttool.lora import Adapter, LoraLayout, find_lora, model_shapes
 from ckpttool.merge import run_merge, tensor_bytes
@@ -77,9 +77,26 @@ def adapter_config(found: FoundAdapter, assets: str | os.PathLike | None,
         flags.setdefault("modules_to_save", saved or None)
     where = str(path) if path is not None else str(found.checkpoint.path)
     config = peft.build_config(given, [(m.path, m.rank) for m in adapter.modules], flags, where)
+    _check_layout(config, adapter, where)
     if path is None:
         return config, "the weights and the flags"
     return config, str(path) + (" and the flags" if options.flags() else "")
+
+
+def _check_layout(config: Mapping[str, Any], adapter: Adapter, where: str) -> None:
+    """A config must say what the shapes show: base weights stored (in, out) (fan_in_fan_out)
+    and DoRA's magnitude vectors; else PEFT would load or merge the adapter wrongly."""
+    for module in adapter.modules:
+        shape = module.base_shape
+        if module.kind == "linear" and shape and len(shape) == 2 and shape[0] != shape[1] and not module.quantized \
+                and module.transposed != bool(config.get("fan_in_fan_out")):
+            raise InvalidCheckpoint(f"{where}: fan_in_fan_out is {bool(config.get('fan_in_fan_out'))}, but "
+                                    f"{module.path}'s base weight {list(shape)} is stored "
+                                    f"{'(in, out)' if module.transposed else '(out, in)'}", code="config-mismatch")
+        if bool(module.magnitude_key) != bool(config.get("use_dora")):
+            raise InvalidCheckpoint(f"{where}: use_dora is {bool(config.get('use_dora'))}, but {module.path} "
+                                    f"{'has' if module.magnitude_key else 'has no'} lora_magnitude_vector",
+                                    code="config-mismatch")
 
 
 class AdapterMerge:

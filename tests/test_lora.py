@@ -365,7 +365,9 @@ def test_config_whose_rank_or_targets_disagree_with_the_weights_exits_1_naming_t
     fixture = PEFT_FIXTURES / "attention"
     for change, words in ((("r", 8), "model.layers.0.self_attn.q_proj has rank 4 in the weights, the config says r=8"),
                           (("target_modules", ["q_proj"]), "does not select model.layers.0.self_attn.v_proj"),
-                          (("target_modules", ["q_proj", "v_proj", "k_proj"]), "names 'k_proj', but no k_proj")):
+                          (("target_modules", ["q_proj", "v_proj", "k_proj"]), "names 'k_proj', but no k_proj"),
+                          (("fan_in_fan_out", True), "v_proj's base weight [16, 32] is stored (out, in)"),
+                          (("use_dora", True), "model.layers.0.self_attn.q_proj has no lora_magnitude_vector")):
         assets = tmp_path / f"assets-{change[0]}-{len(str(change[1]))}"
         assets.mkdir()
         config = json.loads((fixture / "adapter" / "adapter_config.json").read_text())
