@@ -126,6 +126,18 @@ class ChunkTable(Sequence[Chunk]):
         blob = None if file < 0 else Blob(self.files[file], int(self.blob_offset[index]), int(self.blob_length[index]), ())
         return Chunk(tuple(self.offsets[index].tolist()), tuple(self.sizes[index].tolist()), blob)
 
+    def rows(self, indices: Sequence[int]) -> list[Chunk]:
+        """Return the chunks at `indices`, built in one pass over the columns (not kept)."""
+        if self._chunks is not None:
+            return [self._chunks[index] for index in indices]
+        files = self.files
+        return [
+            Chunk(tuple(offsets), tuple(sizes), None if file < 0 else Blob(files[file], offset, length, ()))
+            for offsets, sizes, file, offset, length in zip(self.offsets[indices].tolist(), self.sizes[indices].tolist(),
+                                                            self.file[indices].tolist(), self.blob_offset[indices].tolist(),
+                                                            self.blob_length[indices].tolist())
+        ]
+
     def __iter__(self) -> Iterator[Chunk]:
         if self._chunks is None:
             files = self.files

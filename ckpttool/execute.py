@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Tensor, paused_gc
+from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
-from ckpttool.errors import CorruptBlob, VerificationFailed
+from ckpttool.errors import CheckpointError, CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record
@@ -60,25 +60,64 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
 
 
 def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Located:
-    jobs = [(tensor, index) for tensor in tensors for index in unique_chunks(tensor)]
+    jobs: list[tuple[Tensor, int]] = []
+    chunks: list[Chunk] = []
+    for tensor in tensors:
+        indices = unique_chunks(tensor)
+        jobs.extend((tensor, index) for index in indices)
+        if isinstance(tensor.chunks, ChunkTable):
+            chunks.extend(tensor.chunks.rows(indices))  # one pass over the columns
+        else:
+            chunks.extend(tensor.chunks[index] for index in indices)
     by_file: dict[str, list[int]] = {}
-    for number, (tensor, index) in enumerate(jobs):
-        blob = tensor.chunks[index].blob
-        by_file.setdefault(blob.file if blob is not None else "", []).append(number)
+    for number, chunk in enumerate(chunks):
+        by_file.setdefault(chunk.blob.file if chunk.blob is not None else "", []).append(number)
     found: list[RawData | None] = [None] * len(jobs)
-    files.walk_records(tensor.chunks[index].blob for tensor, index in jobs)
+    files.walk_records(chunk.blob for chunk in chunks)
 
     def walk(relative: str, numbers: list[int]) -> tuple[int, Exception] | None:
         ahead = ReadAhead(files, relative)
-        first_error = None
-        for number in sorted(numbers, key=lambda n: _blob_offset(jobs[n])):
+        errors: list[tuple[int, Exception]] = []  # all kept: the one raised is the first in job order
+
+        def locate_alone(number: int) -> None:
             tensor, index = jobs[number]
             try:
                 found[number] = _locate_one(ahead, tensor, index)
-            except Exception as error:  # kept, so the error raised is the first in job order
-                if first_error is None or number < first_error[0]:
-                    first_error = (number, error)
-        return first_error
+            except Exception as error:
+                errors.append((number, error))
+
+        ordered = sorted(numbers, key=lambda n: chunks[n].blob.offset if chunks[n].blob is not None else 0)
+        blocks = not files.coalesced  # coalesced spans already serve neighbours from memory
+        position = 0
+        while position < len(ordered):
+            end = _record_block(chunks, ordered, position) if blocks else position + 1
+            block = ordered[position:end]
+            position = end
+            if len(block) == 1:
+                locate_alone(block[0])
+                continue
+            # the block's first record is parsed alone, the others reuse its layout where they
+            # can; of those that cannot, the first is parsed alone, and so on while parsing
+            # finds new layouts (ParsedRecords keeps a bounded number)
+            locate_alone(block[0])
+            rest = block[1:]
+            while rest:
+                missed = []
+                for number, raw in zip(rest, _reuse_block(ahead, jobs, chunks, rest)):
+                    if raw is None:
+                        missed.append(number)
+                    else:
+                        found[number] = raw
+                if not missed:
+                    break
+                layouts = ahead.records.layouts
+                locate_alone(missed[0])
+                rest = missed[1:]
+                if ahead.records.layouts == layouts:
+                    for number in rest:
+                        locate_alone(number)
+                    break
+        return min(errors, key=lambda failure: failure[0]) if errors else None
 
     tasks = [functools.partial(walk, relative, numbers) for relative, numbers in sorted(by_file.items())]
     failures = [failure for failure in run_each(tasks, threads) if failure is not None]
@@ -90,9 +129,69 @@ def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Loc
     return located
 
 
-def _blob_offset(job: tuple[Tensor, int]) -> int:
-    blob = job[0].chunks[job[1]].blob
-    return blob.offset if blob is not None else 0
+# small records lying close together are checked a block at a time (`ParsedRecords.reuse_block`):
+# one read and a few array comparisons per record length instead of a parse each
+BLOCK_RECORD = 64 << 10  # largest record checked in a block
+BLOCK_GAP = 64 << 10  # most bytes between two records of a block (read through)
+BLOCK_BYTES = 4 << 20  # most bytes read per block
+BLOCK_MIN = 8  # fewer records than this are located one by one
+
+
+def _blockable(blob) -> bool:
+    return blob is not None and not blob.transforms and 0 < blob.length <= BLOCK_RECORD
+
+
+def _record_block(chunks: list[Chunk], ordered: list[int], position: int) -> int:
+    """Return the end of the block of records starting at `ordered[position]` (or position +
+    1): small plain blobs in offset order, none overlapping the one before, with at most
+    BLOCK_GAP bytes between two and BLOCK_BYTES from the first's start to the last's end."""
+    blob = chunks[ordered[position]].blob
+    if not _blockable(blob):
+        return position + 1
+    start, reached, end = blob.offset, blob.offset + blob.length, position + 1
+    while end < len(ordered):
+        following = chunks[ordered[end]].blob
+        if (not _blockable(following) or following.file != blob.file or following.offset < reached
+                or following.offset - reached > BLOCK_GAP or following.offset + following.length - start > BLOCK_BYTES):
+            break
+        reached, end = following.offset + following.length, end + 1
+    return end if end - position >= BLOCK_MIN else position + 1
+
+
+def _reuse_block(ahead: ReadAhead, jobs: list[tuple[Tensor, int]], chunks: list[Chunk],
+                 numbers: list[int]) -> list[RawData | None]:
+    """Return the raw data of each record in `numbers` (a block after its first record, which
+    is located first and so parsed) that `locate` would find through a layout parsed before,
+    or None where the record must be located alone (any doubt, and every error)."""
+    blobs = [chunks[number].blob for number in numbers]
+    start, end = blobs[0].offset, blobs[-1].offset + blobs[-1].length
+    try:
+        if end > ahead.size(blobs[0].file):
+            return [None] * len(numbers)
+        block = ahead.files.read(blobs[0].file, start, end - start)
+    except CheckpointError:
+        return [None] * len(numbers)
+    by_length: dict[int, list[int]] = {}
+    for place, blob in enumerate(blobs):
+        by_length.setdefault(blob.length, []).append(place)
+    reused: list = [None] * len(numbers)
+    for length, places in by_length.items():
+        for place, found in zip(places, ahead.records.reuse_block(block, [blobs[p].offset - start for p in places], length)):
+            reused[place] = found
+    plain: dict[int, bool] = {}  # by id of a layout's record
+    located: list[RawData | None] = []
+    for number, blob, found in zip(numbers, blobs, reused):
+        if found is None:
+            located.append(None)
+            continue
+        record, data_at, crc = found
+        if id(record) not in plain:
+            plain[id(record)] = record.is_plain
+        if record.dtype != jobs[number][0].dtype or record.shape != chunks[number].sizes or not plain[id(record)]:
+            located.append(None)
+        else:
+            located.append(RawData(blob.file, start + data_at, record.data_length, crc))
+    return located
 
 
 def _locate_one(ahead: ReadAhead, tensor: Tensor, index: int) -> RawData | None:

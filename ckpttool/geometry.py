@@ -204,6 +204,21 @@ def row_major_runs(box: Box, region: Box, itemsize: int) -> list[tuple[int, int]
     return runs
 
 
+def slab_runs(shape: Sequence[int], offsets: "np.ndarray", sizes: "np.ndarray", itemsize: int) -> list[list[tuple[int, int]]] | None:
+    """Return `row_major_runs(whole tensor, box, itemsize)` for each box of the (rows, ndim)
+    columns when every box is a dim-0 slab (all of every other dim): one run each, or none
+    for an empty one. None when some box is not a slab (use row_major_runs)."""
+    import numpy as np
+
+    if not shape or volume(shape) * itemsize >= COLUMN_LIMIT:
+        return None
+    if not ((offsets[:, 1:] == 0).all() and (sizes[:, 1:] == np.asarray(shape[1:], dtype=np.int64)).all()):
+        return None
+    row = volume(shape[1:]) * itemsize
+    return [[(start, length)] if length else []
+            for start, length in zip((offsets[:, 0] * row).tolist(), (sizes[:, 0] * row).tolist())]
+
+
 def overlapping_boxes(a: Sequence[Box], b: Sequence[Box]) -> Iterator[tuple[int, int, Box]]:
     """Yield (index in a, index in b, common box) for every pair of non-empty boxes of two
     chunkings of one tensor that share elements, in the order of a's boxes.

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 # files a DCP directory holds besides data: torch's metadata, Lightning's meta.pt, Megatron's
-# metadata.json and common.pt (never "unreferenced")
-FRAMEWORK_FILES = frozenset({METADATA_FILENAME, "meta.pt", "metadata.json", "common.pt"})
+# metadata.json and common.pt, PEFT's adapter_config.json (the LoRA settings the bundled
+# trainer saves with a LoRA run) (never "unreferenced")
+FRAMEWORK_FILES = frozenset({METADATA_FILENAME, "meta.pt", "metadata.json", "common.pt", "adapter_config.json"})
 MAX_PROBLEMS_PER_TENSOR = 20  # overlap pairs listed per tensor before summarising
 
 

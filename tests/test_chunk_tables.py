@@ -450,3 +450,43 @@ def test_the_stage_benchmark_builds_what_reading_its_metadata_gives(tmp_path):
     assert {p.name: p.stat().st_size for p in (tmp_path / "built").iterdir()} == \
         {p.name: p.stat().st_size for p in (tmp_path / "read").iterdir() if p.name != ".metadata"}
     assert outputs(built)["json"] == outputs(read)["json"].replace(str(tmp_path / "read"), str(tmp_path / "built"))
+
+
+def _random_chunks(rng: random.Random, shape: tuple[int, ...]) -> list[Chunk]:
+    """Dim-0 slabs of `shape` (some empty, some repeated as HSDP replicas save them), or boxes
+    split along another dim too, with blobs."""
+    chunks = []
+    rows = sorted(rng.sample(range(1, shape[0]), rng.randrange(0, min(6, shape[0] - 1)))) if shape[0] > 1 else []
+    cuts = [0, *rows, shape[0]]
+    split = len(shape) > 1 and shape[1] > 1 and rng.random() < 0.3
+    for start, end in zip(cuts, cuts[1:]):
+        for copy in range(rng.choice((1, 1, 2))):
+            if split:
+                half = shape[1] // 2
+                chunks.append(Chunk((start, 0, *[0] * (len(shape) - 2)), (end - start, half, *shape[2:]), None))
+                chunks.append(Chunk((start, half, *[0] * (len(shape) - 2)), (end - start, shape[1] - half, *shape[2:]), None))
+            else:
+                chunks.append(Chunk((start, *[0] * (len(shape) - 1)), (end - start, *shape[1:]), None))
+    if rng.random() < 0.3:
+        chunks.append(Chunk((shape[0], *[0] * (len(shape) - 1)), (0, *shape[1:]), None))  # an empty shard past the end
+    return [Chunk(c.offsets, c.sizes, Blob(f"__{i % 3}_0.distcp", 100 * i, 10, ())) for i, c in enumerate(chunks)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_planning_from_columns_gives_what_planning_each_chunk_gives(seed):
+    """unique_chunks and the output runs of a consolidate plan, computed from a table's
+    columns, equal the per-chunk computation on the same chunks as tuples."""
+    from ckpttool.plan import unique_chunks
+    from ckpttool.plan.consolidate import _chunk_runs
+
+    rng = random.Random(seed)
+    for trial in range(200):
+        shape = tuple(rng.randrange(1, 9) for _ in range(rng.randrange(1, 4)))
+        chunks = _random_chunks(rng, shape)
+        table = ChunkTable.from_chunks(chunks, len(shape))
+        as_tuples = Tensor("t", "float32", shape, tuple(table))
+        as_table = Tensor("t", "float32", shape, table)
+        assert unique_chunks(as_table) == unique_chunks(as_tuples), trial
+        indices = unique_chunks(as_tuples)
+        for itemsize in (1, 4):
+            assert _chunk_runs(as_table, indices, itemsize) == _chunk_runs(as_tuples, indices, itemsize), trial

@@ -10,7 +10,7 @@ from conftest import FIXTURES
 
 from ckpttool import execute
 from ckpttool.dcp.blobs import DataFiles, locate
-from ckpttool.errors import CorruptBlob
+from ckpttool.errors import CheckpointError, CorruptBlob
 from ckpttool.plan import unique_chunks
 from ckpttool.readers.dcp import read_checkpoint
 
@@ -96,3 +96,48 @@ def test_of_several_bad_records_the_error_names_the_first_chunk_in_order(many_sm
         with pytest.raises(CorruptBlob) as together:
             execute.locate_chunks(files, tensors, threads=4)
     assert str(together.value) == str(alone.value) and first.fqn in str(together.value)
+
+
+
+def test_small_records_lying_close_together_are_checked_a_block_at_a_time(many_small_tensors, monkeypatch):
+    checkpoint = read_checkpoint(many_small_tensors)
+    with DataFiles(checkpoint.path) as files:
+        expected = one_by_one(files, checkpoint)
+    alone = []
+    locate_one = execute._locate_one
+    monkeypatch.setattr(execute, "_locate_one", lambda *args: alone.append(args) or locate_one(*args))
+    with DataFiles(checkpoint.path) as files:
+        located = execute.locate_chunks(files, checkpoint.tensors.values(), threads=1)
+    assert located == expected
+    assert len(alone) <= 10  # 300 records of five shapes: one parse per layout, the rest compared as arrays
+
+
+def test_records_damaged_anywhere_in_a_block_give_what_locating_each_chunk_alone_gives(many_small_tensors, tmp_path):
+    import random
+    import shutil
+
+    rng = random.Random(3)
+    copy = tmp_path / "damaged"
+    shutil.copytree(many_small_tensors, copy)
+    checkpoint = read_checkpoint(copy)
+    blobs = sorted((chunk.blob for tensor in checkpoint.tensors.values() for chunk in tensor.chunks),
+                   key=lambda blob: blob.offset)
+    original = (copy / "__0_0.distcp").read_bytes()
+    outcomes = set()
+    for trial in range(40):
+        data = bytearray(original)
+        for blob in rng.sample(blobs[1:], rng.choice((1, 2, 5))):  # never the first: it is parsed alone
+            for _ in range(rng.choice((1, 3))):
+                data[blob.offset + rng.randrange(blob.length)] = rng.randrange(256)
+        (copy / "__0_0.distcp").write_bytes(bytes(data))
+        results = []
+        for locating in (lambda files: one_by_one(files, checkpoint),
+                         lambda files: execute.locate_chunks(files, checkpoint.tensors.values(), threads=1)):
+            with DataFiles(copy) as files:
+                try:
+                    results.append(locating(files))
+                except CheckpointError as error:
+                    results.append(f"{type(error).__name__}: {error}")
+        assert results[0] == results[1], trial
+        outcomes.add(type(results[0]))
+    assert outcomes == {dict, str}  # both kinds of outcome were met

@@ -92,3 +92,34 @@ def test_a_record_tail_patched_for_a_crc_is_the_tail_written_in_full(dtype, shap
     for crc in (0, 1, 0xFFFFFFFF, 0x12345678, random.Random(2).getrandbits(32)):
         written = b"".join(data for offset, data in archive.writes(layout.archive_layout, [crc]) if offset >= end)
         assert layout.tail(crc) == written
+
+
+def test_a_block_of_records_reuses_a_layout_exactly_where_parsing_each_alone_would():
+    """`reuse_block` compares many records at once: for every record, damaged or not, it gives
+    what `parse` gives through the same layout (offset and CRC-32 its own), or None."""
+    rng = random.Random(2)
+    layout = record_layout("float32", (4, 8))
+    good = record_bytes("float32", (4, 8), bytes(128))
+    for trial in range(30):
+        records = []
+        for _ in range(50):
+            record = bytearray(record_bytes("float32", (4, 8), rng.randbytes(128)))
+            for _ in range(rng.choice((0, 0, 1, 2))):
+                position = rng.randrange(len(record))
+                if not layout.data_offset <= position < layout.data_offset + 128:
+                    record[position] = rng.randrange(256)
+            records.append(bytes(record))
+        gap = rng.choice((0, 0, 7))  # end to end, or with bytes between
+        block = b"".join(record + bytes(gap) for record in records)
+        starts = [i * (len(good) + gap) for i in range(len(records))]
+        parsed = ParsedRecords()
+        parsed.parse(reader(good, 0), len(good), "test", 0)
+        for start, found in zip(starts, parsed.reuse_block(block, starts, len(good))):
+            alone = ParsedRecords()
+            alone.parse(reader(good, 0), len(good), "test", 0)
+            expected = outcome(alone.parse, block, start, len(good))
+            if found is not None:
+                record, data_at, crc = found
+                assert expected == type(record)(record.dtype, record.shape, record.stride, record.storage_offset,
+                                                data_at, record.data_length, crc, record.byteorder), trial
+                assert data_at - start == layout.data_offset

@@ -12,9 +12,15 @@ top-level keys are:
     train.step, train.data_position, train.world_size, train.config (TrainConfig JSON)
     rng.rank_<r>.torch (and .cuda)       rank r's RNG state, written by rank r only
 
+A LoRA run (`--lora-rank`) saves its model under the same keys with PEFT's layer names
+(`model.model.layers.0.self_attn.q_proj.base_layer.weight`, `...q_proj.lora_A.default.weight`,
+`...q_proj.lora_B.default.weight`), optimizer state for the adapter weights only, and PEFT's
+`adapter_config.json` beside `.metadata` (train_minimal/lora.py).
+
 A checkpoint with `model.*` entries only (what `ckpttool import` writes from Hub weights,
 or `dcp.save({"model": get_model_state_dict(model)})`) also resumes: its weights are
-loaded and the run starts at step 0 with a fresh optimizer and LR schedule.
+loaded and the run starts at step 0 with a fresh optimizer and LR schedule; into a LoRA run,
+its plain weights load into the `base_layer`s (so does `--init-from`).
 
 Layout on disk: `DIR/step-00000010/` is written as `DIR/step-00000010.tmp/` and renamed
 once every rank has finished and `.metadata` exists; then `DIR/latest` (a one-line text
@@ -51,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from train_minimal.config import ConfigError, TrainConfig, incompatible_fields
+from train_minimal.lora import base_weight_name, is_lora_parameter, write_adapter_config
 from train_minimal.parallel import Runtime
 
 STEP_DIRECTORY = re.compile(r"^step-(\d{8})$")
@@ -231,6 +238,8 @@ class Checkpointer:
         if self.runtime.is_main:
             shutil.rmtree(temporary, ignore_errors=True)  # left over by an interrupted save
             temporary.mkdir(parents=True)
+            # Beside .metadata, so `ckpttool export --adapter` and PEFT find the LoRA settings.
+            write_adapter_config(temporary, app.config)
         dist.barrier()
         state = app.state_dict()
         if self.async_group is None:
@@ -301,15 +310,31 @@ def load_model_weights(model: nn.Module, checkpoint: Path) -> None:
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     stored = {key[len(MODEL_PREFIX):]: entry for key, entry in metadata.items() if key.startswith(MODEL_PREFIX)}
     expected = get_model_state_dict(model)
-    _check_keys(f"--resume {checkpoint}", sorted(stored), sorted(expected))
-    for key, target in sorted(expected.items()):
-        shape = tuple(getattr(stored[key], "size", ()))
-        if shape != tuple(target.shape):
-            raise ConfigError(f"--resume {checkpoint}: {MODEL_PREFIX}{key} has shape {shape}, "
-                              f"the model has {tuple(target.shape)}")
-    state = {"model": expected}
+    names = weights_to_load(f"--resume {checkpoint}", sorted(stored), expected)
+    for name, key in names.items():
+        shape = tuple(getattr(stored[name], "size", ()))
+        if shape != tuple(expected[key].shape):
+            raise ConfigError(f"--resume {checkpoint}: {MODEL_PREFIX}{name} has shape {shape}, "
+                              f"the model has {tuple(expected[key].shape)}")
+    state = {"model": {name: expected[key] for name, key in names.items()}}
     dcp.load(state, checkpoint_id=str(checkpoint))
-    set_model_state_dict(model, state["model"])
+    loaded = {key: state["model"][name] for name, key in names.items()}
+    set_model_state_dict(model, loaded, options=StateDictOptions(strict=len(loaded) == len(expected)))
+
+
+def weights_to_load(where: str, found: list[str], expected: dict) -> dict[str, str]:
+    """Return {name in the source: model key} for the weights to load from a source holding
+    `found`: every key of the model, or, into a LoRA model from a source without adapters (a
+    base model), each base weight under its plain name (`...q_proj.weight` into
+    `...q_proj.base_layer.weight`) while the adapters keep their fresh init. Raise ConfigError
+    naming missing and unexpected keys otherwise."""
+    if set(found) == set(expected) or not any(map(is_lora_parameter, expected)) \
+            or any(map(is_lora_parameter, found)):
+        _check_keys(where, found, sorted(expected))
+        return {key: key for key in sorted(expected)}
+    names = {base_weight_name(key): key for key in sorted(expected) if not is_lora_parameter(key)}
+    _check_keys(where + " (base weights of a LoRA run)", found, sorted(names))
+    return names
 
 
 def _check_keys(where: str, found: list[str], expected: list[str]) -> None:
@@ -333,21 +358,27 @@ def load_full_weights(model: nn.Module, source: Path) -> list[str]:
     for path in files:
         state.update(load_file(str(path)))
     expected = get_model_state_dict(model)
+    plain = {base_weight_name(key) for key in expected}
     # Llama's own keys start with `model.` (model.embed_tokens.weight): strip only a prefix
     # the model does not have.
-    if set(state) != set(expected) and state and all(key.startswith(MODEL_PREFIX) for key in state):
+    if set(state) not in (set(expected), plain) and state and all(key.startswith(MODEL_PREFIX) for key in state):
         state = {key[len(MODEL_PREFIX):]: value for key, value in state.items()}
-    _check_keys(f"--init-from {source}", sorted(state), sorted(expected))
+    names = weights_to_load(f"--init-from {source}", sorted(state), expected)
     notes = []
-    for key, value in sorted(state.items()):
-        target = expected[key]
+    loaded = {}
+    for name, key in names.items():
+        value, target = state[name], expected[key]
         if tuple(value.shape) != tuple(target.shape):
-            raise ConfigError(f"--init-from {source}: {key} has shape {tuple(value.shape)}, "
+            raise ConfigError(f"--init-from {source}: {name} has shape {tuple(value.shape)}, "
                               f"the model has {tuple(target.shape)}")
         if value.dtype != target.dtype:
-            notes.append(f"{key}: cast {value.dtype} -> {target.dtype}")
-            state[key] = value.to(target.dtype)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+            notes.append(f"{name}: cast {value.dtype} -> {target.dtype}")
+            value = value.to(target.dtype)
+        loaded[key] = value
+    if len(loaded) < len(expected):
+        notes.append(f"loaded the {len(loaded)} base weights of this LoRA run; its adapters keep their fresh init")
+    set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True,
+                                                                  strict=len(loaded) == len(expected)))
     return notes
 
 

@@ -47,6 +47,15 @@ DEFAULT_ROPE_THETA = 10000.0
 # The Llama MLP width when not given: 8/3 x dim (the parameter count of a 4x GELU MLP in
 # three matrices, as Llama chose) rounded up to a multiple of this.
 INTERMEDIATE_MULTIPLE = 16
+# LoRA (--arch llama only): the Linear modules an adapter may target (PEFT's target_modules
+# names them by their last component) and PEFT's LoraConfig defaults.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_LORA_TARGETS = "q_proj,v_proj"  # what PEFT picks for Llama when target_modules is not given
+DEFAULT_LORA_ALPHA = 8.0
+# The LoRA settings: None (or False) in a run without LoRA. They decide the adapter's shapes and
+# function, so a checkpoint resumes only with the same ones; a checkpoint written before they
+# existed has none of them and counts as a run without LoRA.
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "rslora")
 # Fields that decide the shapes of the model: a checkpoint only resumes into the same ones.
 ARCHITECTURE_FIELDS = ("arch", "dim", "layers", "heads", "vocab", "seq_len", "tie_embeddings") + LLAMA_FIELDS
 # Fields that decide which tokens step k sees: resuming with other values would silently
@@ -107,6 +116,18 @@ class TrainConfig:
                                              f"(default {DEFAULT_ROPE_THETA})")
     dropout: float = setting(0.0, "dropout probability (uses the per-rank RNG that checkpoints store); "
                                   "llama: on the attention weights only, as LlamaConfig's attention_dropout")
+
+    lora_rank: int | None = setting(None, "llama: train a LoRA adapter of rank R on the --lora-targets and freeze "
+                                          "every base weight (PEFT's layer names and init; the checkpoint also "
+                                          "holds PEFT's adapter_config.json)", section="LoRA", metavar="R")
+    lora_alpha: float | None = setting(None, f"LoRA scaling numerator: the update is scaled by alpha / R "
+                                             f"(alpha / sqrt(R) with --rslora) (default {DEFAULT_LORA_ALPHA:g}, "
+                                             f"PEFT's)", metavar="A")
+    lora_targets: str | None = setting(None, "comma-separated module names that get an adapter, from "
+                                             f"{','.join(LORA_TARGETS)} (default {DEFAULT_LORA_TARGETS})",
+                                       metavar="NAMES")
+    lora_dropout: float | None = setting(None, "dropout on the adapter's input (default 0.0)", metavar="P")
+    rslora: bool = setting(False, "rank-stabilised LoRA: scale by alpha / sqrt(R) instead of alpha / R")
 
     data: str | None = setting(None, "train on this file's bytes instead of the built-in synthetic arithmetic corpus",
                                section="data", metavar="FILE")
@@ -197,6 +218,11 @@ def incompatible_fields(saved: dict, config: TrainConfig) -> list[str]:
     for name in ARCHITECTURE_FIELDS + DATA_FIELDS:
         if name in saved and saved[name] != getattr(config, name):
             differences.append(f"{name}: {saved[name]!r} in the checkpoint, {getattr(config, name)!r} now")
+    defaults = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
+    for name in LORA_FIELDS:
+        stored = saved.get(name, defaults[name])
+        if stored != getattr(config, name):
+            differences.append(f"{name}: {stored!r} in the checkpoint, {getattr(config, name)!r} now")
     return differences
 
 
@@ -247,6 +273,7 @@ def resolve(values: dict) -> TrainConfig:
     if values["dim"] % values["heads"]:
         raise ConfigError(f"--heads {values['heads']} does not divide --dim {values['dim']}")
     _resolve_architecture(values)
+    _resolve_lora(values)
     if not 0.0 <= values["dropout"] < 1.0:
         raise ConfigError(f"--dropout must be in [0, 1), got {values['dropout']}")
     if values["warmup_steps"] is None:
@@ -296,6 +323,37 @@ def _resolve_architecture(values: dict) -> None:
         values["rope_theta"] = DEFAULT_ROPE_THETA
     if not values["norm_eps"] > 0 or not values["rope_theta"] > 0:
         raise ConfigError("--norm-eps and --rope-theta must be positive")
+
+
+def _resolve_lora(values: dict) -> None:
+    """Fill in the LoRA settings of a `--lora-rank` run (targets sorted and unique, so the
+    stored config compares equal however they were listed) or reject them without one."""
+    if values.get("lora_rank") is None:
+        given = [name for name in LORA_FIELDS[1:] if values.get(name)]
+        if given:
+            raise ConfigError(f"{', '.join(map(_flag, given))}: LoRA settings, add --lora-rank R")
+        return
+    if values["arch"] != "llama":
+        raise ConfigError("--lora-rank: LoRA layers exist for --arch llama only (PEFT's names on "
+                          "LlamaForCausalLM's modules)")
+    if values["fsdp"] != 2:
+        raise ConfigError("--lora-rank trains with FSDP2 (--fsdp 2): FSDP1 is not supported for LoRA runs")
+    _check_positive(values, ("lora_rank",))
+    targets = values["lora_targets"] if values["lora_targets"] is not None else DEFAULT_LORA_TARGETS
+    names = sorted({name.strip() for name in targets.split(",") if name.strip()})
+    unknown = [name for name in names if name not in LORA_TARGETS]
+    if unknown or not names:
+        raise ConfigError(f"--lora-targets {targets!r}: choose from {','.join(LORA_TARGETS)}"
+                          + (f" ({', '.join(unknown)} is not one)" if unknown else ""))
+    values["lora_targets"] = ",".join(names)
+    if values["lora_alpha"] is None:
+        values["lora_alpha"] = DEFAULT_LORA_ALPHA
+    if not values["lora_alpha"] > 0:
+        raise ConfigError(f"--lora-alpha must be positive, got {values['lora_alpha']}")
+    if values["lora_dropout"] is None:
+        values["lora_dropout"] = 0.0
+    if not 0.0 <= values["lora_dropout"] < 1.0:
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {values['lora_dropout']}")
 
 
 def _resolve_parallelism(values: dict) -> None:

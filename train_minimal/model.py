@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train_minimal.config import TrainConfig
+from train_minimal.lora import apply_lora
 
 # GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers).
 INIT_STD = 0.02
@@ -283,15 +284,19 @@ BLOCK_TYPES = (Block, LlamaBlock)
 
 
 def build_model(config: TrainConfig) -> nn.Module:
-    """Return the unsharded model a TrainConfig describes (draws from torch's global RNG)."""
+    """Return the unsharded model a TrainConfig describes (draws from torch's global RNG);
+    with `--lora-rank`, its base frozen and the targeted Linears wrapped (train_minimal/lora.py),
+    the adapters drawn after the base weights, so the base equals a run's without LoRA."""
     if config.arch == "llama":
-        return Llama(config.dim, config.layers, config.heads, config.vocab, config.intermediate_size,
-                     kv_heads=config.kv_heads, norm_eps=config.norm_eps, rope_theta=config.rope_theta,
-                     tie_embeddings=config.tie_embeddings, dropout=config.dropout)
+        llama = Llama(config.dim, config.layers, config.heads, config.vocab, config.intermediate_size,
+                      kv_heads=config.kv_heads, norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+                      tie_embeddings=config.tie_embeddings, dropout=config.dropout)
+        return apply_lora(llama, config)
     return GPT(config.dim, config.layers, config.heads, config.vocab, config.seq_len,
                tie_embeddings=config.tie_embeddings, dropout=config.dropout)
 
 
-def parameter_count(model: nn.Module) -> int:
-    """Return the number of parameters of an unsharded model."""
-    return sum(parameter.numel() for parameter in model.parameters())
+def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:
+    """Return the number of parameters of an unsharded model (only those that train, if asked)."""
+    return sum(parameter.numel() for parameter in model.parameters()
+               if parameter.requires_grad or not trainable_only)

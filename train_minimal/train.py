@@ -81,9 +81,11 @@ def train(config: TrainConfig) -> None:
     torch.manual_seed(config.seed)
     model = build_model(config)
     total_parameters = parameter_count(model)
+    trainable_parameters = parameter_count(model, trainable_only=True)
     model = shard_model(model, config, runtime)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  weight_decay=config.weight_decay)
+    # A LoRA run's frozen base has no optimizer state (nor an entry in the checkpoint's optim.*).
+    optimizer = torch.optim.AdamW([parameter for parameter in model.parameters() if parameter.requires_grad],
+                                  lr=config.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda index: lr_factor(index, config))
     progress = TrainProgress()
     app = AppState(model, optimizer, scheduler, progress, config, runtime)
@@ -104,6 +106,9 @@ def train(config: TrainConfig) -> None:
 
     corpus = file_corpus(config.data, config.vocab, config.seq_len) if config.data else synthetic_corpus(config.seed)
     stream = TokenStream(corpus, config.seq_len, config.seed)
+    if trainable_parameters != total_parameters:
+        log(f"LoRA rank {config.lora_rank} on {config.lora_targets}: {trainable_parameters:,} trainable parameters, "
+            f"{total_parameters - trainable_parameters:,} frozen")
     log(f"{total_parameters:,} parameters ({config.arch}), FSDP{config.fsdp}, world size {runtime.world_size}, "
         f"device {runtime.device}, steps {progress.step + 1}..{config.last_step} of {config.steps}")
     log_file = None

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ckpttool import dtypes
-from ckpttool.checkpoint import Checkpoint, Tensor
+from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
 from ckpttool.dcp.blobs import RawData
 from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.formats import hub, safetensors
 from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys
-from ckpttool.geometry import row_major_runs
+from ckpttool.geometry import row_major_runs, slab_runs
 from ckpttool.model_view import ModelView
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather, Operation
@@ -240,11 +240,9 @@ def plan_tensor(tensor: Tensor, located: Mapping[int, RawData | None], dtype: st
     """
     itemsize = dtypes.ITEMSIZE[dtype]
     source_itemsize = dtypes.ITEMSIZE[tensor.dtype]
-    whole = ((0,) * len(tensor.shape), tensor.shape)
+    indices = unique_chunks(tensor)
     operations: list[Operation] = []
-    for index in unique_chunks(tensor):
-        chunk = tensor.chunks[index]
-        runs = row_major_runs(whole, (chunk.offsets, chunk.sizes), itemsize)
+    for index, runs in zip(indices, _chunk_runs(tensor, indices, itemsize)):
         raw = located[index]
         if raw is not None and len(runs) == 1:
             (start, length), = runs
@@ -265,6 +263,18 @@ def plan_tensor(tensor: Tensor, located: Mapping[int, RawData | None], dtype: st
             at += length
         operations.append(Gather(tensor, index, raw, dtype, file, tuple(pieces)))
     return tuple(operations)
+
+
+def _chunk_runs(tensor: Tensor, indices: list[int], itemsize: int) -> list[list[tuple[int, int]]]:
+    """Return where each chunk of `indices` lies in the row-major output (`row_major_runs`),
+    from the columns when the chunks are a table of dim-0 slabs (FSDP's)."""
+    chunks = tensor.chunks
+    if isinstance(chunks, ChunkTable) and indices:
+        runs = slab_runs(tensor.shape, chunks.offsets[indices], chunks.sizes[indices], itemsize)
+        if runs is not None:
+            return runs
+    whole = ((0,) * len(tensor.shape), tensor.shape)
+    return [row_major_runs(whole, (chunks[index].offsets, chunks[index].sizes), itemsize) for index in indices]
 
 
 def target_dtype(source_dtype: str, wanted: str | None) -> str:

@@ -32,8 +32,8 @@ from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata
 from ckpttool.safepickle import RestrictedUnpickler
 from ckpttool.torchsave import archive
 from ckpttool.torchsave.pickle import dumps
-from ckpttool.torchsave.zip import (LOCAL, UNSUPPORTED_FLAGS, Entry, Read, entry_bytes, entry_data_offset, entry_in, find_entry,
-                                    read_directory)
+from ckpttool.torchsave.zip import (LOCAL, LOCAL_MAGIC, UNSUPPORTED_FLAGS, Entry, Read, entry_bytes, entry_data_offset,
+                                    entry_in, find_entry, read_directory)
 
 MAX_PICKLE_BYTES = 64 << 20  # a torch.save data.pkl for one tensor is a few hundred bytes
 CRC_IN_LOCAL_HEADER, CRC_IN_CENTRAL_HEADER = 14, 16  # APPNOTE.TXT: a header's crc-32 field, from its start
@@ -273,6 +273,11 @@ class ParsedRecords:
         self._layouts: dict[int, list[_Layout]] = {}  # by record length
         self._kept = 0
 
+    @property
+    def layouts(self) -> int:
+        """How many layouts are kept."""
+        return self._kept
+
     def parse(self, read: Read, length: int, where: str, offset: int = 0) -> TensorRecord:
         """Return `parse_tensor_record(read, length, where, offset)`."""
         for layout in self._layouts.get(length, ()):
@@ -293,6 +298,32 @@ class ParsedRecords:
                 self._layouts.setdefault(length, []).append(layout)
                 self._kept += 1
         return record
+
+    def reuse_block(self, block: bytes, starts: list[int], length: int) -> list[tuple[TensorRecord, int, int] | None]:
+        """For each record of `length` bytes at `starts` (ascending) of `block`: when its bytes
+        are those of a layout parsed before, (that layout's record, the data's offset in
+        `block`, the data's CRC-32), which `parse` would return with the record's own offset
+        and CRC-32; else None (parse it alone). The comparisons `parse` makes, made for all the
+        records at once; only records that start with a zip local header are reused.
+        """
+        import numpy as np
+
+        # each record's bytes, copied row by row out of a window view (no index per byte)
+        rows = np.lib.stride_tricks.sliding_window_view(np.frombuffer(block, np.uint8), length)[starts]
+        found: list[tuple[TensorRecord, int, int] | None] = [None] * len(starts)
+        pending = (rows[:, :len(LOCAL_MAGIC)] == np.frombuffer(LOCAL_MAGIC, np.uint8)).all(axis=1)
+        for layout in self._layouts.get(length, ()):
+            if not pending.any():
+                break
+            matched = pending & layout.matches(rows)
+            if not matched.any():
+                continue
+            pending &= ~matched
+            crcs = rows[:, layout.crc_at:layout.crc_at + 4].copy().view("<u4").ravel().tolist()
+            record, data_start = layout.record, layout.data_start
+            for index in np.flatnonzero(matched).tolist():
+                found[index] = (record, starts[index] + data_start, crcs[index])
+        return found
 
 
 SPAN_GAP = 4096  # ranges a parse read this close together are read again as one (the bytes between are not compared)
@@ -356,6 +387,23 @@ class _Layout:
         return TensorRecord(record.dtype, record.shape, record.stride, record.storage_offset,
                             offset + self.data_start, record.data_length,
                             int.from_bytes(read(self.crc_at, 4), "little"), record.byteorder)
+
+    def matches(self, rows: Any) -> Any:
+        """Return, for each row of `rows` (a (count, record length) uint8 numpy array of
+        records that lie in it whole), whether `reuse` would reuse this layout for it."""
+        import numpy as np
+
+        found = np.ones(len(rows), dtype=bool)
+        width = rows.shape[1]
+        for start, length, pieces in self.spans:
+            if start + length > width:  # the parse read past this record: reuse() alone decides
+                return np.zeros(len(rows), dtype=bool)
+            for begin, end, expected in pieces:
+                at = start + begin
+                found &= (rows[:, at:at + end - begin] == np.frombuffer(expected, np.uint8)).all(axis=1)
+        if self.crc_at + 4 > width:
+            found[:] = False
+        return found
 
 
 def find_record_problems(read: Read, length: int, where: str, skip_largest: bool) -> list[tuple[str, str]]:
