@@ -102,7 +102,7 @@ def build_config(given: Mapping[str, Any] | None, modules: Sequence[tuple[str, i
         config["target_modules"] = sorted({path.rsplit(".", 1)[-1] for path, _ in modules})
         config["rank_pattern"] = {path: rank for path, rank in modules if rank != common}
         if flags.get("lora_alpha") is None:  # the weights cannot tell it, and a guess would change the model
-            raise UsageError(f"{where}: no {CONFIG_NAME} beside the checkpoint or in --assets, and no --lora-alpha; "
+            raise UsageError(f"{where}: no {CONFIG_NAME} beside the checkpoint (or in export's --assets) and no --lora-alpha; "
                              "lora_alpha sets the adapter's scale (alpha / r): give one of them")
     return dict(sorted(config.items()))
 
