@@ -468,3 +468,18 @@ def test_merge_in_row_blocks_equals_merge_and_unload_for_linear_and_embedding_lo
     result = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8", "-q")
     assert result.exit_code == 0, result.output
     assert_same_state(load_file(tmp_path / "merged.safetensors"), model.merge_and_unload().state_dict())
+
+
+@pytest.mark.parametrize("name", ["full.safetensors", "full.pt"])
+def test_adapter_and_merge_from_a_consolidated_file_equal_peft_as_from_the_dcp_checkpoint(cli, tmp_path, name):
+    """Any layout ckpttool reads: the LoRA model consolidated to one file first."""
+    fixture = PEFT_FIXTURES / "attention"
+    assert cli("consolidate", fixture / "checkpoint", tmp_path / name, "-q").exit_code == 0
+    result = cli("export", tmp_path / name, tmp_path / "adapter", "--adapter", "--lora-alpha", "8", "-q")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes() == \
+        (fixture / "adapter" / "adapter_model.safetensors").read_bytes()
+    merged = cli("export", tmp_path / name, tmp_path / "merged", "--merge-adapter", "--assets", fixture / "base",
+                 "--lora-alpha", "8", "-q")
+    assert merged.exit_code == 0, merged.output
+    assert_same_state(load_file(tmp_path / "merged" / "model.safetensors"), load_file(fixture / "merged.safetensors"))
