@@ -232,6 +232,7 @@ def test_export_of_a_lora_checkpoint_without_merge_is_refused_against_the_base_c
     result = cli("export", PEFT_FIXTURES / "attention" / "checkpoint", tmp_path / "out", "--assets",
                  PEFT_FIXTURES / "attention" / "base")
     assert result.exit_code == 1 and "config-mismatch" in result.output
+    assert "the weights are a LoRA model" in result.output and "--merge-adapter" in result.output
 
 
 # ---------------------------------------------------------------------------------------------

@@ -303,6 +303,10 @@ def check_against_config(config: Mapping[str, Any], shapes: Mapping[str, tuple[i
     causal_lm = not architectures or any(a.endswith("ForCausalLM") for a in architectures)
     if config.get("model_type") not in _ATTENTION_BIAS or not causal_lm:
         return f"nothing (model_type {config.get('model_type')!r} of {where.name} is not one export knows the shapes of)"
+    lora = next((key for key in shapes if ".lora_A." in key or ".lora_embedding_A" in key), None)
+    if lora is not None:
+        raise InvalidCheckpoint(f"{where}: the weights are a LoRA model ({lora}); export the adapter with --adapter, "
+                                "or the base model with it merged in with --merge-adapter", code="config-mismatch")
     try:
         expected = expected_shapes(config)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
