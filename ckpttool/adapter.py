@@ -170,9 +170,10 @@ class AdapterMerge:
                                  for q in self.quantised.values()})
         return self.merge
 
-    def patch(self, files: DataFiles, fds: dict[str, int]) -> None:
+    def patch(self, files: DataFiles, fds: dict[str, int]) -> set[str]:
+        """Merge into the written outputs; return the keys of the tensors changed."""
         assert self.found is not None and self.merge is not None
-        run_merge(self.merge, self.found.checkpoint, files, fds)
+        return run_merge(self.merge, self.found.checkpoint, files, fds)
 
     def note(self) -> str:
         merge = self.merge

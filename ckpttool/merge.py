@@ -27,14 +27,18 @@ MERGE_BLOCK = 16 << 20  # bytes of a base weight read, added to and rewritten at
 
 
 def run_merge(plan: MergePlan, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int],
-              on_done: Any = None) -> None:
-    """Apply every step of `plan` to the outputs `fds` (output file name -> fd open for read and write)."""
+              on_done: Any = None) -> set[str]:
+    """Apply every step of `plan` to the outputs `fds` (output file name -> fd open for read and
+    write); return the output keys of the tensors rewritten."""
     import torch
 
+    changed = set()
     for step in plan.steps:
         _merge_one(torch, step, checkpoint, files, fds)
+        changed.update(target.key for target in (step.weight, step.bias) if target is not None)
         if on_done is not None:
             on_done(step)
+    return changed
 
 
 def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int]) -> None:

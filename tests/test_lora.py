@@ -484,3 +484,18 @@ def test_adapter_and_merge_from_a_consolidated_file_equal_peft_as_from_the_dcp_c
                  "--lora-alpha", "8", "-q")
     assert merged.exit_code == 0, merged.output
     assert_same_state(load_file(tmp_path / "merged" / "model.safetensors"), load_file(fixture / "merged.safetensors"))
+
+
+def test_merge_to_a_pt_file_has_the_crcs_of_the_merged_bytes(cli, tmp_path):
+    """A .pt zip stores each record's CRC-32: a merged tensor's is of its merged bytes."""
+    import zipfile
+
+    import torch
+
+    fixture = PEFT_FIXTURES / "attention"
+    result = cli("consolidate", fixture / "checkpoint", tmp_path / "merged.pt", "--merge-adapter", "--lora-alpha", "8",
+                 "-q")
+    assert result.exit_code == 0, result.output
+    with zipfile.ZipFile(tmp_path / "merged.pt") as archive:
+        assert archive.testzip() is None
+    assert_same_state(torch.load(tmp_path / "merged.pt", weights_only=True), load_file(fixture / "merged.safetensors"))

@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 from ckpttool import distributed, execute, integrity, io, readers
 from ckpttool.adapter import AdapterMerge, check_merge_target
@@ -222,7 +222,8 @@ def write_output(planned: Planned, target: Path, write: WriteOptions, source: So
 
 
 # what may change written outputs before their commit: (source data files, output name -> fd)
-Patch = Callable[[DataFiles, dict[str, int]], None]
+# -> the keys of the tensors it changed
+Patch = Callable[[DataFiles, dict[str, int]], Iterable[str]]
 
 
 def report_of(planned: Planned, target: Path, written: tuple[Path, ...], processes: tuple[ProcessStats, ...],
@@ -347,9 +348,8 @@ def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], write: W
           patch: Patch | None = None) -> None:
     _prepare_outputs(plan, fds)
     _run(plan, sorted(plan.operations, key=execute.first_offset), files, fds, write)
-    if patch is not None:
-        patch(files, fds)
-    _finish(plan, fds, None)
+    patched = frozenset(patch(files, fds)) if patch is not None else frozenset()
+    _finish(plan, fds, None, patched)
 
 
 def _prepare_outputs(plan: ConsolidatePlan, fds: dict[str, int]) -> None:
@@ -376,11 +376,14 @@ def _run(plan: ConsolidatePlan, operations: list, files: DataFiles, fds: dict[st
                            on_done=bar.update)
 
 
-def _finish(plan: ConsolidatePlan, fds: dict[str, int], directory: Path | None) -> None:
-    """Write what depends on all the data (.pt zip records; the index into `directory`), fsync."""
+def _finish(plan: ConsolidatePlan, fds: dict[str, int], directory: Path | None,
+            patched: frozenset[str] = frozenset()) -> None:
+    """Write what depends on all the data (.pt zip records; the index into `directory`), fsync.
+    A `patched` tensor's CRC is computed from its written bytes, not from its source's."""
     for name, layout in plan.zip_layouts.items():
         crcs = {
-            f"{ptfile.ARCHIVE}/data/{position}": execute.output_crc(fds[name], t.offset, t.nbytes, t.operations)
+            f"{ptfile.ARCHIVE}/data/{position}": execute.output_crc(
+                fds[name], t.offset, t.nbytes, () if t.key in patched else t.operations)
             for position, t in enumerate(t for t in plan.tensors if t.file == name)
         }
         for offset, data in ptfile.zip_records(layout, crcs):
