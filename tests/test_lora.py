@@ -216,16 +216,18 @@ def test_consolidate_merge_adapter_in_bf16_equals_peft_merging_into_a_bf16_base(
     assert_same_state(load_file(out), model.state_dict())
 
 
-def test_merge_of_the_adapter_with_a_config_in_assets_uses_its_alpha(cli, tmp_path):
+def test_merge_into_shards_with_the_config_in_assets_uses_its_alpha(cli, tmp_path):
     """alpha from adapter_config.json in --assets (the folder PEFT wrote) rather than flags."""
     assets = tmp_path / "assets"
     shutil.copytree(PEFT_FIXTURES / "mlp_rslora" / "base", assets)
     shutil.copy(PEFT_FIXTURES / "mlp_rslora" / "adapter" / "adapter_config.json", assets)
     result = cli("export", PEFT_FIXTURES / "mlp_rslora" / "checkpoint", tmp_path / "out", "--merge-adapter",
-                 "--assets", assets, "-q")
+                 "--assets", assets, "--max-shard-size", "20KB", "-q")  # 6 shards: a merge writes into each
     assert result.exit_code == 0, result.output
-    assert_same_state(load_file(tmp_path / "out" / "model.safetensors"),
-                      load_file(PEFT_FIXTURES / "mlp_rslora" / "merged.safetensors"))
+    weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) == 6
+    merged = {key: value for name in set(weight_map.values()) for key, value in load_file(tmp_path / "out" / name).items()}
+    assert_same_state(merged, load_file(PEFT_FIXTURES / "mlp_rslora" / "merged.safetensors"))
 
 
 def test_export_of_a_lora_checkpoint_without_merge_is_refused_against_the_base_config(cli, tmp_path):
