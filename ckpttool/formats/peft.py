@@ -96,14 +96,14 @@ def build_config(given: Mapping[str, Any] | None, modules: Sequence[tuple[str, i
     ranks = sorted({rank for _, rank in modules})
     if given is not None:
         _check_given(config, modules, where)
-    else:
+    elif ranks:
         common = max(ranks, key=lambda r: (sum(1 for _, rank in modules if rank == r), -r))
         config["r"] = common
         config["target_modules"] = sorted({path.rsplit(".", 1)[-1] for path, _ in modules})
         config["rank_pattern"] = {path: rank for path, rank in modules if rank != common}
         if flags.get("lora_alpha") is None:  # the weights cannot tell it, and a guess would change the model
-            raise UsageError(f"{where}: no {CONFIG_NAME} beside the checkpoint (or in export's --assets) and no --lora-alpha; "
-                             "lora_alpha sets the adapter's scale (alpha / r): give one of them")
+            raise UsageError(f"{where}: no {CONFIG_NAME} beside the checkpoint (or in export's --assets) and no "
+                             "--lora-alpha; lora_alpha sets the adapter's scale (alpha / r): give one of them")
     return dict(sorted(config.items()))
 
 
