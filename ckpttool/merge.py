@@ -4,7 +4,8 @@ weight read back from the output, `W += delta` computed exactly as PEFT's
 on an adapter loaded as `PeftModel.from_pretrained` loads it: the same torch ops in the same
 dtypes, so the result is bit-identical to `merge_and_unload`),
 and written back in place. Memory holds one module: its delta (the size of its base weight),
-A, B, and 16 MB of the base weight at a time (a 4-bit base: the whole dequantised weight).
+A, B, and 16 MB of the base weight at a time (a 4-bit base: the whole dequantised weight; DoRA,
+which needs each row's norm of the merged weight: the whole weight and its merged copy).
 
 Example:
     >>> with DataFiles(checkpoint.path) as files:
@@ -54,7 +55,10 @@ def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataF
         delta = delta.T
     delta.mul_(step.scaling)  # PEFT's `* scaling`, the same elementwise op, without a second delta in memory
     del a, b
-    if step.quantised is not None:
+    if step.magnitude_fqn is not None:
+        magnitude = _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.magnitude_fqn]))
+        _write_output(step.weight, _dora(torch, _read_output(torch, step.weight, fds), delta, magnitude, step), fds)
+    elif step.quantised is not None:
         weight = _dequantise(torch, step, checkpoint, files)
         weight += delta  # peft/tuners/lora/bnb.py Linear4bit.merge: dequantised weight + delta
         _write_output(step.weight, weight, fds)
@@ -69,6 +73,19 @@ def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataF
         bias = _read_output(torch, step.bias, fds)
         bias += _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.bias_fqn])) * step.scaling
         _write_output(step.bias, bias, fds)
+
+
+def _dora(torch: Any, weight: Any, delta: Any, magnitude: Any, step: MergeStep) -> Any:
+    """Return DoRA's merged weight, as peft/tuners/lora/variants.py DoraLinearVariant.merge_unsafe
+    computes it (with dora.py DoraLinearLayer.get_weight_norm, scaling 1): the whole weight."""
+    def transpose(tensor: Any) -> Any:  # peft.utils.other.transpose(tensor, fan_in_fan_out)
+        return tensor.T if step.fan_in_fan_out else tensor
+
+    norm_input = transpose(weight) + 1 * transpose(delta)
+    weight_norm = torch.linalg.norm(norm_input, dim=1).to(norm_input.dtype)
+    del norm_input
+    dora_factor = transpose((magnitude / weight_norm).view(-1, 1))
+    return (dora_factor * (weight + delta)).to(weight.dtype)
 
 
 def _row_blocks(torch: Any, target: Target, fds: Mapping[str, int]) -> Iterator[tuple[slice, Any]]:

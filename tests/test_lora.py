@@ -273,8 +273,14 @@ def save_checkpoint(model, path: Path, wrapped: bool = True, change=None) -> Pat
     return path
 
 
-def test_dora_adapter_exports_as_peft_saves_it_and_its_merge_is_refused_in_one_line(hf, cli, tmp_path):
+def test_dora_adapter_exports_as_peft_saves_it_and_merges_as_merge_and_unload(hf, cli, tmp_path):
+    import torch
+
     model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():  # a trained magnitude: not the base weight's norm it starts as
+        for name, parameter in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                parameter.mul_(1.5)
     model.save_pretrained(tmp_path / "peft")
     source = save_checkpoint(model, tmp_path / "ckpt")
     assert "adapter 'default': DoRA r=4" in cli("inspect", source).output
@@ -283,9 +289,17 @@ def test_dora_adapter_exports_as_peft_saves_it_and_its_merge_is_refused_in_one_l
     assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
                       load_file(tmp_path / "peft" / "adapter_model.safetensors"))
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["use_dora"] is True
+    merged = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8", "-q")
+    assert merged.exit_code == 0, merged.output
+    assert_same_state(load_file(tmp_path / "merged.safetensors"), model.merge_and_unload().state_dict())
+
+
+def test_dora_on_an_embedding_is_refused_in_one_line_naming_the_module(hf, cli, tmp_path):
+    model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, use_dora=True, target_modules=["embed_tokens"])
+    source = save_checkpoint(model, tmp_path / "ckpt")
     refused = cli("export", source, tmp_path / "merged", "--merge-adapter", "--lora-alpha", "8")
     assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
-    assert "model.layers.0.self_attn.q_proj: a DoRA adapter" in refused.output
+    assert "model.embed_tokens: a DoRA adapter on an embedding" in refused.output
     assert not (tmp_path / "merged").exists()
 
 

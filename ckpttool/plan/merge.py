@@ -3,7 +3,8 @@
 consolidate's plan writes the base model (each `base_layer.weight` under its base key, the
 adapter's tensors left out); this plan names, for each LoRA module, the output tensor to update
 in place and what PEFT's `LoraLayer.merge` adds to it: `scaling * (B @ A)` (transposed for
-`fan_in_fan_out` and for embeddings), and `scaling * B.bias` to the base bias with lora_bias.
+`fan_in_fan_out` and for embeddings), `scaling * B.bias` to the base bias with lora_bias, and
+for DoRA the row rescaling by its magnitude vector.
 `merge.run_merge` executes it one module at a time.
 
 Example:
@@ -66,6 +67,7 @@ class MergeStep:
     bias: Target | None = None  # the base bias, when the adapter has a lora_B bias
     bias_fqn: str | None = None
     quantised: Quantised | None = None  # the weight is dequantised from this, not read from the output
+    magnitude_fqn: str | None = None  # DoRA's magnitude vector: the merged weight is rescaled row by row
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,8 @@ def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any
                quantised: Mapping[str, Quantised] = {}) -> MergePlan:
     """Return the merge of `adapter` into the base weights `plan` writes; `fqns` maps model keys
     to checkpoint fqns, `quantised` (by fqn) the 4-bit weights, each dequantised (and merged
-    where it is a LoRA module's base). Raises UnsupportedFormat naming the module for DoRA and
-    naming the tensor for a base weight that is neither floating point nor a 4-bit weight with
+    where it is a LoRA module's base). Raises UnsupportedFormat naming the module for DoRA on
+    an embedding or a 4-bit base, and naming the tensor for a base weight that is neither floating point nor a 4-bit weight with
     its quant state, UsageError when a base weight is not written (dropped by --filter or as a
     tied copy)."""
     by_fqn = {t.fqn: t for t in plan.tensors}
@@ -90,9 +92,10 @@ def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any
         if fqn not in lora_bases and fqn in by_fqn:
             steps.append(MergeStep(fqn, "linear", _target(by_fqn[fqn]), None, None, 0.0, False, quantised=quant))
     for module in adapter.modules:
-        if module.magnitude_key:
-            raise UnsupportedFormat(f"{module.path}: a DoRA adapter (lora_magnitude_vector); --merge-adapter merges plain "
-                                    "LoRA only: export it with --adapter and merge it with PEFT's merge_and_unload")
+        if module.magnitude_key and (module.kind != "linear" or module.quantized):
+            raise UnsupportedFormat(f"{module.path}: a DoRA adapter on {'a 4-bit base' if module.quantized else 'an embedding'}"
+                                    "; --merge-adapter merges DoRA on linear layers only: export it with --adapter and "
+                                    "merge it with PEFT's merge_and_unload")
         base = by_fqn.get(fqns[module.base_key]) if module.base_key else None
         if base is None:
             raise UsageError(f"{module.path}: its base weight {module.base_key or module.path + '.base_layer.weight'} is "
@@ -110,7 +113,8 @@ def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any
             bias, bias_fqn = _target(bias_tensor), fqns[module.bias_key]
         steps.append(MergeStep(module.path, module.kind, _target(base), fqns[module.a_key], fqns[module.b_key],
                                peft.module_scaling(config, module.path, module.rank),
-                               fan_in_fan_out and module.kind == "linear", bias, bias_fqn, quant))
+                               fan_in_fan_out and module.kind == "linear", bias, bias_fqn, quant,
+                               fqns[module.magnitude_key] if module.magnitude_key else None))
     return MergePlan(adapter.name, tuple(steps))
 
 
