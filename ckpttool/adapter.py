@@ -113,8 +113,9 @@ class AdapterMerge:
         'model.layers.0.self_attn.q_proj'
     """
 
-    def __init__(self, options: AdapterOptions, assets: str | os.PathLike | None, follow_symlinks: bool = False):
-        self.options, self.assets, self.follow_symlinks = options, assets, follow_symlinks
+    def __init__(self, options: AdapterOptions, assets: str | os.PathLike | None, follow_symlinks: bool = False,
+                 verify: bool = False):
+        self.options, self.assets, self.follow_symlinks, self.verify = options, assets, follow_symlinks, verify
         self.found: FoundAdapter | None = None
         self.merge: MergePlan | None = None
         self.quantised: dict[str, Quantised] = {}  # model key of a 4-bit weight -> what dequantises it
@@ -173,7 +174,7 @@ class AdapterMerge:
     def patch(self, files: DataFiles, fds: dict[str, int]) -> set[str]:
         """Merge into the written outputs; return the keys of the tensors changed."""
         assert self.found is not None and self.merge is not None
-        return run_merge(self.merge, self.found.checkpoint, files, fds)
+        return run_merge(self.merge, self.found.checkpoint, files, fds, verify=self.verify)
 
     def note(self) -> str:
         merge = self.merge

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping
 from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, read_chunk
 from ckpttool.formats import bnb4bit
+from ckpttool.errors import VerificationFailed
 from ckpttool.io import write_at
 from ckpttool.plan.merge import MergePlan, MergeStep, Target
 
@@ -28,23 +29,25 @@ MERGE_BLOCK = 16 << 20  # bytes of a base weight read, added to and rewritten at
 
 
 def run_merge(plan: MergePlan, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int],
-              on_done: Any = None) -> set[str]:
+              on_done: Any = None, verify: bool = False) -> set[str]:
     """Apply every step of `plan` to the outputs `fds` (output file name -> fd open for read and
-    write); return the output keys of the tensors rewritten."""
+    write); return the output keys of the tensors rewritten. `verify` reads each write back
+    and raises VerificationFailed naming the tensor when it differs."""
     import torch
 
     changed = set()
     for step in plan.steps:
-        _merge_one(torch, step, checkpoint, files, fds)
+        _merge_one(torch, step, checkpoint, files, fds, verify)
         changed.update(target.key for target in (step.weight, step.bias) if target is not None)
         if on_done is not None:
             on_done(step)
     return changed
 
 
-def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int]) -> None:
+def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles, fds: Mapping[str, int],
+               verify: bool) -> None:
     if step.a_fqn is None:  # a 4-bit weight outside the adapter: dequantised only
-        _write_output(step.weight, _dequantise(torch, step, checkpoint, files), fds)
+        _write_output(step.weight, _dequantise(torch, step, checkpoint, files), fds, verify=verify)
         return
     # PeftModel.from_pretrained(autocast_adapter_dtype=True) holds a float16/bfloat16 adapter in
     # float32 (peft.tuners.tuners_utils cast_adapter_dtype); get_delta_weight then computes in it
@@ -57,22 +60,23 @@ def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataF
     del a, b
     if step.magnitude_fqn is not None:
         magnitude = _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.magnitude_fqn]))
-        _write_output(step.weight, _dora(torch, _read_output(torch, step.weight, fds), delta, magnitude, step), fds)
+        _write_output(step.weight, _dora(torch, _read_output(torch, step.weight, fds), delta, magnitude, step), fds,
+                      verify=verify)
     elif step.quantised is not None:
         weight = _dequantise(torch, step, checkpoint, files)
         weight += delta  # peft/tuners/lora/bnb.py Linear4bit.merge: dequantised weight + delta
-        _write_output(step.weight, weight, fds)
+        _write_output(step.weight, weight, fds, verify=verify)
     else:
         # Linear.merge / Embedding.merge: base_layer.weight.data += delta_weight, elementwise, so
         # the written weight is read, added and rewritten a block of rows at a time
         for rows, weight in _row_blocks(torch, step.weight, fds):
             weight += delta[rows]
-            _write_output(step.weight, weight, fds, rows.start)
+            _write_output(step.weight, weight, fds, rows.start, verify)
     del delta
     if step.bias is not None:
         bias = _read_output(torch, step.bias, fds)
         bias += _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.bias_fqn])) * step.scaling
-        _write_output(step.bias, bias, fds)
+        _write_output(step.bias, bias, fds, verify=verify)
 
 
 def _dora(torch: Any, weight: Any, delta: Any, magnitude: Any, step: MergeStep) -> Any:
@@ -145,9 +149,12 @@ def _read_output(torch: Any, target: Target, fds: Mapping[str, int], rows: slice
     return torch.frombuffer(data, dtype=dtype).reshape(shape) if count else torch.empty(shape, dtype=dtype)
 
 
-def _write_output(target: Target, value: Any, fds: Mapping[str, int], first_row: int = 0) -> None:
+def _write_output(target: Target, value: Any, fds: Mapping[str, int], first_row: int = 0, verify: bool = False) -> None:
     import torch
 
-    flat = value.contiguous().reshape(-1)
+    flat = value.to(getattr(torch, target.dtype)).contiguous().reshape(-1)
     row_bytes = getattr(torch, target.dtype).itemsize * math.prod(target.shape[1:])
-    write_at(fds[target.file], memoryview(flat.view(torch.uint8).numpy()), target.offset + first_row * row_bytes)
+    data = memoryview(flat.view(torch.uint8).numpy())
+    write_at(fds[target.file], data, target.offset + first_row * row_bytes)
+    if verify and os.pread(fds[target.file], len(data), target.offset + first_row * row_bytes) != data:
+        raise VerificationFailed(f"{target.file}: {target.key} reads back other bytes than the merge wrote")

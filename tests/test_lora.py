@@ -209,7 +209,7 @@ def test_consolidate_merge_adapter_in_bf16_equals_peft_merging_into_a_bf16_base(
     fixture = PEFT_FIXTURES / "mlp_rslora"
     out = tmp_path / "merged.safetensors"
     result = cli("consolidate", fixture / "checkpoint", out, "--merge-adapter", "--dtype", "bf16",
-                 "--lora-alpha", "16", "--rslora", "-q")
+                 "--lora-alpha", "16", "--rslora", "--verify", "-q")  # --verify: the merged bytes read back too
     assert result.exit_code == 0, result.output
     base = transformers.AutoModelForCausalLM.from_pretrained(fixture / "base", dtype=torch.bfloat16)
     model = peft.PeftModel.from_pretrained(base, fixture / "adapter").merge_and_unload()

@@ -165,7 +165,8 @@ def consolidate(
     refuse_overlap(target, src)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
-    merge = AdapterMerge(merge_adapter, None, source.follow_symlinks) if merge_adapter is not None else None
+    merge = AdapterMerge(merge_adapter, None, source.follow_symlinks, write.verify) \
+        if merge_adapter is not None else None
     if merge is not None:
         check_merge_target(target)
     budget = 0 if write.dry_run else write.max_memory // 2  # half of --max-memory for coalesced reads

@@ -128,7 +128,8 @@ def export(
                               drop_tied=convert.drop_tied or tied)
     kind = output_format(target, weights_convert.max_shard_size)
     refuse_overlap(target, src)
-    merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks) if merge_adapter is not None else None
+    merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks, write.verify) \
+        if merge_adapter is not None else None
     if merge is not None:
         check_merge_target(target)
     planned = plan_output(src, target.name, kind, weights_convert, source, write.threads,  # the source is read once, here
