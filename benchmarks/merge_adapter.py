@@ -5,11 +5,12 @@ Builds a ~1 GB fp32 LoRA checkpoint with real `dcp.save` (one process): PEFT's k
 Llama-shaped model, LoRA (r 16) on every linear (q/k/v/o, gate/up/down), then measures one
 after another in this run, each as its own subprocess (peak RSS: that process's ru_maxrss):
 
-- imports (floor): `import torch` and ckpttool's modules (what every merge pays: it runs in torch)
 - consolidate: `ckpttool consolidate SRC out.safetensors` (byte copy, no torch)
+- consolidate + torch (floor): the same in a process that imported torch first: everything the
+  merge's process holds but the merge (torch, the copy's buffers)
 - merge: `ckpttool consolidate SRC out.safetensors --merge-adapter --lora-alpha 32`
 
-and prints peak RSS above the torch floor as a multiple of the largest single module (its base
+and prints peak RSS above the floor as a multiple of the largest single module (its base
 weight + A + B), the bound the merge promises: one module in memory at a time (base weight,
 delta, A, B: about 2x the base weight).
 
@@ -98,14 +99,15 @@ def main() -> None:
         out = root / "out.safetensors"
         rows = []
         for label, command in (
-            ("imports (floor)", [sys.executable, "-c", "import torch, ckpttool.cli, ckpttool.commands.consolidate, "
-                                 "ckpttool.merge"]),
             ("consolidate", [tool, "consolidate", str(source), str(out), "-q", "--force"]),
+            ("consolidate + torch (floor)", [sys.executable, "-c", "import sys, torch, ckpttool.merge; from ckpttool.cli "
+                                             "import main; sys.argv[0] = 'ckpttool'; main()", "consolidate", str(source),
+                                             str(out), "-q", "--force"]),
             ("consolidate --merge-adapter", [tool, "consolidate", str(source), str(out), "-q", "--force",
                                              "--merge-adapter", "--lora-alpha", "32"]),
         ):
             rows.append((label, *measure(command)))
-        floor = rows[0][2]
+        floor = rows[1][2]
         print(f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}")
         print(f"{'command':<30} {'seconds':>8} {'peak RSS MB':>12} {'above floor MB':>15} {'x largest module':>17}")
         for label, seconds, rss in rows:
