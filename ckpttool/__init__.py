@@ -8,6 +8,9 @@ The public API, imported lazily so that `import ckpttool` stays cheap (no torch)
     >>> ckpttool.consolidate("runs/gpt/step-00000200", "model.safetensors",
     ...                      ckpttool.ConvertOptions(dtype="bf16"), ckpttool.WriteOptions(verify=True)).files
     >>> ckpttool.read_checkpoint("runs/gpt/step-00000200").tensors["model.tok_emb.weight"].shape
+    >>> with ckpttool.open("runs/gpt/step-00000200") as f:
+    ...     f.get_tensor("tok_emb.weight")                     # a torch tensor, bit for bit
+    >>> ckpttool.load_into(model, "runs/gpt/step-00000200")     # model + one tensor in memory
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ _API = {
     "diff": ("ckpttool.commands.diff", "diff"),
     "push": ("ckpttool.commands.push", "push"),
     "read_checkpoint": ("ckpttool.readers.dcp", "read_checkpoint"),
+    "open": ("ckpttool.load", "open"),
+    "load_state_dict": ("ckpttool.load", "load_state_dict"),
+    "load_into": ("ckpttool.load", "load_into"),
     "CheckpointError": ("ckpttool.errors", "CheckpointError"),
     "export": ("ckpttool.commands.export", "export"),
     "import_checkpoint": ("ckpttool.commands.import_", "import_checkpoint"),

@@ -295,7 +295,10 @@ def paused_gc() -> Iterator[None]:
     """Pause the cyclic GC while building many small acyclic objects.
 
     Building 100k+ chunk records triggers collections over and over although none form
-    cycles; pausing it makes reading large metadata about 4x faster.
+    cycles; pausing it makes reading large metadata about 4x faster. On the way out, what
+    was built goes straight to the oldest generation (a freeze and unfreeze: two list
+    splices) rather than staying young, where the next collections would walk all of it and
+    then walk it again as it ages: seconds for a plan of 300k chunks.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -303,4 +306,7 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            if not gc.get_freeze_count():  # nobody else's frozen objects to thaw
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()

@@ -147,3 +147,12 @@ def clip(text: str, limit: int = 200) -> str:
     """Return `text` on one line, cut to `limit` characters (a message quoting file content)."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+class MissingEntry(UsageError, KeyError):
+    """A key that names no entry of the checkpoint (`ckpttool.open(...).get_tensor`); a
+    KeyError as well, as a missing key of a mapping is."""
+
+    code = "no-such-entry"
+
+    __str__ = Exception.__str__  # the message as written, not KeyError's repr of it

@@ -9,12 +9,12 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool.checkpoint import Blob, Chunk, Tensor
+from ckpttool.checkpoint import Blob, Chunk, ChunkTable, Tensor
 from ckpttool.options import WriteOptions
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.errors import CorruptMetadata, UsageError
 from ckpttool.geometry import intersect, row_major_runs, split_dim0, volume
-from ckpttool.plan.reshard import (EVERY_TENSOR_RULE, Mesh, Run, _zip_runs, fill_all_runs, fill_runs, is_sharded, parse_mesh,
+from ckpttool.plan.reshard import (EVERY_TENSOR_RULE, Mesh, Run, _slab_runs, _zip_runs, fill_all_runs, fill_runs, is_sharded, parse_mesh,
                                    plan_reshard, sharding_rule)
 
 
@@ -81,6 +81,41 @@ def test_the_sorted_sweep_fills_every_box_as_intersecting_every_pair_did_on_rand
         else:  # another random tiling (block sharding on both sides)
             targets = _tiling(rng, shape)
         assert fill_all_runs(t, targets) == [_runs_by_every_pair(t, box) for box in targets], (trial, shape)
+
+
+def _outcome(fill, t: Tensor, targets):
+    try:
+        return fill(t, targets)
+    except CorruptMetadata as error:
+        return str(error)
+
+
+def test_runs_from_the_columns_of_fsdp_slabs_are_the_runs_of_the_general_sweep():
+    """A ChunkTable of dim-0 slabs is filled by bisecting its starts; anything else (block
+    sharding, replicas, gaps, boxes past the tensor) falls back to the sweep: the results and
+    the errors are those of the sweep over the same chunks as tuples."""
+    rng = random.Random(1)
+    fast = 0
+    for trial in range(400):
+        shape = tuple(rng.randint(1, 9) for _ in range(rng.choice((1, 2, 2, 3))))
+        boxes = _tiling(rng, shape) if rng.random() < 0.3 else [
+            ((start, *(0 for _ in shape[1:])), (rows, *shape[1:])) for start, rows in split_dim0(shape[0], rng.randint(1, 6))]
+        if rng.random() < 0.15 and boxes:
+            boxes.append(rng.choice(boxes))  # an HSDP replica of one box
+        if rng.random() < 0.15 and len(boxes) > 1:
+            boxes.remove(rng.choice(boxes))  # a gap
+        table = ChunkTable.from_chunks(tensor("model.w", shape, boxes).chunks, len(shape))
+        if table is None or len(table) < 2:
+            continue
+        dtype = rng.choice(("float32", "bfloat16", "int8"))
+        as_table, as_tuples = Tensor("model.w", dtype, shape, table), Tensor("model.w", dtype, shape, tuple(table))
+        targets = [((start, *(0 for _ in shape[1:])), (rows, *shape[1:])) for start, rows in split_dim0(shape[0], rng.randint(1, 12))]
+        if rng.random() < 0.1:
+            targets.append(((shape[0] - 1, *(0 for _ in shape[1:])), (2, *shape[1:])))  # past the end
+        expected = _outcome(fill_all_runs, as_tuples, targets)
+        assert _outcome(fill_all_runs, as_table, targets) == expected, (trial, shape, boxes)
+        fast += _slab_runs(as_table, targets) is not None
+    assert fast > 150  # most trials took the columns' path
 
 
 def test_the_sorted_sweep_still_reports_a_gap_in_the_source():

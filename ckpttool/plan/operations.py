@@ -18,8 +18,7 @@ Example:
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckpttool import dtypes
 from ckpttool.checkpoint import Tensor
@@ -106,15 +105,22 @@ class Record:
     dtype: str
     shape: tuple[int, ...]
     parts: tuple[Copy | Gather, ...]
+    # asked for by batching, budgets and progress, for 100k+ records: computed once, when
+    # made (functools.cached_property takes a lock on every first access)
+    output_length: int = field(init=False, repr=False, compare=False)
+    memory: int = field(init=False, repr=False, compare=False)
 
-    @functools.cached_property  # asked for by batching, budgets and progress: 100k+ records
-    def output_length(self) -> int:
-        return sum(part.output_length for part in self.parts)
-
-    @functools.cached_property
-    def memory(self) -> int:
-        decoded = {(p.tensor.fqn, p.chunk): p.memory for p in self.parts if isinstance(p, Gather)}
-        return max(min(self.output_length, STREAM_BLOCK), sum(decoded.values()))
+    def __post_init__(self) -> None:
+        parts = self.parts
+        if len(parts) == 1 and type(parts[0]) is Copy:  # the common case: one run of one source
+            length = parts[0].length
+            object.__setattr__(self, "output_length", length)
+            object.__setattr__(self, "memory", min(length, STREAM_BLOCK))
+            return
+        length = sum(part.output_length for part in parts)
+        decoded = {(p.tensor.fqn, p.chunk): p.memory for p in parts if isinstance(p, Gather)}
+        object.__setattr__(self, "output_length", length)
+        object.__setattr__(self, "memory", max(min(length, STREAM_BLOCK), sum(decoded.values())))
 
 
 Operation = Copy | Convert | Gather | Record

@@ -35,15 +35,16 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from ckpttool.checkpoint import Blob, Checkpoint, Tensor, paused_gc
+from ckpttool.checkpoint import Blob, Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
-from ckpttool.geometry import Box, overlapping_boxes, row_major_runs, split_dim0, volume
+from ckpttool.geometry import COLUMN_LIMIT, Box, overlapping_boxes, row_major_runs, split_dim0, volume
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.operations import Copy, Gather, Operation, Record
 from ckpttool.torchsave.record import record_layout
@@ -247,6 +248,9 @@ def fill_all_runs(tensor: Tensor, boxes: Sequence[Box]) -> list[tuple[Run, ...]]
     128 x 129 pairs per tensor).
     """
     itemsize = tensor.itemsize
+    slabs = _slab_runs(tensor, boxes)
+    if slabs is not None:
+        return slabs
     sources = [(chunk.offsets, chunk.sizes) for chunk in tensor.chunks]
     found: list[list[Run]] = [[] for _ in boxes]
     for target, index, region in overlapping_boxes(boxes, sources):
@@ -263,6 +267,50 @@ def fill_all_runs(tensor: Tensor, boxes: Sequence[Box]) -> list[tuple[Run, ...]]
                 f"box {list(box[0])}+{list(box[1])} (missing or overlapping chunks; run `ckpttool validate`)"
             )
         runs.sort(key=lambda run: run.target_offset)
+        filled.append(tuple(runs))
+    return filled
+
+
+def _slab_runs(tensor: Tensor, boxes: Sequence[Box]) -> list[tuple[Run, ...]] | None:
+    """`fill_all_runs` from the columns when the source is a table of dim-0 slabs tiling the
+    tensor exactly once (FSDP's) and every box is a dim-0 slab: each overlap of a source slab
+    and a box is one run, found by bisecting the slabs' starts. None otherwise (the general
+    sweep decides, and names what is wrong)."""
+    chunks = tensor.chunks
+    if not isinstance(chunks, ChunkTable) or not tensor.shape or len(chunks) < 2:
+        return None
+    import numpy as np
+
+    shape = tensor.shape
+    rest = tuple(shape[1:])
+    if not 0 < volume(shape) * tensor.itemsize < COLUMN_LIMIT:
+        return None
+    if any(box[1][1:] != rest or any(box[0][1:]) or box[0][0] < 0 or box[0][0] + box[1][0] > shape[0] for box in boxes):
+        return None
+    offsets, sizes = chunks.offsets, chunks.sizes
+    keep = np.flatnonzero((sizes > 0).all(axis=1))  # empty chunks share no element with anything
+    if not len(keep):
+        return None
+    starts, rows = offsets[keep, 0], sizes[keep, 0]
+    ends = starts + rows
+    if (not ((offsets[keep, 1:] == 0).all() and (sizes[keep, 1:] == np.asarray(rest, dtype=np.int64)).all())
+            or starts[0] != 0 or ends[-1] != shape[0] or (starts[1:] != ends[:-1]).any()):
+        return None
+    row = volume(rest) * tensor.itemsize
+    starts_list, ends_list, keep_list = starts.tolist(), ends.tolist(), keep.tolist()
+    filled = []
+    for (box_offsets, box_sizes) in boxes:
+        low, high = box_offsets[0], box_offsets[0] + box_sizes[0]
+        if high <= low:
+            filled.append(())
+            continue
+        first = bisect.bisect_right(starts_list, low) - 1
+        runs = []
+        for source in range(first, len(starts_list)):
+            begin, end = max(low, starts_list[source]), min(high, ends_list[source])
+            if begin >= end:
+                break
+            runs.append(Run(keep_list[source], (begin - starts_list[source]) * row, (begin - low) * row, (end - begin) * row))
         filled.append(tuple(runs))
     return filled
 
@@ -291,14 +339,21 @@ def _target_boxes(tensor: Tensor, sharded: bool, mesh: Mesh) -> list[tuple[Box, 
         whole = (tuple(0 for _ in tensor.shape), tuple(tensor.shape))
         return [(whole, tuple(range(mesh.world_size)))]
     rest = tuple(tensor.shape[1:])
-    by_offsets: dict[tuple[int, ...], tuple[Box, list[int]]] = {}
+    zeros = (0,) * len(rest)
+    boxes: list[tuple[Box, list[int]]] = []
+    empty: tuple[Box, list[int]] | None = None
     for shard, (start, rows) in enumerate(split_dim0(tensor.shape[0], mesh.shards)):
-        box = ((start, *(0 for _ in rest)), (rows, *rest))
-        # identical boxes (the empty shards past the chunk count) are one chunk, as DCP
-        # dedups write items with equal (fqn, offsets)
-        entry = by_offsets.setdefault(box[0], (box, []))
-        entry[1].extend(mesh.holders(shard))
-    return [(box, tuple(sorted(holders))) for box, holders in by_offsets.values()]
+        holders = (shard,) if mesh.replicas == 1 else mesh.holders(shard)
+        if rows:  # the non-empty shards start at distinct rows
+            boxes.append((((start, *zeros), (rows, *rest)), list(holders)))
+        elif empty is None:
+            # the empty shards past the chunk count are one chunk, as DCP dedups write
+            # items with equal (fqn, offsets)
+            empty = (((start, *zeros), (0, *rest)), list(holders))
+            boxes.append(empty)
+        else:
+            empty[1].extend(holders)
+    return [(box, tuple(sorted(holders))) for box, holders in boxes]
 
 
 def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] = (),
