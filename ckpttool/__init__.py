@@ -34,10 +34,12 @@ _API = {
     "load_into": ("ckpttool.load", "load_into"),
     "CheckpointError": ("ckpttool.errors", "CheckpointError"),
     "export": ("ckpttool.commands.export", "export"),
+    "export_adapter": ("ckpttool.commands.export_adapter", "export_adapter"),
     "import_checkpoint": ("ckpttool.commands.import_", "import_checkpoint"),
     "ConvertOptions": ("ckpttool.options", "ConvertOptions"),
     "SourceOptions": ("ckpttool.options", "SourceOptions"),
     "WriteOptions": ("ckpttool.options", "WriteOptions"),
+    "AdapterOptions": ("ckpttool.options", "AdapterOptions"),
 }
 
 __all__ = ["__version__", *_API]

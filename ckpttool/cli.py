@@ -218,6 +218,32 @@ def validate(src: str, deep: bool, as_json: bool, source) -> None:
         sys.exit(EXIT_INVALID)
 
 
+def lora_options(function):
+    """--lora-alpha, --rslora, --fan-in-fan-out, --lora-dropout, --base-model: the
+    adapter_config.json fields the weights cannot tell (over a config beside the checkpoint or in --assets)."""
+    options = [
+        click.option("--lora-alpha", type=float, metavar="ALPHA", help="LoRA's alpha (scale = alpha / r).  [default: from adapter_config.json]"),
+        click.option("--rslora/--no-rslora", "use_rslora", default=None, help="Rank-stabilised LoRA: scale = alpha / sqrt(r).  [default: from adapter_config.json, else off]"),
+        click.option("--fan-in-fan-out", is_flag=True, default=None, help="Base weights stored (in, out), as GPT-2's Conv1D.  [default: from adapter_config.json, else from the shapes]"),
+        click.option("--lora-dropout", type=float, metavar="P", help="lora_dropout written to adapter_config.json (no effect on weights).  [default: from adapter_config.json, else 0.0]"),
+        click.option("--base-model", "base_model_name_or_path", metavar="ID", help="base_model_name_or_path written to adapter_config.json (a Hub id or path).  [default: from adapter_config.json]"),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def adapter_options(name: str | None, lora_alpha, use_rslora, fan_in_fan_out, lora_dropout, base_model_name_or_path):
+    from ckpttool.options import AdapterOptions
+
+    return AdapterOptions(name or None, lora_alpha, use_rslora, fan_in_fan_out or None, lora_dropout,
+                          base_model_name_or_path)
+
+
+MERGE_HELP = ("Write the base model with the LoRA adapter NAME (default: the only one) merged in, as PEFT's "
+              "merge_and_unload: W + scale * (B @ A).")
+
+
 @main.command()
 @click.argument("src", type=checkpoint_dir)
 @click.argument("out", type=click.Path(dir_okay=True, file_okay=True))
@@ -229,6 +255,8 @@ def validate(src: str, deep: bool, as_json: bool, source) -> None:
 @click.option("--dtype-map", multiple=True, metavar="GLOB=DTYPE", help="Per-key dtype, first match wins over --dtype (repeatable), e.g. '*norm*=fp32'.")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights (e.g. lm_head.weight == embed.weight), as the Hub expects.")
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a sharded (directory) output, decimal like huggingface_hub.  [default: 5GB]")
+@click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", help=MERGE_HELP)
+@lora_options
 @model_prefix_option
 @write_options
 @json_option("ckpttool.consolidate/1")
@@ -236,7 +264,8 @@ def validate(src: str, deep: bool, as_json: bool, source) -> None:
 @reports_errors
 def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], keep_keys: bool,
                 renames: tuple[str, ...], dtype: str | None, dtype_map: tuple[str, ...], drop_tied: bool,
-                max_shard_size: str | None, as_json: bool, write, source) -> None:
+                max_shard_size: str | None, merge_adapter: str | None, lora_alpha, use_rslora, fan_in_fan_out,
+                lora_dropout, base_model_name_or_path, as_json: bool, write, source) -> None:
     """Write a sharded checkpoint as one full state dict: OUT.safetensors, OUT.pt/.bin, or a
     directory of Hub-style safetensors shards with model.safetensors.index.json."""
     from ckpttool import render
@@ -245,7 +274,9 @@ def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], 
 
     convert = ConvertOptions(everything=everything, filters=filters, keep_keys=keep_keys, renames=renames, dtype=dtype,
                              dtype_map=dtype_map, drop_tied=drop_tied, max_shard_size=max_shard_size)
-    report = consolidate_checkpoint(src, out, convert, write, source)
+    merge = None if merge_adapter is None else adapter_options(merge_adapter, lora_alpha, use_rslora, fan_in_fan_out,
+                                                               lora_dropout, base_model_name_or_path)
+    report = consolidate_checkpoint(src, out, convert, write, source, merge)
     show(render.consolidate_document(report) if as_json else None, render.consolidate_text(report),
          render.consolidate_notes(report))
 
@@ -377,22 +408,41 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard, decimal like huggingface_hub, at most 50GB (the Hub's per-file limit).  [default: 5GB]")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights even when no config says tie_word_embeddings (a tied config always does).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite output keys with re.sub (repeatable, in order), before the config check.")
+@click.option("--adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", help="Write the LoRA adapter NAME (default: the only one) as the folder PeftModel.from_pretrained loads: adapter_model.safetensors + adapter_config.json.")
+@click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", help=MERGE_HELP)
+@lora_options
 @model_prefix_option
 @write_options
 @json_option("ckpttool.export/1")
 @reads_source
 @reports_errors
 def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_shard_size: str | None, drop_tied: bool,
-           renames: tuple[str, ...], as_json: bool, write, source) -> None:
+           renames: tuple[str, ...], adapter: str | None, merge_adapter: str | None, lora_alpha, use_rslora,
+           fan_in_fan_out, lora_dropout, base_model_name_or_path, as_json: bool, write, source) -> None:
     """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
-    shards (or model.safetensors), config.json, tokenizer files and a README.md model card."""
+    shards (or model.safetensors), config.json, tokenizer files and a README.md model card;
+    with --adapter, a LoRA checkpoint's adapter as the folder PEFT loads."""
     from ckpttool import render
     from ckpttool.commands.export import export as export_checkpoint
 
     from ckpttool.options import ConvertOptions
 
+    if adapter is not None and merge_adapter is not None:
+        raise click.UsageError("--adapter writes the adapter, --merge-adapter the merged model: choose one")
+    lora = (adapter_options(adapter if adapter is not None else merge_adapter, lora_alpha, use_rslora, fan_in_fan_out,
+                            lora_dropout, base_model_name_or_path))
+    if adapter is not None:
+        if dtype or max_shard_size or drop_tied or renames:
+            raise click.UsageError("--adapter writes PEFT's own file: --dtype, --max-shard-size, --drop-tied and "
+                                   "--rename do not apply")
+        from ckpttool import render_lora
+        from ckpttool.commands.export_adapter import export_adapter
+
+        written = export_adapter(src, outdir, assets, lora, write, source)
+        show(render_lora.adapter_document(written) if as_json else None, render_lora.adapter_text(written))
+        return
     convert = ConvertOptions(renames=renames, dtype=dtype, drop_tied=drop_tied, max_shard_size=max_shard_size)
-    report = export_checkpoint(src, outdir, assets, convert, write, source)
+    report = export_checkpoint(src, outdir, assets, convert, write, source, lora if merge_adapter is not None else None)
     show(render.export_document(report) if as_json else None, render.export_text(report), render.export_notes(report))
 
 

@@ -122,3 +122,33 @@ class ConvertOptions:
         object.__setattr__(self, "cast", parse_dtype(self.dtype) if self.dtype else None)
         object.__setattr__(self, "cast_map", parse_dtype_map(self.dtype_map))
         object.__setattr__(self, "shard_bytes", None if self.max_shard_size is None else parse_size(self.max_shard_size))
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """Which LoRA adapter `export --adapter`/`--merge-adapter` takes (`name`; None: the only
+    one), and the adapter_config.json fields the weights cannot tell, over a config found beside
+    the checkpoint or in --assets: `lora_alpha`, `use_rslora`, `fan_in_fan_out`, `lora_dropout`,
+    `base_model_name_or_path` (None: not given)."""
+
+    name: str | None = None
+    lora_alpha: float | None = None
+    use_rslora: bool | None = None
+    fan_in_fan_out: bool | None = None
+    lora_dropout: float | None = None
+    base_model_name_or_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise UsageError("--lora-alpha must be positive")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise UsageError("--lora-dropout must be in [0, 1)")
+
+    def flags(self) -> dict[str, Any]:
+        """Return the config fields the flags set (those not None)."""
+        alpha = self.lora_alpha
+        if alpha is not None and float(alpha).is_integer():
+            alpha = int(alpha)  # LoraConfig.lora_alpha is an int in PEFT's own files
+        values = {"lora_alpha": alpha, "use_rslora": self.use_rslora, "fan_in_fan_out": self.fan_in_fan_out,
+                  "lora_dropout": self.lora_dropout, "base_model_name_or_path": self.base_model_name_or_path}
+        return {key: value for key, value in values.items() if value is not None}

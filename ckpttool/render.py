@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator, TextIO
 
+from ckpttool import render_lora
 from ckpttool.checkpoint import paused_gc
 from ckpttool.commands.consolidate import ConsolidateReport
 from ckpttool.commands.inspect import GROUPS, ChunkInfos, InspectReport, TensorInfo
@@ -193,6 +194,7 @@ def inspect_document(report: InspectReport) -> dict[str, Any]:
                 "ranks": list(s.ranks), "parameters": s.parameters,
             },
             "model_view": model_view_document(report.model_view),
+            "adapters": render_lora.adapters_document(report),
             "groups": {
                 name: {"tensors": g.tensors, "objects": g.objects, "numel": g.numel, "bytes": g.nbytes}
                 for name, g in report.groups.items()
@@ -241,6 +243,7 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
     ]
     if report.model_view is not None:
         lines.append(f"  model: {report.model_view.describe()}")
+    lines += render_lora.adapter_lines(report)
     if report.filters:
         lines.append(f"  showing entries matching {', '.join(report.filters)}")
     for group in GROUPS:
@@ -367,6 +370,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "output_bytes": plan.output_bytes,
         "seconds": round(report.seconds, 3),
         "requests": report.requests,
+        "merged_adapter": report.merged or None,
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }
@@ -421,7 +425,7 @@ def consolidate_notes(report: ConsolidateReport) -> list[str]:
     for tie in report.ties:
         action = "dropped" if tie.dropped in report.dropped else "both written (--drop-tied keeps one)"
         lines.append(f"tied: {shown(tie.dropped)} is the same tensor as {shown(tie.kept)}: {shown(tie.dropped)} {action}")
-    return lines
+    return lines + ([report.merged] if report.merged else [])
 
 
 def _consolidate_plan_text(report: ConsolidateReport) -> str:

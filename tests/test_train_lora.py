@@ -320,3 +320,57 @@ def test_lora_usage_errors(flags, message, capsys):
         parse_args(list(flags))
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The same runs through `ckpttool export --adapter` and `--merge-adapter` (tests/test_lora.py
+# holds the PEFT-trained cases): the step directory's adapter_config.json supplies what the
+# weights cannot tell, so neither needs a flag.
+
+def base_folder(directory: Path, variant: str, out: Path, transformers) -> Path:
+    """Save the run's frozen base (its `base_layer` weights, adapters left out) as a folder."""
+    weights = load_file(directory / "consolidated.safetensors")
+    base = {key.replace(".base_layer.", "."): value for key, value in weights.items() if ".lora_" not in key}
+    config = transformers.LlamaConfig(**LLAMA_CONFIG, tie_word_embeddings=VARIANTS[variant]["tied"])
+    model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(base, strict=not VARIANTS[variant]["tied"])
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_export_adapter_of_a_trainer_run_needs_no_flags_and_peft_gives_the_trainers_logits(
+        variant, lora_runs, transformers, tmp_path):
+    directory = lora_runs[variant]
+    step_dir = latest_step(directory / "ckpt")
+    ckpttool("export", step_dir, tmp_path / "adapter", "--adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written == json.loads((step_dir / "adapter_config.json").read_text())
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder(directory, variant, tmp_path / "base",
+                                                                         transformers))
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ours = initial_model(variant)
+    ours.load_state_dict(load_file(directory / "consolidated.safetensors"), strict=True)
+    tokens = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        assert_same_bytes(model(input_ids=tokens).logits, ours.eval()(tokens), "logits")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_merge_adapter_of_a_trainer_run_equals_peft_merge_and_unload_and_loads_in_transformers(
+        variant, lora_runs, transformers, tmp_path):
+    directory = lora_runs[variant]
+    step_dir = latest_step(directory / "ckpt")
+    ckpttool("export", step_dir, tmp_path / "merged", "--merge-adapter")  # config.json from the run's train.config
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder(directory, variant, tmp_path / "base",
+                                                                         transformers))
+    ckpttool("export", step_dir, tmp_path / "adapter", "--adapter")
+    expected = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    if VARIANTS[variant]["tied"]:
+        del expected["lm_head.weight"]
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(merged) == sorted(expected)
+    for key, value in expected.items():
+        assert_same_bytes(merged[key], value, key)

@@ -15,11 +15,12 @@ import contextlib
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 from ckpttool import distributed, execute, integrity, io, readers
+from ckpttool.adapter import AdapterMerge, check_merge_target
 from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.distributed import ProcessStats
@@ -29,7 +30,7 @@ from ckpttool.integrity import Problem
 from ckpttool.io import parse_size, write_at
 from ckpttool.keys import KeyRules
 from ckpttool.model_view import ModelView, find_model
-from ckpttool.options import ConvertOptions, SourceOptions, WriteOptions
+from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.outputs import atomic_directory, atomic_output, check_destination, refuse_overlap
 from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, select
 from ckpttool.readers.detect import LIGHTNING, LIGHTNING_METADATA
@@ -64,6 +65,7 @@ class ConsolidateReport:
     model_view: ModelView | None = None  # where the model was found, and why
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
     requests: int = 0  # ranged GETs of the source's data files (object storage; 0 for local files)
+    merged: str = ""  # --merge-adapter: what was merged
 
     @property
     def throughput(self) -> float:
@@ -139,6 +141,7 @@ def consolidate(
     convert: ConvertOptions = ConvertOptions(),
     write: WriteOptions = WriteOptions(),
     source: SourceOptions = SourceOptions(),
+    merge_adapter: AdapterOptions | None = None,
 ) -> ConsolidateReport:
     """Return a report after writing the checkpoint at `src` as one full state dict at `out`.
 
@@ -149,6 +152,8 @@ def consolidate(
     the model is found from the checkpoint's structure (`model_view.find_model`) unless
     `source.model_prefix` names its subtree (`""`: the top level).
     Nothing is left at `out` unless the whole export (and `write.verify`) succeeded.
+    `merge_adapter` writes a LoRA model as its base model with the adapter merged in
+    (`adapter.AdapterMerge`: PEFT's merge_and_unload, one module at a time).
 
     Example:
         >>> consolidate("ckpt/step-00000100", "model.safetensors", ConvertOptions(dtype="bf16")).tensor_bytes
@@ -160,23 +165,37 @@ def consolidate(
     refuse_overlap(target, src)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
+    merge = AdapterMerge(merge_adapter, None, source.follow_symlinks, write.verify) \
+        if merge_adapter is not None else None
+    if merge is not None:
+        check_merge_target(target)
     budget = 0 if write.dry_run else write.max_memory // 2  # half of --max-memory for coalesced reads
     with SourceFiles(source.follow_symlinks, budget) as files:
-        planned = plan_output(src, target.name, kind, convert, source, write.threads, files)
-        written, processes = write_output(planned, target, write, source, files) if not write.dry_run else ((), ())
+        planned = plan_output(src, target.name, kind, convert, source, write.threads, files,
+                              merge.view if merge else None)
+        if merge is not None:
+            merge.plan(planned.plan)
+        written, processes = write_output(planned, target, write, source, files, merge.patch if merge else None) \
+            if not write.dry_run else ((), ())
         requests = files.requests
-    return report_of(planned, target, written, processes, write.verify and not write.dry_run, write.dry_run,
-                     time.perf_counter() - started, requests)
+    report = report_of(planned, target, written, processes, write.verify and not write.dry_run, write.dry_run,
+                       time.perf_counter() - started, requests)
+    return replace(report, merged=merge.note()) if merge is not None else report
 
 
 def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: ConvertOptions,
-                source: SourceOptions, threads: int, shared: SourceFiles | None = None) -> Planned:
+                source: SourceOptions, threads: int, shared: SourceFiles | None = None,
+                adapt: Callable[[Checkpoint, ModelView], tuple[Checkpoint, ModelView]] | None = None) -> Planned:
     """Return consolidate's plan of `src` written as `kind` (`name`: the output's file name):
     read the source once, gate it, choose the entries, locate their bytes, find ties, plan.
-    `shared` keeps the source's data files open for `write_output`."""
+    `shared` keeps the source's data files open for `write_output`; `adapt` may re-key the
+    model view and stand in tensors (--merge-adapter: the base model's keys, the adapter left
+    out, a 4-bit weight as its dequantised shape; the merge writes those)."""
     detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix)
+    if adapt is not None:
+        checkpoint, view = adapt(checkpoint, view.require())
     selection = select(checkpoint, view, convert.rules, kind)
     opened = shared.open(checkpoint.path) if shared is not None else DataFiles(checkpoint.path, source.follow_symlinks)
     with opened as files:
@@ -193,12 +212,19 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
 
 
 def write_output(planned: Planned, target: Path, write: WriteOptions, source: SourceOptions,
-                 shared: SourceFiles | None = None) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
+                 shared: SourceFiles | None = None, patch: Patch | None = None,
+                 ) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
     """Return the files written at `target` by running `planned`'s plan, and what each process
-    wrote (`shared`: the source's data files as `plan_output` left them open)."""
+    wrote (`shared`: the source's data files as `plan_output` left them open). `patch` runs on
+    the written data before it is committed (--merge-adapter updates base weights in place)."""
     path = planned.checkpoint.path
     with shared.open(path) if shared is not None else DataFiles(path, source.follow_symlinks) as files:
-        return _write(planned.plan, files, target, planned.kind, write)
+        return _write(planned.plan, files, target, planned.kind, write, patch)
+
+
+# what may change written outputs before their commit: (source data files, output name -> fd)
+# -> the keys of the tensors it changed
+Patch = Callable[[DataFiles, dict[str, int]], Iterable[str]]
 
 
 def report_of(planned: Planned, target: Path, written: tuple[Path, ...], processes: tuple[ProcessStats, ...],
@@ -287,12 +313,14 @@ def load_objects(checkpoint: Checkpoint, files: DataFiles, keys: dict[str, str])
 
 
 def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, kind: OutputFormat,
-           write: WriteOptions) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
+           write: WriteOptions, patch: Patch | None = None) -> tuple[tuple[Path, ...], tuple[ProcessStats, ...]]:
     started = time.perf_counter()
     names = [f.name for f in plan.files]
     written = tuple(target / name for name in names + ([plan.index_name] if plan.index_name else []))
-    streamed = not write.verify and not plan.zip_layouts  # written in order, never read back
+    streamed = not write.verify and not plan.zip_layouts and patch is None  # written in order, never read back
     try:
+        if distributed.active() is not None and patch is not None:
+            raise UsageError("--merge-adapter runs in one process; run it without torchrun")
         if distributed.active() is not None:  # under torchrun: every process writes a share
             processes = distributed.write(
                 sorted(plan.operations, key=execute.first_offset), target, names, directory=kind.sharded, force=write.force,
@@ -304,11 +332,11 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, kind: OutputFo
             return (written if kind.sharded else (target,)), processes
         if not kind.sharded:
             with atomic_output(target, force=write.force, streamed=streamed, notify=write.notify) as handle:
-                _fill(plan, files, {plan.files[0].name: io.writable(handle)}, write)
+                _fill(plan, files, {plan.files[0].name: io.writable(handle)}, write, patch)
         else:
             with atomic_directory(target, force=write.force, streamed=streamed, notify=write.notify) as output:
                 with output.opened(names) as fds:
-                    _fill(plan, files, fds, write)
+                    _fill(plan, files, fds, write, patch)
                 if plan.index is not None:
                     execute.write_file(output.path / plan.index_name, plan.index)
         moved = sum(op.output_length for op in plan.operations)
@@ -317,10 +345,12 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, kind: OutputFo
         raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left at the destination") from None
 
 
-def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], write: WriteOptions) -> None:
+def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], write: WriteOptions,
+          patch: Patch | None = None) -> None:
     _prepare_outputs(plan, fds)
     _run(plan, sorted(plan.operations, key=execute.first_offset), files, fds, write)
-    _finish(plan, fds, None)
+    patched = frozenset(patch(files, fds)) if patch is not None else frozenset()
+    _finish(plan, fds, None, patched)
 
 
 def _prepare_outputs(plan: ConsolidatePlan, fds: dict[str, int]) -> None:
@@ -347,11 +377,14 @@ def _run(plan: ConsolidatePlan, operations: list, files: DataFiles, fds: dict[st
                            on_done=bar.update)
 
 
-def _finish(plan: ConsolidatePlan, fds: dict[str, int], directory: Path | None) -> None:
-    """Write what depends on all the data (.pt zip records; the index into `directory`), fsync."""
+def _finish(plan: ConsolidatePlan, fds: dict[str, int], directory: Path | None,
+            patched: frozenset[str] = frozenset()) -> None:
+    """Write what depends on all the data (.pt zip records; the index into `directory`), fsync.
+    A `patched` tensor's CRC is computed from its written bytes, not from its source's."""
     for name, layout in plan.zip_layouts.items():
         crcs = {
-            f"{ptfile.ARCHIVE}/data/{position}": execute.output_crc(fds[name], t.offset, t.nbytes, t.operations)
+            f"{ptfile.ARCHIVE}/data/{position}": execute.output_crc(
+                fds[name], t.offset, t.nbytes, () if t.key in patched else t.operations)
             for position, t in enumerate(t for t in plan.tensors if t.file == name)
         }
         for offset, data in ptfile.zip_records(layout, crcs):

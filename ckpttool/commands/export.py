@@ -33,8 +33,9 @@ from dataclasses import replace
 
 from ckpttool import __version__
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.commands.consolidate import (ConsolidateReport, Planned, load_objects, output_format, plan_output,
-                                           report_of, write_output)
+from ckpttool.adapter import AdapterMerge, check_merge_target
+from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
+                                           plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CorruptMetadata, InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.execute import write_file
@@ -42,7 +43,7 @@ from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.io import parse_size
-from ckpttool.options import ConvertOptions, SourceOptions, WriteOptions
+from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.plan.consolidate import ConsolidatePlan
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.readers.hub_folder import INDEX_FILENAME
@@ -99,6 +100,7 @@ def export(
     convert: ConvertOptions = ConvertOptions(),
     write: WriteOptions = WriteOptions(),
     source: SourceOptions = SourceOptions(),
+    merge_adapter: AdapterOptions | None = None,
 ) -> ExportReport:
     """Return a report after writing `src` as a Hub model folder at `outdir`.
 
@@ -107,7 +109,9 @@ def export(
     are copied, and its config decides the check: a transformers Llama/Mistral/Qwen2 config
     must match every key and shape, a `model.safetensors.index.json` beside it every key. A
     tied config writes one copy of the tied pair. Raises InvalidCheckpoint
-    (`config-mismatch`) and writes nothing when the weights disagree.
+    (`config-mismatch`) and writes nothing when the weights disagree. `merge_adapter` writes a
+    LoRA model as its base model with the adapter merged in (`adapter.AdapterMerge`); the
+    adapter itself is `export_adapter.export_adapter`.
 
     Example:
         >>> export("ckpt/step-00000010", "out/", "config/", ConvertOptions(dtype="bf16")).dtype
@@ -124,8 +128,15 @@ def export(
                               drop_tied=convert.drop_tied or tied)
     kind = output_format(target, weights_convert.max_shard_size)
     refuse_overlap(target, src)
-    planned = plan_output(src, target.name, kind, weights_convert, source, write.threads)  # the source is read once, here
+    merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks, write.verify) \
+        if merge_adapter is not None else None
+    if merge is not None:
+        check_merge_target(target)
+    planned = plan_output(src, target.name, kind, weights_convert, source, write.threads,  # the source is read once, here
+                          adapt=merge.view if merge else None)
     plan, checkpoint = planned.plan, planned.checkpoint
+    if merge is not None:
+        merge.plan(plan)
     extras = _trainer_entries(checkpoint, source.follow_symlinks)
     shapes = {t.key: t.shape for t in plan.tensors}
     oversized = [f for f in plan.files if f.size > HUB_MAX_FILE_SIZE]
@@ -133,6 +144,8 @@ def export(
         raise UsageError(f"{target / oversized[0].name}: {oversized[0].size} bytes, over the Hub's 50GB per-file limit "
                          f"(one tensor larger than that cannot be uploaded)")
     config, config_from, checked, notes = _check_config(config, asset_dir, extras, checkpoint, plan, shapes)
+    if merge is not None:
+        notes.append(merge.note())
     written_dtype = _written_dtype(plan)
     documents: dict[str, bytes] = {}
     if config is not None:
@@ -144,12 +157,13 @@ def export(
     weight_files = tuple((f.name, f.size) for f in plan.files) + (
         ((plan.index_name, len(plan.index)),) if plan.index_name else ())
     documents[CARD_FILENAME] = model_card(_card(src, assets, convert, planned, step, written_dtype, config,
-                                                weight_files)).encode()
+                                                weight_files, merge.note() if merge else None)).encode()
     files = weight_files + tuple((name, _size(asset_dir / name)) for name in copied) + tuple(
         (name, len(data)) for name, data in documents.items())
     weights = report_of(planned, target, (), (), False, True, 0.0)
     if not write.dry_run:
-        weights = _write_folder(planned, target, write, source, weight_files, asset_dir, copied, documents)
+        weights = _write_folder(planned, target, write, source, weight_files, asset_dir, copied, documents,
+                                merge.patch if merge else None)
     return ExportReport(
         source=checkpoint.path, output=target, files=files, weights=weights, dtype=written_dtype,
         parameters=sum(_numel(t.shape) for t in plan.tensors), step=step, config=config_from, checked=checked,
@@ -196,14 +210,14 @@ def _check_config(config: dict[str, Any] | None, asset_dir: Path | None, extras:
 
 def _card(src: str | os.PathLike, assets: str | os.PathLike | None, convert: ConvertOptions, planned: Planned,
           step: int | None, written_dtype: str, config: Mapping[str, Any] | None,
-          weight_files: tuple[tuple[str, int], ...]) -> CardFacts:
+          weight_files: tuple[tuple[str, int], ...], merged: str | None = None) -> CardFacts:
     plan = planned.plan
     architectures = config.get("architectures") if config else None
     return CardFacts(
         source=str(src), layout=planned.layout, step=step, dtype=written_dtype,
         parameters=sum(_numel(t.shape) for t in plan.tensors),
         tensors=tuple(CardTensor(t.key, t.dtype, t.shape, t.nbytes) for t in plan.tensors),
-        files=weight_files, command=_command_line(src, assets, convert),
+        files=weight_files, command=_command_line(src, assets, convert, merged is not None), merged=merged,
         version=__version__, architecture=(architectures or [config.get("model_type") if config else None])[0],
         library="transformers" if config and config.get("model_type") not in (None, TRAINER_MODEL_TYPE) else None,
     )
@@ -211,7 +225,7 @@ def _card(src: str | os.PathLike, assets: str | os.PathLike | None, convert: Con
 
 def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: SourceOptions,
                   weight_files: tuple[tuple[str, int], ...], asset_dir: Path | None, copied: list[str],
-                  documents: dict[str, bytes]) -> ConsolidateReport:
+                  documents: dict[str, bytes], patch: Patch | None = None) -> ConsolidateReport:
     """Write the planned weights, the copied assets and the documents into one temporary
     directory renamed to `target`; return the weights' report."""
     started = time.perf_counter()
@@ -219,7 +233,7 @@ def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: S
         with atomic_directory(target, force=write.force, notify=write.notify) as output:
             weights_at = output.path / _WEIGHTS_DIRECTORY
             inner = replace(write, force=False)  # a fresh directory inside the temporary one
-            written, processes = write_output(planned, weights_at, inner, source)
+            written, processes = write_output(planned, weights_at, inner, source, patch=patch)
             weights = report_of(planned, weights_at, written, processes, write.verify, False,
                                 time.perf_counter() - started)
             for name, _ in weight_files:
@@ -290,6 +304,10 @@ def check_against_config(config: Mapping[str, Any], shapes: Mapping[str, tuple[i
     causal_lm = not architectures or any(a.endswith("ForCausalLM") for a in architectures)
     if config.get("model_type") not in _ATTENTION_BIAS or not causal_lm:
         return f"nothing (model_type {config.get('model_type')!r} of {where.name} is not one export knows the shapes of)"
+    lora = next((key for key in shapes if ".lora_A." in key or ".lora_embedding_A" in key), None)
+    if lora is not None:
+        raise InvalidCheckpoint(f"{where}: the weights are a LoRA model ({lora}); export the adapter with --adapter, "
+                                "or the base model with it merged in with --merge-adapter", code="config-mismatch")
     try:
         expected = expected_shapes(config)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
@@ -418,7 +436,7 @@ def _copy_regular(source: Path, destination: Path) -> None:
         os.fsync(writer.fileno())
 
 
-def _command_line(src, assets, convert: ConvertOptions) -> str:
+def _command_line(src, assets, convert: ConvertOptions, merged: bool = False) -> str:
     parts = ["ckpttool export", str(Path(src).name) or str(src), "OUTDIR"]
     if assets is not None:
         parts += ["--assets", Path(assets).name or str(assets)]
@@ -430,4 +448,6 @@ def _command_line(src, assets, convert: ConvertOptions) -> str:
         parts.append("--drop-tied")
     for rule in convert.renames:
         parts += ["--rename", repr(rule)]
+    if merged:
+        parts.append("--merge-adapter")
     return " ".join(parts)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
 from ckpttool import readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
+from ckpttool.errors import InvalidCheckpoint
+from ckpttool.lora import find_lora, model_shapes
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
@@ -143,6 +145,20 @@ class Summary:
 
 
 @dataclass(frozen=True)
+class AdapterInfo:
+    """One LoRA adapter of the model: what `export --adapter` would write."""
+
+    name: str
+    modules: tuple[tuple[str, int], ...]  # (module path, rank)
+    targets: tuple[str, ...]
+    ranks: tuple[int, ...]
+    trainable: int  # the adapter's elements
+    frozen: int  # the base model's elements
+    dora: bool
+    saved: tuple[str, ...]  # modules_to_save keys
+
+
+@dataclass(frozen=True)
 class InspectReport:
     path: Path
     summary: Summary
@@ -153,6 +169,8 @@ class InspectReport:
     filters: tuple[str, ...] = ()
     layout: str = "dcp"  # readers.detect's name for the on-disk layout
     model_view: ModelView | None = None  # where the model was found, and why
+    adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters found in the model (lora.find_lora)
+    adapter_problem: str | None = None  # why the model's LoRA keys do not form adapters
 
 
 def matches(fqn: str, patterns: Sequence[str]) -> bool:
@@ -305,8 +323,26 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
         tensor_bytes=sum(t.nbytes for t in tensors), file_bytes=sum(f.size or 0 for f in files), files=len(files),
         ranks=tuple(sorted({f.rank for f in files if f.rank is not None})), parameters=groups["model"].numel,
     )
+    adapters, adapter_problem = _adapters(checkpoint, view)
     return InspectReport(
         checkpoint.path, summary, groups, tensors=tuple(t for t in tensors if matches(t.fqn, filters)),
         objects=tuple(o for o in objects if matches(o.fqn, filters)), files=tuple(files), filters=filters,
-        layout=layout, model_view=view,
+        layout=layout, model_view=view, adapters=adapters, adapter_problem=adapter_problem,
     )
+
+
+def _adapters(checkpoint: Checkpoint, view: ModelView) -> tuple[tuple[AdapterInfo, ...], str | None]:
+    """Return the model's LoRA adapters, or why its LoRA keys do not form any."""
+    if view.prefix is None or not any("lora_" in key or ".modules_to_save." in key for key in view.keys):
+        return (), None  # the common case, checked cheaply: a million-tensor model pays one scan of its names
+    try:
+        layout = find_lora(model_shapes(checkpoint, view)[0])
+    except InvalidCheckpoint as error:
+        return (), str(error)
+    if layout is None:
+        return (), None
+    return tuple(
+        AdapterInfo(a.name, tuple((m.path, m.rank) for m in a.modules), a.targets, a.ranks, layout.trainable(a),
+                    layout.frozen, any(m.magnitude_key for m in a.modules), tuple(a.saved))
+        for a in layout.adapters
+    ), None

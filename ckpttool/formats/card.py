@@ -44,6 +44,7 @@ class CardFacts:
     version: str  # ckpttool's
     architecture: str | None = None  # config.json's `architectures[0]`, when there is a config
     library: str | None = None  # "transformers" when config.json names a transformers architecture
+    merged: str | None = None  # what --merge-adapter merged into the weights
 
 
 def folded(tensors: tuple[CardTensor, ...]) -> list[tuple[str, str, str, int]]:
@@ -72,7 +73,8 @@ def model_card(facts: CardFacts) -> str:
         f"- Dtype: {facts.dtype} (" + ", ".join(f"{d}: {n:,} bytes" for d, n in sorted(by_dtype.items())) + ")",
         f"- Source checkpoint: `{facts.source}` ({facts.layout}), {step}",
         f"- Produced by: `{facts.command}` (ckpttool {facts.version}), a byte-exact streaming copy of the "
-        "checkpoint's model weights (cast only where a dtype was asked for)",
+        "checkpoint's model weights (cast only where a dtype was asked for)"
+        + (f"; then {facts.merged}, as PEFT's merge_and_unload computes it" if facts.merged else ""),
         "",
         "## Files",
         "",
