@@ -30,6 +30,7 @@ from ckpttool.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
 from ckpttool.geometry import (COLUMN_LIMIT, Coverage, column_volumes, columns_in_bounds, coverage, dim0_tiling,
                                find_overlaps, in_bounds)
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
+from ckpttool.formats import peft
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ ERROR, WARNING, INFO = "error", "warning", "info"
 # files a DCP directory holds besides data: torch's metadata, Lightning's meta.pt, Megatron's
 # metadata.json and common.pt, PEFT's adapter_config.json (the LoRA settings the bundled
 # trainer saves with a LoRA run) (never "unreferenced")
-FRAMEWORK_FILES = frozenset({METADATA_FILENAME, "meta.pt", "metadata.json", "common.pt", "adapter_config.json"})
+FRAMEWORK_FILES = frozenset({METADATA_FILENAME, "meta.pt", "metadata.json", "common.pt", peft.CONFIG_NAME})
 MAX_PROBLEMS_PER_TENSOR = 20  # overlap pairs listed per tensor before summarising
 
 

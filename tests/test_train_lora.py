@@ -356,6 +356,16 @@ def test_export_adapter_of_a_trainer_run_needs_no_flags_and_peft_gives_the_train
         assert_same_bytes(model(input_ids=tokens).logits, ours.eval()(tokens), "logits")
 
 
+def test_a_resharded_lora_checkpoint_keeps_its_adapter_config_and_exports_the_same_adapter(lora_runs, tmp_path):
+    step_dir = latest_step(lora_runs["attention"] / "ckpt")
+    ckpttool("reshard", step_dir, tmp_path / "world3", "--world", "3")
+    assert (tmp_path / "world3" / "adapter_config.json").read_bytes() == (step_dir / "adapter_config.json").read_bytes()
+    ckpttool("export", step_dir, tmp_path / "from-2", "--adapter")
+    ckpttool("export", tmp_path / "world3", tmp_path / "from-3", "--adapter")  # no flags: the carried config
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (tmp_path / "from-3" / name).read_bytes() == (tmp_path / "from-2" / name).read_bytes()
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_merge_adapter_of_a_trainer_run_equals_peft_merge_and_unload_and_loads_in_transformers(
         variant, lora_runs, transformers, tmp_path):

@@ -36,6 +36,7 @@ from ckpttool.plan.operations import Record
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
+from ckpttool.formats import peft
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 
@@ -136,9 +137,13 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
         if verify:
             _verify(operations, files, fds, threads, budget)
 
+    carried = carried_files(checkpoint)
+
     def finish(temp: Path, fds: dict[str, int]) -> None:
         for fd in fds.values():
             io.sync(fd)
+        for name, data in carried:
+            execute.write_file(temp / name, data)
         execute.write_file(temp / METADATA_FILENAME, metadata)
         if verify:
             _verify_metadata(temp)
@@ -161,6 +166,26 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
     except OSError as error:
         raise WriteFailed(f"{destination}: writing failed ({error.strerror or error}); nothing was left there") from None
     return writes, processes
+
+
+# files beside the data that describe the checkpoint and go with it to its new layout: PEFT's
+# adapter_config.json (the LoRA settings the bundled trainer saves; `export --adapter` reads it)
+CARRIED_FILES = (peft.CONFIG_NAME,)
+
+
+def carried_files(checkpoint: Checkpoint) -> list[tuple[str, bytes]]:
+    """Return (name, bytes) of the CARRIED_FILES beside `checkpoint` (regular files, not
+    symlinks, up to peft.MAX_CONFIG_BYTES), read before anything is written."""
+    carried = []
+    for name in CARRIED_FILES:
+        path = checkpoint.path / name
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size > peft.MAX_CONFIG_BYTES:
+                continue
+            carried.append((name, path.read_bytes()))
+        except OSError:
+            continue  # unreadable: the resharded checkpoint is whole without it
+    return carried
 
 
 def _verify(operations, files: DataFiles, fds: dict[str, int], threads: int, budget: int) -> None:
