@@ -159,9 +159,11 @@ def split_dim0(length: int, world_size: int) -> list[tuple[int, int]]:
     step = -(-length // world_size) if length else 0
     shards = []
     for rank in range(world_size):
-        start = min(rank * step, length)
-        end = min(start + step, length)
-        shards.append((start, end - start))
+        start = rank * step
+        if start >= length:  # this rank and every one after it: empty, at the end
+            shards.extend([(length, 0)] * (world_size - rank))
+            break
+        shards.append((start, min(step, length - start)))
     return shards
 
 

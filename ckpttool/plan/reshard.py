@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import bisect
 import fnmatch
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
@@ -297,22 +296,20 @@ def _slab_runs(tensor: Tensor, boxes: Sequence[Box]) -> list[tuple[Run, ...]] | 
             or starts[0] != 0 or ends[-1] != shape[0] or (starts[1:] != ends[:-1]).any()):
         return None
     row = volume(rest) * tensor.itemsize
-    starts_list, ends_list, keep_list = starts.tolist(), ends.tolist(), keep.tolist()
-    filled = []
-    for (box_offsets, box_sizes) in boxes:
-        low, high = box_offsets[0], box_offsets[0] + box_sizes[0]
-        if high <= low:
-            filled.append(())
-            continue
-        first = bisect.bisect_right(starts_list, low) - 1
-        runs = []
-        for source in range(first, len(starts_list)):
-            begin, end = max(low, starts_list[source]), min(high, ends_list[source])
-            if begin >= end:
-                break
-            runs.append(Run(keep_list[source], (begin - starts_list[source]) * row, (begin - low) * row, (end - begin) * row))
-        filled.append(tuple(runs))
-    return filled
+    low = np.fromiter((box[0][0] for box in boxes), dtype=np.int64, count=len(boxes))
+    high = low + np.fromiter((box[1][0] for box in boxes), dtype=np.int64, count=len(boxes))
+    # a box's runs: from the slab holding its first row to the last slab starting before its end
+    first = np.searchsorted(starts, low, side="right") - 1
+    count = np.where(high > low, np.searchsorted(starts, high, side="left") - first, 0)
+    bounds = np.concatenate(([0], np.cumsum(count)))
+    box = np.repeat(np.arange(len(boxes)), count)
+    source = first[box] + np.arange(bounds[-1]) - bounds[:-1][box]
+    begin = np.maximum(low[box], starts[source])
+    end = np.minimum(high[box], ends[source])
+    runs = [Run(*values) for values in zip(keep[source].tolist(), ((begin - starts[source]) * row).tolist(),
+                                            ((begin - low[box]) * row).tolist(), ((end - begin) * row).tolist())]
+    edges = bounds.tolist()
+    return [tuple(runs[a:b]) for a, b in zip(edges, edges[1:])]
 
 
 @dataclass(frozen=True)
@@ -389,10 +386,11 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
         boxes = _target_boxes(tensor, sharded, mesh)
         boxes_of[fqn] = [box for box, _ in boxes]
         layouts[fqn] = TensorLayout(fqn, tensor.dtype, tensor.shape, sharded, tuple(b[0] for b, _ in boxes))
+        # dedup_save_plans weighs an item by WriteItem.tensor_storage_size(), which is the
+        # bytes of the whole tensor (not of the chunk), or 1 when that is 0
+        weight = volume(tensor.shape) * tensor.itemsize or 1
         for box, holders in boxes:
-            # dedup_save_plans weighs an item by WriteItem.tensor_storage_size(), which is the
-            # bytes of the whole tensor (not of the chunk), or 1 when that is 0
-            item = _Item(fqn, box[0], box[1], holders, volume(tensor.shape) * tensor.itemsize or 1)
+            item = _Item(fqn, box[0], box[1], holders, weight)
             for rank in holders:
                 items_by_rank[rank].append(item)
 
@@ -405,7 +403,8 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
             key = (item.fqn, item.offsets)
             if key in assigned:
                 continue
-            owner = min(item.holders, key=lambda rank: (load[rank], rank))
+            holders = item.holders
+            owner = holders[0] if len(holders) == 1 else min(holders, key=lambda rank: (load[rank], rank))
             assigned[key] = owner
             load[owner] += item.size
 
@@ -420,8 +419,9 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
             objects[assigned[(fqn, None)]].append(TargetObject(fqn, source))
             continue
         boxes = boxes_of[fqn]
+        dtype, itemsize = tensor.dtype, tensor.itemsize
         for (offsets, sizes), runs in zip(boxes, fill_all_runs(tensor, boxes)):
-            target = TargetChunk(fqn, tensor.dtype, offsets, sizes, volume(sizes) * tensor.itemsize, runs)
+            target = TargetChunk(fqn, dtype, offsets, sizes, volume(sizes) * itemsize, runs)
             chunks[assigned[(fqn, offsets)]].append(target)
     files = tuple(
         RankFile(rank, data_file_name(rank), tuple(objects[rank]), tuple(chunks[rank]))
@@ -465,13 +465,22 @@ def _plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str
             objects.append(StoredObject(obj.fqn, rank_file.name, at, source.length, source.transforms))
             operations.append(Copy(source.file, source.offset, rank_file.name, at, source.length))
             at += source.length
+        name = rank_file.name
         for chunk in rank_file.chunks:
             layout = record_layout(chunk.dtype, chunk.sizes)
-            parts = _record_parts(checkpoint.tensors[chunk.fqn], chunk, located[chunk.fqn], rank_file.name,
-                                  at + layout.data_offset)
-            operations.append(Record(rank_file.name, at, chunk.fqn, chunk.offsets, chunk.dtype, chunk.sizes, parts))
-            stored[(chunk.fqn, chunk.offsets)] = StoredChunk(chunk.offsets, chunk.sizes, rank_file.name, at, layout.length)
-            at += layout.length
+            data_start = at + layout.data_offset
+            runs, sources = chunk.runs, located[chunk.fqn]
+            raw = sources[runs[0].source_chunk] if len(runs) == 1 else None
+            if raw is not None:  # the common case: one run of raw bytes
+                run = runs[0]
+                parts: tuple[Copy | Gather, ...] = (
+                    Copy(raw.file, raw.offset + run.source_offset, name, data_start + run.target_offset, run.length),)
+            else:
+                parts = _record_parts(checkpoint.tensors[chunk.fqn], chunk, sources, name, data_start)
+            operations.append(Record(name, at, chunk.fqn, chunk.offsets, chunk.dtype, chunk.sizes, parts))
+            length = layout.length
+            stored[(chunk.fqn, chunk.offsets)] = StoredChunk(chunk.offsets, chunk.sizes, name, at, length)
+            at += length
         files.append((rank_file.name, at))
     tensors = tuple(
         StoredTensor(t.fqn, t.dtype, t.shape, tuple(stored[(t.fqn, offsets)] for offsets in t.chunks))
