@@ -301,7 +301,15 @@ def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, 
     def run_all() -> int:
         with turns:
             gathered = _GatheredWrites(SMALL_OPERATION)
-            written = sum(_runner(op, files, outputs, gathered)() for op in batch)
+            written = 0
+            for op in batch:
+                whole = _small_record(op, record_layout(op.dtype, op.shape), files) if type(op) is Record else None
+                fd = outputs[op.dst]
+                if whole is not None and isinstance(fd, int):  # a small record's bytes, built whole
+                    gathered.write_at(fd, whole, op.offset)
+                    written += op.output_length
+                else:
+                    written += _runner(op, files, outputs, gathered)()
             gathered.flush()
         return written
 
