@@ -269,3 +269,33 @@ def test_a_repository_the_hub_does_not_know_exits_1_with_one_line(hub, cli, hub_
 
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.startswith("error: [hub-not-found] ") and result.stderr.count("\n") == 1
+
+
+def test_push_of_an_exported_lora_adapter_loads_in_peft_from_the_hub(hub, tmp_path):
+    """`export --adapter` then `push`: the adapter folder goes up like any folder, and PEFT
+    loads the downloaded snapshot onto the base, giving the trained model's logits exactly."""
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    from ckpttool.commands.export_adapter import export_adapter
+
+    fixture = FIXTURES / "peft" / "attention"
+    export_adapter(fixture / "checkpoint", tmp_path / "adapter", assets=fixture / "adapter")
+    report = push(tmp_path / "adapter", "tester/tiny-lora", commit_message="adapter")
+    names = sorted(path.name for path in (tmp_path / "adapter").iterdir())
+    assert [f.path for f in report.files] == names and {"adapter_config.json", "adapter_model.safetensors"} <= set(names)
+    snapshot = tmp_path / "snapshot"  # the files as huggingface_hub downloads them
+    snapshot.mkdir()
+    for name in names:
+        data = downloaded(hub, "tester/tiny-lora", report.commit_oid, name, tmp_path / "cache")
+        assert data == (tmp_path / "adapter" / name).read_bytes()
+        (snapshot / name).write_bytes(data)
+    base = transformers.AutoModelForCausalLM.from_pretrained(fixture / "base")
+    model = peft.PeftModel.from_pretrained(base, snapshot).eval()
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor([[1, 5, 9, 2, 33, 127, 0, 17], [40, 3, 3, 8, 21, 100, 11, 4]])).logits
+    expected = load_file(str(fixture / "logits.safetensors"))["logits"]
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert got.contiguous().view(torch.uint8).numpy().tobytes() == expected.contiguous().view(torch.uint8).numpy().tobytes()
