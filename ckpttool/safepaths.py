@@ -81,3 +81,23 @@ def check_data_file(path: Path, mode: int, inside: Path | None, real: str | None
     if not stat.S_ISREG(mode):
         raise UnsafeDataFile(f"{path}: {file_kind(path)}, not a regular file; refusing to read it",
                              "not-regular-file")
+
+
+MAX_JSON_BYTES = 16 << 20  # a config.json or adapter_config.json is a few kB
+
+
+def read_json_object(path: Path, max_bytes: int = MAX_JSON_BYTES) -> dict:
+    """Return the JSON object in the small file at `path` (config.json, adapter_config.json);
+    CorruptMetadata naming the file when it is not a regular file of at most `max_bytes`
+    bytes holding a JSON object."""
+    import json
+
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode) or os.stat(path).st_size > max_bytes:
+            raise CorruptMetadata(f"{path}: not a regular file of at most {max_bytes} bytes")
+        document = json.loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise CorruptMetadata(f"{path}: unreadable JSON ({type(error).__name__})") from None
+    if not isinstance(document, dict):
+        raise CorruptMetadata(f"{path}: not a JSON object")
+    return document

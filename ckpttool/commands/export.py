@@ -37,8 +37,9 @@ from ckpttool.adapter import AdapterMerge, check_merge_target
 from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
                                            plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptMetadata, InvalidCheckpoint, UsageError, WriteFailed
+from ckpttool.errors import InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.execute import write_file
+from ckpttool.safepaths import read_json_object
 from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
 from ckpttool.formats.safetensors import SUFFIX
@@ -377,15 +378,7 @@ def trainer_hf_config(saved: Mapping[str, Any], shapes: Mapping[str, tuple[int, 
 # Small reads
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode) or os.stat(path).st_size > MAX_CONFIG_BYTES:
-            raise CorruptMetadata(f"{path}: not a regular file of at most {MAX_CONFIG_BYTES} bytes")
-        document = json.loads(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise CorruptMetadata(f"{path}: unreadable JSON ({type(error).__name__})") from None
-    if not isinstance(document, dict):
-        raise CorruptMetadata(f"{path}: not a JSON object")
-    return document
+    return read_json_object(path, MAX_CONFIG_BYTES)
 
 
 def _trainer_entries(checkpoint: Checkpoint, follow_symlinks: bool) -> dict[str, Any]:

@@ -20,15 +20,13 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ckpttool.errors import CorruptMetadata, InvalidCheckpoint, UsageError
+from ckpttool.errors import InvalidCheckpoint, UsageError
+from ckpttool.safepaths import MAX_JSON_BYTES, read_json_object
 
 WEIGHTS_NAME = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
 CONFIG_NAME = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME
@@ -134,17 +132,9 @@ def module_scaling(config: Mapping[str, Any], path: str, rank: int) -> float:
     return scaling(alpha, rank, bool(config.get("use_rslora")))
 
 
-MAX_CONFIG_BYTES = 16 << 20
+MAX_CONFIG_BYTES = MAX_JSON_BYTES
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """Return an adapter_config.json's object; CorruptMetadata naming the file when it is not one."""
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode) or os.stat(path).st_size > MAX_CONFIG_BYTES:
-            raise CorruptMetadata(f"{path}: not a regular file of at most {MAX_CONFIG_BYTES} bytes")
-        document = json.loads(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise CorruptMetadata(f"{path}: unreadable JSON ({type(error).__name__})") from None
-    if not isinstance(document, dict):
-        raise CorruptMetadata(f"{path}: not a JSON object")
-    return document
+    return read_json_object(path, MAX_CONFIG_BYTES)
