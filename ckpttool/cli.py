@@ -9,6 +9,7 @@ options shared by the writing commands are declared once, in `write_options`, an
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from functools import wraps
 
@@ -240,6 +241,15 @@ def adapter_options(name: str | None, lora_alpha, use_rslora, fan_in_fan_out, lo
                           base_model_name_or_path)
 
 
+def adapter_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--adapter/--merge-adapter take an optional NAME, so before SRC they would take SRC as the
+    name: say so, instead of a puzzling error about the arguments that follow."""
+    if value and (os.sep in value or os.path.isdir(value)):
+        raise click.BadParameter(f"{value!r} looks like a path, not an adapter name: write the option after SRC "
+                                 f"and OUT (e.g. `ckpttool {ctx.info_name} SRC OUT {param.opts[0]}`)")
+    return value
+
+
 MERGE_HELP = ("Write the base model with the LoRA adapter NAME (default: the only one) merged in, as PEFT's "
               "merge_and_unload: W + scale * (B @ A).")
 
@@ -255,7 +265,7 @@ MERGE_HELP = ("Write the base model with the LoRA adapter NAME (default: the onl
 @click.option("--dtype-map", multiple=True, metavar="GLOB=DTYPE", help="Per-key dtype, first match wins over --dtype (repeatable), e.g. '*norm*=fp32'.")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights (e.g. lm_head.weight == embed.weight), as the Hub expects.")
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard of a sharded (directory) output, decimal like huggingface_hub.  [default: 5GB]")
-@click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", help=MERGE_HELP)
+@click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", callback=adapter_name, help=MERGE_HELP)
 @lora_options
 @model_prefix_option
 @write_options
@@ -408,8 +418,8 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
 @click.option("--max-shard-size", metavar="SIZE", help="Largest shard, decimal like huggingface_hub, at most 50GB (the Hub's per-file limit).  [default: 5GB]")
 @click.option("--drop-tied", is_flag=True, help="Write one copy of tied weights even when no config says tie_word_embeddings (a tied config always does).")
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite output keys with re.sub (repeatable, in order), before the config check.")
-@click.option("--adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", help="Write the LoRA adapter NAME (default: the only one) as the folder PeftModel.from_pretrained loads: adapter_model.safetensors + adapter_config.json.")
-@click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", help=MERGE_HELP)
+@click.option("--adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", callback=adapter_name, help="Write the LoRA adapter NAME (default: the only one) as the folder PeftModel.from_pretrained loads: adapter_model.safetensors + adapter_config.json.")
+@click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", callback=adapter_name, help=MERGE_HELP)
 @lora_options
 @model_prefix_option
 @write_options

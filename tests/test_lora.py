@@ -516,3 +516,18 @@ def test_merge_to_a_pt_file_has_the_crcs_of_the_merged_bytes(tmp_path):
     with zipfile.ZipFile(tmp_path / "merged.pt") as archive:
         assert archive.testzip() is None
     assert_same_state(torch.load(tmp_path / "merged.pt", weights_only=True), load_file(fixture / "merged.safetensors"))
+
+
+@pytest.mark.parametrize("command, option", [("export", "--adapter"), ("export", "--merge-adapter"),
+                                             ("consolidate", "--merge-adapter")])
+def test_a_checkpoint_path_given_as_the_adapter_name_is_a_usage_error_saying_where_the_option_goes(command, option, tmp_path):
+    """`--adapter [NAME]` takes an optional value: before SRC it would swallow SRC as the name."""
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    source = str(PEFT_FIXTURES / "attention" / "checkpoint")
+    result = CliRunner().invoke(main, [command, option, source, str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "looks like a path, not an adapter name" in result.output and f"SRC OUT {option}" in result.output
+    assert not (tmp_path / "out").exists()
