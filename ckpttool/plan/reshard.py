@@ -312,13 +312,9 @@ def _slab_runs(tensor: Tensor, boxes: Sequence[Box]) -> list[tuple[Run, ...]] | 
     return [tuple(runs[a:b]) for a, b in zip(edges, edges[1:])]
 
 
-@dataclass(frozen=True)
-class _Item:
-    fqn: str
-    offsets: tuple[int, ...] | None  # None for objects
-    sizes: tuple[int, ...]
-    holders: tuple[int, ...]
-    size: int  # weight in dedup_save_plans' balancing
+# an item of a rank's save plan, as dedup_save_plans sees it: (fqn, offsets (None for an
+# object), holders, weight in its balancing); a plain tuple, made once per target chunk
+_Item = tuple[str, "tuple[int, ...] | None", "tuple[int, ...]", int]
 
 
 def _state_dict_order(checkpoint: Checkpoint) -> list[str]:
@@ -376,8 +372,8 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
     for fqn in order:
         tensor = checkpoint.tensors.get(fqn)
         if tensor is None:
-            item = _Item(fqn, None, (), tuple(range(mesh.world_size)), 1)
-            for rank in item.holders:
+            item = (fqn, None, tuple(range(mesh.world_size)), 1)
+            for rank in item[2]:
                 items_by_rank[rank].append(item)
             continue
         if tensor.itemsize == 0:
@@ -390,7 +386,7 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
         # bytes of the whole tensor (not of the chunk), or 1 when that is 0
         weight = volume(tensor.shape) * tensor.itemsize or 1
         for box, holders in boxes:
-            item = _Item(fqn, box[0], box[1], holders, weight)
+            item = (fqn, box[0], holders, weight)
             for rank in holders:
                 items_by_rank[rank].append(item)
 
@@ -399,14 +395,13 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
     load = [0] * mesh.world_size
     assigned: dict[tuple[str, tuple[int, ...] | None], int] = {}
     for rank_items in items_by_rank:
-        for item in rank_items:
-            key = (item.fqn, item.offsets)
+        for fqn, offsets, holders, weight in rank_items:
+            key = (fqn, offsets)
             if key in assigned:
                 continue
-            holders = item.holders
             owner = holders[0] if len(holders) == 1 else min(holders, key=lambda rank: (load[rank], rank))
             assigned[key] = owner
-            load[owner] += item.size
+            load[owner] += weight
 
     objects: list[list[TargetObject]] = [[] for _ in range(mesh.world_size)]
     chunks: list[list[TargetChunk]] = [[] for _ in range(mesh.world_size)]
