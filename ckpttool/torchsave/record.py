@@ -272,6 +272,7 @@ class ParsedRecords:
     def __init__(self) -> None:
         self._layouts: dict[int, list[_Layout]] = {}  # by record length
         self._kept = 0
+        self._words: dict[int, list] = {}  # `_Layout.words` by id of a kept layout
 
     @property
     def layouts(self) -> int:
@@ -324,6 +325,54 @@ class ParsedRecords:
             for index in np.flatnonzero(matched).tolist():
                 found[index] = (record, starts[index] + data_start, crcs[index])
         return found
+
+    def match_block(self, block: Any, starts: Any, length: int, skip: int = 0) -> tuple[Any, Any, list[tuple[TensorRecord, int]]]:
+        """`reuse_block` as arrays, for blocks of thousands of records: `block` is a uint8
+        numpy array holding at least 8 bytes past each record's end (any values), `starts`
+        an int64 array of where records of `length` bytes start in it. Returns, per record,
+        the number of the layout its bytes are (-1: parse it alone) and the data's CRC-32
+        (int64, 0 where -1), and per layout of `length` (its record, the data's offset in the
+        record). The first `skip` layouts are not compared (the caller compared them before).
+
+        The bytes compared are those `_Layout.matches` compares, as 8-byte words under a
+        mask (zero over the CRC-32 fields, the data and the bytes no parse read); records
+        that do not start with a zip local header match no layout.
+        """
+        import numpy as np
+
+        layouts = self._layouts.get(length, [])
+        which = np.full(len(starts), -1, dtype=np.int64)
+        crcs = np.zeros(len(starts), dtype=np.int64)
+        found = [(layout.record, layout.data_start) for layout in layouts]
+        if len(layouts) <= skip or not len(starts):
+            return which, crcs, found
+        width = -(-length // 8) * 8
+        rows = np.lib.stride_tricks.sliding_window_view(block, width)[starts]  # a copy, row by row
+        words = rows.view("<u8")
+        magic = int.from_bytes(LOCAL_MAGIC, "little")
+        pending = (words[:, 0] & 0xFFFFFFFF) == magic
+        for number, layout in enumerate(layouts[skip:], skip):
+            runs = self._words.get(id(layout))
+            if runs is None:
+                runs = self._words[id(layout)] = layout.words(length)
+            candidates = np.flatnonzero(pending)
+            if not len(candidates):
+                break
+            if not runs:  # the parse read past the record's end: `reuse` alone decides
+                continue
+            subset = words if len(candidates) == len(starts) else None
+            differ = np.zeros(len(candidates), dtype=bool)
+            for first, end, template, mask in runs:
+                part = (subset[:, first:end] if subset is not None else words[candidates, first:end]) ^ template
+                part &= mask
+                differ |= part.any(axis=1)
+            hit = candidates[~differ]
+            if not len(hit):
+                continue
+            which[hit] = number
+            pending[hit] = False
+            crcs[hit] = np.ascontiguousarray(rows[hit, layout.crc_at:layout.crc_at + 4]).view("<u4")[:, 0]
+        return which, crcs, found
 
 
 SPAN_GAP = 4096  # ranges a parse read this close together are read again as one (the bytes between are not compared)
@@ -404,6 +453,35 @@ class _Layout:
         if self.crc_at + 4 > width:
             found[:] = False
         return found
+
+    def words(self, length: int) -> list[tuple[int, int, Any, Any]]:
+        """Return the bytes `matches` compares in a record of `length` bytes as runs of
+        8-byte words: (first word, end word, expected words, mask words), the mask all ones
+        over the bytes compared and zero elsewhere; [] when `matches` would match nothing."""
+        import numpy as np
+
+        width = -(-length // 8) * 8
+        template = np.zeros(width, dtype=np.uint8)
+        mask = np.zeros(width, dtype=np.uint8)
+        for start, span, pieces in self.spans:
+            if start + span > length:
+                return []
+            for begin, end, expected in pieces:
+                template[start + begin:start + end] = np.frombuffer(expected, np.uint8)
+                mask[start + begin:start + end] = 0xFF
+        if self.crc_at + 4 > length:
+            return []
+        template, mask = template.view("<u8"), mask.view("<u8")
+        used = np.flatnonzero(mask)
+        if not len(used):  # nothing read (cannot happen: a parse reads the end record)
+            return []
+        # words used lying within RUN_GAP words of each other form one run (fewer array calls)
+        cuts = np.flatnonzero(np.diff(used) > RUN_GAP) + 1
+        return [(int(run[0]), int(run[-1]) + 1, template[run[0]:run[-1] + 1].copy(), mask[run[0]:run[-1] + 1].copy())
+                for run in np.split(used, cuts)]
+
+
+RUN_GAP = 8  # words: unused words between two used ones below this are compared under a zero mask
 
 
 def find_record_problems(read: Read, length: int, where: str, skip_largest: bool) -> list[tuple[str, str]]:
