@@ -282,7 +282,10 @@ class ParsedRecords:
     def parse(self, read: Read, length: int, where: str, offset: int = 0) -> TensorRecord:
         """Return `parse_tensor_record(read, length, where, offset)`."""
         for layout in self._layouts.get(length, ()):
-            record = layout.reuse(read, offset)
+            try:
+                record = layout.reuse(read, offset)
+            except CheckpointError:  # a read past the file's end: the parse's own reads say which
+                break
             if record is not None:
                 return record
         reads: list[tuple[int, bytes]] = []
