@@ -234,7 +234,9 @@ class _TableJobs:
         ordered = positions[np.argsort(self.offset[positions], kind="stable")] if file >= 0 else positions
         offset, length = self.offset[ordered], self.length[ordered]
         ends = offset + length
-        small = (length > 0) & (length <= BLOCK_RECORD) if file >= 0 else np.zeros(len(ordered), dtype=bool)
+        # (offsets the metadata gives are any int64: only sane ones are read in blocks, so no sum overflows)
+        small = ((length > 0) & (length <= BLOCK_RECORD) & (offset >= 0) & (offset < 1 << 62) if file >= 0
+                 else np.zeros(len(ordered), dtype=bool))
         # a record joins the one before it when both are small, it starts at or after that
         # one's end, and at most BLOCK_GAP bytes after it
         joined = small[1:] & small[:-1] & (offset[1:] >= ends[:-1]) & (offset[1:] - ends[:-1] <= BLOCK_GAP)

@@ -367,3 +367,17 @@ def test_unique_table_rows_are_unique_chunks_of_each_table():
     found = unique_table_rows(tables)
     for table, rows in zip(tables, found):
         assert rows.tolist() == unique_chunks(Tensor("t", "float32", (9,) * table.offsets.shape[1], tuple(table)))
+
+
+@pytest.mark.parametrize("offset,length", [((1 << 63) - 100, 1000), (-5, 1000), (100, (1 << 63) - 1), (0, 0), (10 ** 12, 64)])
+def test_hostile_numbers_in_table_columns_give_what_locating_alone_gives(offset, length, interleaved_tables, monkeypatch):
+    checkpoint = read_as_tables(interleaved_tables, monkeypatch)
+    victims = {"layers.050.bias", "layers.051.weight"}
+
+    def change(fqn, columns):
+        if fqn in victims:
+            columns["blob_offset"][0], columns["blob_length"][0] = offset, length
+
+    damaged = with_columns(checkpoint, change)
+    first, together = both_ways(damaged, interleaved_tables)
+    assert isinstance(first, str) and first == together  # (the message is what locating alone says, whatever it names)

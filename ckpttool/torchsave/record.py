@@ -349,11 +349,12 @@ class ParsedRecords:
         found = [(layout.record, layout.data_start) for layout in layouts]
         if len(layouts) <= skip or not len(starts):
             return which, crcs, found
-        width = -(-length // 8) * 8
-        rows = np.lib.stride_tricks.sliding_window_view(block, width)[starts]  # a copy, row by row
-        words = rows.view("<u8")
+        def gathered(at: Any, width: int) -> Any:  # the `width` bytes at each of `at`, a (len(at), width) copy
+            windows = np.ndarray((len(block) - width + 1, width), np.uint8, buffer=block, strides=(1, 1))
+            return windows[at]
+
         magic = int.from_bytes(LOCAL_MAGIC, "little")
-        pending = (words[:, 0] & 0xFFFFFFFF) == magic
+        pending = gathered(starts, 8).view("<u8")[:, 0] & 0xFFFFFFFF == magic
         for number, layout in enumerate(layouts[skip:], skip):
             runs = self._words.get(id(layout))
             if runs is None:
@@ -363,10 +364,11 @@ class ParsedRecords:
                 break
             if not runs:  # the parse read past the record's end: `reuse` alone decides
                 continue
-            subset = words if len(candidates) == len(starts) else None
+            at = starts[candidates]
             differ = np.zeros(len(candidates), dtype=bool)
-            for first, end, template, mask in runs:
-                part = (subset[:, first:end] if subset is not None else words[candidates, first:end]) ^ template
+            for first, end, template, mask in runs:  # only the words compared are copied
+                part = gathered(at + first * 8, (end - first) * 8).view("<u8")
+                part ^= template
                 part &= mask
                 differ |= part.any(axis=1)
             hit = candidates[~differ]
@@ -374,7 +376,7 @@ class ParsedRecords:
                 continue
             which[hit] = number
             pending[hit] = False
-            crcs[hit] = np.ascontiguousarray(rows[hit, layout.crc_at:layout.crc_at + 4]).view("<u4")[:, 0]
+            crcs[hit] = gathered(starts[hit] + layout.crc_at, 4).view("<u4")[:, 0]
         return which, crcs, found
 
 
