@@ -337,9 +337,9 @@ class ParsedRecords:
         (int64, 0 where -1), and per layout of `length` (its record, the data's offset in the
         record). The first `skip` layouts are not compared (the caller compared them before).
 
-        The bytes compared are those `_Layout.matches` compares, as 8-byte words under a
-        mask (zero over the CRC-32 fields, the data and the bytes no parse read); records
-        that do not start with a zip local header match no layout.
+        The bytes compared are those `_Layout.matches` compares and the zip local header's
+        signature every reused record starts with (`_Layout.words`), as 8-byte words under
+        a mask (zero over the CRC-32 fields, the data and the bytes no parse read).
         """
         import numpy as np
 
@@ -349,12 +349,12 @@ class ParsedRecords:
         found = [(layout.record, layout.data_start) for layout in layouts]
         if len(layouts) <= skip or not len(starts):
             return which, crcs, found
+
         def gathered(at: Any, width: int) -> Any:  # the `width` bytes at each of `at`, a (len(at), width) copy
             windows = np.ndarray((len(block) - width + 1, width), np.uint8, buffer=block, strides=(1, 1))
             return windows[at]
 
-        magic = int.from_bytes(LOCAL_MAGIC, "little")
-        pending = gathered(starts, 8).view("<u8")[:, 0] & 0xFFFFFFFF == magic
+        pending = np.ones(len(starts), dtype=bool)
         for number, layout in enumerate(layouts[skip:], skip):
             runs = self._words.get(id(layout))
             if runs is None:
@@ -365,13 +365,13 @@ class ParsedRecords:
             if not runs:  # the parse read past the record's end: `reuse` alone decides
                 continue
             at = starts[candidates]
-            differ = np.zeros(len(candidates), dtype=bool)
-            for first, end, template, mask in runs:  # only the words compared are copied
+            same = np.ones(len(candidates), dtype=bool)
+            for first, end, expected, mask in runs:  # only the words compared are copied
                 part = gathered(at + first * 8, (end - first) * 8).view("<u8")
-                part ^= template
-                part &= mask
-                differ |= part.any(axis=1)
-            hit = candidates[~differ]
+                if mask is not None:
+                    part &= mask
+                same &= (part == expected).all(axis=1)
+            hit = candidates[same]
             if not len(hit):
                 continue
             which[hit] = number
@@ -460,9 +460,11 @@ class _Layout:
         return found
 
     def words(self, length: int) -> list[tuple[int, int, Any, Any]]:
-        """Return the bytes `matches` compares in a record of `length` bytes as runs of
-        8-byte words: (first word, end word, expected words, mask words), the mask all ones
-        over the bytes compared and zero elsewhere; [] when `matches` would match nothing."""
+        """Return the bytes `matches` compares in a record of `length` bytes, and the zip
+        local header signature at its start, as runs of 8-byte words: (first word, end word,
+        expected words, mask words), the mask all ones over the bytes compared and zero
+        elsewhere (the expected words zero there too; None for a run compared whole); []
+        when no record would match."""
         import numpy as np
 
         width = -(-length // 8) * 8
@@ -476,14 +478,23 @@ class _Layout:
                 mask[start + begin:start + end] = 0xFF
         if self.crc_at + 4 > length:
             return []
+        # and the record starts with a zip local header (`reuse_block` reuses no other)
+        signature = np.frombuffer(LOCAL_MAGIC, np.uint8)
+        if ((mask[:len(signature)] != 0) & (template[:len(signature)] != signature)).any():
+            return []
+        template[:len(signature)], mask[:len(signature)] = signature, 0xFF
         template, mask = template.view("<u8"), mask.view("<u8")
         used = np.flatnonzero(mask)
         if not len(used):  # nothing read (cannot happen: a parse reads the end record)
             return []
         # words used lying within RUN_GAP words of each other form one run (fewer array calls)
         cuts = np.flatnonzero(np.diff(used) > RUN_GAP) + 1
-        return [(int(run[0]), int(run[-1]) + 1, template[run[0]:run[-1] + 1].copy(), mask[run[0]:run[-1] + 1].copy())
-                for run in np.split(used, cuts)]
+        runs = []
+        for run in np.split(used, cuts):
+            first, end = int(run[0]), int(run[-1]) + 1
+            bits = mask[first:end].copy()
+            runs.append((first, end, template[first:end] & bits, None if (bits == np.uint64(0xFFFFFFFFFFFFFFFF)).all() else bits))
+        return runs
 
 
 RUN_GAP = 8  # words: unused words between two used ones below this are compared under a zero mask
