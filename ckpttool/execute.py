@@ -91,6 +91,8 @@ def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Loc
     columns = _TableJobs(tables, table_indices, table_first) if tables else None
     if columns is not None:
         tasks += columns.tasks(files)
+        if files.local:  # a file's walk is a read and array work: threads beyond the cores only contend
+            threads = min(threads, max(2, os.cpu_count() or 1))
     failures = [failure for failure in run_each(tasks, threads) if failure is not None]
     if failures:
         raise min(failures, key=lambda failure: failure[0])[1]
