@@ -230,8 +230,12 @@ class _TableJobs:
         relative = self.names[file] if file >= 0 else ""
         ahead = ReadAhead(files, relative)
         # a parse is a function of the record's bytes, whatever its file: the layouts parsed
-        # by this thread's earlier walks serve this file too (each thread parses each once)
-        ahead.records = self._records.setdefault(threading.get_ident(), ParsedRecords())
+        # by this thread's earlier walks serve this file too (each thread parses each once),
+        # until they are as many as ParsedRecords keeps: then this file starts afresh
+        records = self._records.get(threading.get_ident())
+        if records is None or records.layouts >= ParsedRecords.MAX_LAYOUTS:
+            records = self._records[threading.get_ident()] = ParsedRecords()
+        ahead.records = records
         errors: list[tuple[int, Exception]] = []
         ordered = positions[np.argsort(self.offset[positions], kind="stable")] if file >= 0 else positions
         offset, length = self.offset[ordered], self.length[ordered]

@@ -381,3 +381,15 @@ def test_hostile_numbers_in_table_columns_give_what_locating_alone_gives(offset,
     damaged = with_columns(checkpoint, change)
     first, together = both_ways(damaged, interleaved_tables)
     assert isinstance(first, str) and first == together  # (the message is what locating alone says, whatever it names)
+
+
+def test_more_layouts_than_are_kept_still_locate_as_each_chunk_alone(interleaved_tables, world4_tables, monkeypatch):
+    """Past ParsedRecords.MAX_LAYOUTS a record of a new layout is parsed alone, and a walk that
+    finds its thread's layouts full starts afresh: the results stay those of locating alone."""
+    from ckpttool.torchsave.record import ParsedRecords
+
+    monkeypatch.setattr(ParsedRecords, "MAX_LAYOUTS", 2)
+    for path in (interleaved_tables, world4_tables):
+        checkpoint = read_as_tables(path, monkeypatch)
+        first, together = both_ways(checkpoint, threads=1)
+        assert isinstance(together, dict) and first == together
