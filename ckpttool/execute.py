@@ -28,10 +28,10 @@ from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
 from ckpttool.errors import CheckpointError, CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
-from ckpttool.plan import unique_chunks
+from ckpttool.plan import unique_chunks, unique_table_rows
 from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record
 from ckpttool.torchsave.ptfile import crc32_combine
-from ckpttool.torchsave.record import RecordLayout, record_layout
+from ckpttool.torchsave.record import ParsedRecords, RecordLayout, record_layout
 
 VERIFY_BLOCK = 16 << 20  # bytes compared per step of --verify
 # operations writing less than SMALL_OPERATION run as one pool task per batch of neighbours
@@ -60,20 +60,58 @@ def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4)
 
 
 def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Located:
-    jobs: list[tuple[Tensor, int]] = []
-    chunks: list[Chunk] = []
+    # ChunkTable tensors are located from their columns (`_TableJobs`), the others chunk by
+    # chunk; coalesced spans (remote roots) keep the chunk walk, which tells them its order.
+    # Job numbers run over both in (tensor, chunk) order: the error raised is the first's.
+    columnar = not files.coalesced
+    tables = [tensor for tensor in tensors if columnar and isinstance(tensor.chunks, ChunkTable)]
+    table_rows = iter(unique_table_rows([tensor.chunks for tensor in tables]))
+    jobs: dict[int, tuple[Tensor, int]] = {}
+    chunks: dict[int, Chunk] = {}
+    table_indices: list = []
+    table_first: list[int] = []
+    count = 0
     for tensor in tensors:
+        if columnar and isinstance(tensor.chunks, ChunkTable):
+            indices = next(table_rows)
+            table_indices.append(indices)
+            table_first.append(count)
+            count += len(indices)
+            continue
         indices = unique_chunks(tensor)
-        jobs.extend((tensor, index) for index in indices)
         if isinstance(tensor.chunks, ChunkTable):
-            chunks.extend(tensor.chunks.rows(indices))  # one pass over the columns
+            picked = tensor.chunks.rows(indices)  # one pass over the columns
         else:
-            chunks.extend(tensor.chunks[index] for index in indices)
+            picked = [tensor.chunks[index] for index in indices]
+        for index, chunk in zip(indices, picked):
+            jobs[count], chunks[count] = (tensor, index), chunk
+            count += 1
+    found: dict[int, RawData | None] = {}
+    tasks = _chunk_tasks(files, jobs, chunks, found)
+    columns = _TableJobs(tables, table_indices, table_first) if tables else None
+    if columns is not None:
+        tasks += columns.tasks(files)
+        if files.local:  # a file's walk is a read and array work: threads beyond the cores only contend
+            threads = min(threads, max(2, os.cpu_count() or 1))
+    failures = [failure for failure in run_each(tasks, threads) if failure is not None]
+    if failures:
+        raise min(failures, key=lambda failure: failure[0])[1]
+    located: Located = {tensor.fqn: {} for tensor in tensors}
+    for number, (tensor, index) in jobs.items():
+        located[tensor.fqn][index] = found[number]
+    if columns is not None:
+        columns.fill(located)
+    return located
+
+
+def _chunk_tasks(files: DataFiles, jobs: dict[int, tuple[Tensor, int]], chunks: dict[int, Chunk],
+                 found: dict[int, RawData | None]) -> list[Callable[[], tuple[int, Exception] | None]]:
+    """One task per data file locating the chunks of `jobs` (by job number), walking the file's
+    records in offset order; each returns the first error in job order, or None."""
     by_file: dict[str, list[int]] = {}
-    for number, chunk in enumerate(chunks):
+    for number, chunk in chunks.items():
         by_file.setdefault(chunk.blob.file if chunk.blob is not None else "", []).append(number)
-    found: list[RawData | None] = [None] * len(jobs)
-    files.walk_records(chunk.blob for chunk in chunks)
+    files.walk_records(chunk.blob for chunk in chunks.values())
 
     def walk(relative: str, numbers: list[int]) -> tuple[int, Exception] | None:
         ahead = ReadAhead(files, relative)
@@ -119,14 +157,213 @@ def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Loc
                     break
         return min(errors, key=lambda failure: failure[0]) if errors else None
 
-    tasks = [functools.partial(walk, relative, numbers) for relative, numbers in sorted(by_file.items())]
-    failures = [failure for failure in run_each(tasks, threads) if failure is not None]
-    if failures:
-        raise min(failures, key=lambda failure: failure[0])[1]
-    located: Located = {tensor.fqn: {} for tensor in tensors}
-    for (tensor, index), raw in zip(jobs, found):
-        located[tensor.fqn][index] = raw
-    return located
+    return [functools.partial(walk, relative, numbers) for relative, numbers in sorted(by_file.items())]
+
+
+class _TableJobs:
+    """The distinct non-empty chunks of ChunkTable tensors, as columns in job order, located
+    a file at a time with array operations: per file, the job list, the sort by offset, the
+    blocks, the layout comparisons (`ParsedRecords.match_block`), the dtype and shape checks
+    and the data offsets and CRC-32s are arrays; a chunk is touched in Python only to build
+    its `RawData`, or when it is located alone (`_locate_one`: any record not reused).
+    """
+
+    def __init__(self, tensors: list[Tensor], indices: list, first: list[int]):
+        import numpy as np
+
+        self.tensors = tensors
+        counts = np.array([len(rows) for rows in indices], dtype=np.int64)
+        self.index = np.concatenate(indices).astype(np.int64) if indices else np.zeros(0, np.int64)
+        self.tensor = np.repeat(np.arange(len(tensors), dtype=np.int64), counts)
+        self.number = np.repeat(np.array(first, dtype=np.int64), counts) + _ranks(counts)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])  # of each tensor's jobs
+        names: dict[str, int] = {}
+        mapped: dict[int, tuple] = {}  # id of a files tuple -> (the tuple, its global numbers, then -1)
+        dtype_codes: dict[str, int] = {}
+        ndim = max((tensor.chunks.offsets.shape[1] for tensor in tensors), default=0)
+        rows = len(self.index)
+        self.file = np.empty(rows, dtype=np.int64)
+        self.offset = np.empty(rows, dtype=np.int64)
+        self.length = np.empty(rows, dtype=np.int64)
+        self.sizes = np.zeros((rows, ndim), dtype=np.int64)
+        self.ndim = np.repeat(np.array([t.chunks.offsets.shape[1] for t in tensors], dtype=np.int64), counts)
+        self.dtype = np.repeat(np.array([dtype_codes.setdefault(t.dtype, len(dtype_codes)) for t in tensors],
+                                        dtype=np.int64), counts)
+        self.dtype_codes = dtype_codes
+        for number, (tensor, picked) in enumerate(zip(tensors, indices)):
+            table = tensor.chunks
+            known = mapped.get(id(table.files))
+            if known is None:
+                numbers = [names.setdefault(name, len(names)) for name in table.files]
+                known = mapped[id(table.files)] = (table.files, np.array(numbers + [-1], dtype=np.int64))
+            begin, end = self.starts[number], self.starts[number + 1]
+            self.file[begin:end] = known[1][table.file[picked]]
+            self.offset[begin:end] = table.blob_offset[picked]
+            self.length[begin:end] = table.blob_length[picked]
+            self.sizes[begin:end, :table.sizes.shape[1]] = table.sizes[picked]
+        self.names = list(names)
+        # what was found: raw_* for chunks reused from a layout (`reused`), `alone` for the rest
+        self.reused = np.zeros(rows, dtype=bool)
+        self.raw_offset = np.zeros(rows, dtype=np.int64)
+        self.raw_length = np.zeros(rows, dtype=np.int64)
+        self.raw_crc = np.zeros(rows, dtype=np.int64)
+        self.alone: dict[int, RawData | None] = {}  # by job position
+        self._records: dict[int, ParsedRecords] = {}  # by thread
+        self._checks: dict[int, tuple] = {}  # by id of a layout's record: what `_checked` needs of it
+
+    def tasks(self, files: DataFiles) -> list[Callable[[], tuple[int, Exception] | None]]:
+        """One task per data file (and one for chunks without a blob), in file name order."""
+        import numpy as np
+
+        order = np.argsort(self.file, kind="stable")
+        bounds = np.flatnonzero(np.diff(self.file[order])) + 1
+        groups = np.split(order, bounds) if len(order) else []
+        named = sorted(groups, key=lambda group: self.names[self.file[group[0]]] if self.file[group[0]] >= 0 else "")
+        return [functools.partial(self._walk, files, group) for group in named]
+
+    def _walk(self, files: DataFiles, positions) -> tuple[int, Exception] | None:
+        """Locate the jobs at `positions` (ascending), all of one data file: blocks of small
+        records close together by array comparisons, every other record alone."""
+        import numpy as np
+
+        file = int(self.file[positions[0]])
+        relative = self.names[file] if file >= 0 else ""
+        ahead = ReadAhead(files, relative)
+        # a parse is a function of the record's bytes, whatever its file: the layouts parsed
+        # by this thread's earlier walks serve this file too (each thread parses each once),
+        # until they are as many as ParsedRecords keeps: then this file starts afresh
+        records = self._records.get(threading.get_ident())
+        if records is None or records.layouts >= ParsedRecords.MAX_LAYOUTS:
+            records = self._records[threading.get_ident()] = ParsedRecords()
+        ahead.records = records
+        errors: list[tuple[int, Exception]] = []
+        ordered = positions[np.argsort(self.offset[positions], kind="stable")] if file >= 0 else positions
+        offset, length = self.offset[ordered], self.length[ordered]
+        ends = offset + length
+        # (offsets the metadata gives are any int64: only sane ones are read in blocks, so no sum overflows)
+        small = ((length > 0) & (length <= BLOCK_RECORD) & (offset >= 0) & (offset < 1 << 62) if file >= 0
+                 else np.zeros(len(ordered), dtype=bool))
+        # a record joins the one before it when both are small, it starts at or after that
+        # one's end, and at most BLOCK_GAP bytes after it
+        joined = small[1:] & small[:-1] & (offset[1:] >= ends[:-1]) & (offset[1:] - ends[:-1] <= BLOCK_GAP)
+        runs = np.flatnonzero(~joined) + 1
+        for first, end in zip([0, *runs.tolist()], [*runs.tolist(), len(ordered)]):
+            if end - first < BLOCK_MIN:
+                for position in ordered[first:end].tolist():
+                    self._locate_alone(ahead, position, errors)
+                continue
+            while first < end:  # blocks of at most BLOCK_BYTES
+                last = first + max(1, int(np.searchsorted(ends[first:end], offset[first] + BLOCK_BYTES, "right")))
+                self._block(ahead, ordered[first:last], errors)
+                first = last
+        return min(errors, key=lambda failure: failure[0]) if errors else None
+
+    def _block(self, ahead: ReadAhead, block, errors: list) -> None:
+        """Locate the records of `block` (job positions in offset order, records lying in at
+        most BLOCK_BYTES): those whose bytes are a parsed layout's from arrays, the rest alone."""
+        import numpy as np
+
+        offset, length = self.offset[block], self.length[block]
+        start, end = int(offset[0]), int(offset[-1] + length[-1])
+        try:
+            size = ahead.size(ahead.relative)
+            if end > size:
+                raise CorruptBlob("past the end")  # each record alone says which
+            # this thread's buffer, reused block after block (fresh pages cost more than the copy)
+            buffer = np.frombuffer(thread_buffer(end - start + 8, "locate"), np.uint8)
+            ahead.files.read_into(ahead.relative, start, memoryview(buffer)[:end - start])
+        except CheckpointError:
+            for position in block.tolist():
+                self._locate_alone(ahead, position, errors)
+            return
+        places = offset - start
+        pending = np.ones(len(block), dtype=bool)
+        compared: dict[int, int] = {}  # by record length: the layouts every pending record was compared with
+        refused = []  # whose bytes are a layout's that `locate` would not return as raw data
+        while True:
+            for record_length in np.unique(length[pending]).tolist():
+                group = np.flatnonzero(pending & (length == record_length))
+                skip = compared.get(record_length, 0)
+                which, crcs, layouts = ahead.records.match_block(buffer, places[group], record_length, skip)
+                compared[record_length] = len(layouts)
+                for number in range(skip, len(layouts)):
+                    record, data_start = layouts[number]
+                    matched = which == number
+                    hit = group[matched]
+                    if not len(hit):
+                        continue
+                    pending[hit] = False
+                    data_at = start + places[hit] + data_start
+                    good = self._checked(record, block[hit], size, data_at)
+                    refused.append(hit[~good])
+                    taken = block[hit[good]]
+                    self.reused[taken] = True
+                    self.raw_offset[taken] = data_at[good]
+                    self.raw_length[taken] = record.data_length
+                    self.raw_crc[taken] = crcs[matched][good]
+            misses = np.flatnonzero(pending)
+            if not len(misses):
+                break
+            # the first miss is parsed alone (a new layout, if it parses); while parsing finds
+            # new layouts the rest are compared with them, else located alone
+            layouts = ahead.records.layouts
+            self._locate_alone(ahead, int(block[misses[0]]), errors)
+            pending[misses[0]] = False
+            if ahead.records.layouts == layouts:
+                refused.append(misses[1:])
+                break
+        for position in block[np.sort(np.concatenate(refused))].tolist() if refused else ():
+            self._locate_alone(ahead, position, errors)
+
+    def _checked(self, record, positions, size: int, data_at):
+        """Which of the jobs at `positions`, whose record parses as `record` with its data at
+        `data_at`, `locate` would return as plain raw data (the rest: located alone)."""
+        import numpy as np
+
+        check = self._checks.get(id(record))
+        if check is None or check[0] is not record:
+            shape = record.shape
+            usable = (record.is_plain and record.dtype in self.dtype_codes and len(shape) <= self.sizes.shape[1]
+                      and all(type(n) is int and 0 <= n < (1 << 63) for n in shape))
+            check = self._checks[id(record)] = (record, usable, self.dtype_codes.get(record.dtype),
+                                                np.array(shape if usable else (), dtype=np.int64))
+        _, usable, dtype, shape = check
+        if not usable:
+            return np.zeros(len(positions), dtype=bool)
+        good = (self.dtype[positions] == dtype) & (self.ndim[positions] == len(shape))
+        if len(shape):
+            good &= (self.sizes[positions, :len(shape)] == shape).all(axis=1)
+        return good & (data_at + record.data_length <= size)
+
+    def _locate_alone(self, ahead: ReadAhead, position: int, errors: list) -> None:
+        tensor = self.tensors[int(self.tensor[position])]
+        try:
+            self.alone[position] = _locate_one(ahead, tensor, int(self.index[position]))
+        except Exception as error:
+            errors.append((int(self.number[position]), error))
+
+    def fill(self, located: Located) -> None:
+        """Add what was found to `located`: a RawData per reused chunk, built from columns."""
+        import numpy as np
+
+        names = np.array(self.names + [""], dtype=object)
+        raws: list = list(map(RawData, names[self.file].tolist(), self.raw_offset.tolist(), self.raw_length.tolist(),
+                               self.raw_crc.tolist()))
+        for position, raw in self.alone.items():
+            raws[position] = raw
+        indices = self.index.tolist()
+        starts = self.starts.tolist()
+        for number, tensor in enumerate(self.tensors):
+            begin, end = starts[number], starts[number + 1]
+            located[tensor.fqn].update(zip(indices[begin:end], raws[begin:end]))
+
+
+def _ranks(counts):
+    """0, 1, ... count - 1 for each of `counts`, concatenated."""
+    import numpy as np
+
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 # small records lying close together are checked a block at a time (`ParsedRecords.reuse_block`):

@@ -123,3 +123,41 @@ def test_a_block_of_records_reuses_a_layout_exactly_where_parsing_each_alone_wou
                 assert expected == type(record)(record.dtype, record.shape, record.stride, record.storage_offset,
                                                 data_at, record.data_length, crc, record.byteorder), trial
                 assert data_at - start == layout.data_offset
+
+
+def test_match_block_reuses_exactly_what_reuse_block_reuses():
+    """`match_block` (masked 8-byte words, for ChunkTable walks) against `reuse_block` (the
+    comparisons `parse` makes) on blocks of records of two layouts of one length, damaged
+    anywhere, signature bytes included, at any alignment."""
+    import numpy as np
+
+    rng = random.Random(7)
+    shapes = [(4, 8), (8, 4), (32,)]  # one record length, three layouts
+    goods = [record_bytes("float32", shape, bytes(128)) for shape in shapes]
+    assert len({len(good) for good in goods}) == 1
+    length = len(goods[0])
+    for trial in range(40):
+        records = []
+        for _ in range(60):
+            shape = rng.choice(shapes)
+            record = bytearray(record_bytes("float32", shape, rng.randbytes(128)))
+            for _ in range(rng.choice((0, 0, 1, 3))):
+                position = rng.choice((rng.randrange(4), rng.randrange(len(record))))
+                record[position] = rng.randrange(256)
+            records.append(bytes(record))
+        lead = rng.randrange(8)  # records at any alignment of the block
+        gap = rng.choice((0, 1, 7))
+        block = bytes(lead) + b"".join(record + bytes(gap) for record in records) + rng.randbytes(8)
+        starts = [lead + i * (length + gap) for i in range(len(records))]
+        parsed = ParsedRecords()
+        for good in goods[:rng.choice((1, 2, 3))]:
+            parsed.parse(reader(good, 0), length, "test", 0)
+        expected = parsed.reuse_block(block, starts, length)
+        which, crcs, layouts = parsed.match_block(np.frombuffer(block, np.uint8), np.array(starts, dtype=np.int64), length)
+        for start, found, number, crc in zip(starts, expected, which.tolist(), crcs.tolist()):
+            if found is None:
+                assert number == -1, trial
+            else:
+                record, data_start = layouts[number]
+                assert found == (record, start + data_start, crc), trial
+        assert (which >= 0).any() and (which < 0).any()

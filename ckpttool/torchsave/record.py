@@ -272,6 +272,7 @@ class ParsedRecords:
     def __init__(self) -> None:
         self._layouts: dict[int, list[_Layout]] = {}  # by record length
         self._kept = 0
+        self._words: dict[int, list] = {}  # `_Layout.words` by id of a kept layout
 
     @property
     def layouts(self) -> int:
@@ -281,7 +282,10 @@ class ParsedRecords:
     def parse(self, read: Read, length: int, where: str, offset: int = 0) -> TensorRecord:
         """Return `parse_tensor_record(read, length, where, offset)`."""
         for layout in self._layouts.get(length, ()):
-            record = layout.reuse(read, offset)
+            try:
+                record = layout.reuse(read, offset)
+            except CheckpointError:  # a read past the file's end: the parse's own reads say which
+                break
             if record is not None:
                 return record
         reads: list[tuple[int, bytes]] = []
@@ -324,6 +328,56 @@ class ParsedRecords:
             for index in np.flatnonzero(matched).tolist():
                 found[index] = (record, starts[index] + data_start, crcs[index])
         return found
+
+    def match_block(self, block: Any, starts: Any, length: int, skip: int = 0) -> tuple[Any, Any, list[tuple[TensorRecord, int]]]:
+        """`reuse_block` as arrays, for blocks of thousands of records: `block` is a uint8
+        numpy array holding at least 8 bytes past each record's end (any values), `starts`
+        an int64 array of where records of `length` bytes start in it. Returns, per record,
+        the number of the layout its bytes are (-1: parse it alone) and the data's CRC-32
+        (int64, 0 where -1), and per layout of `length` (its record, the data's offset in the
+        record). The first `skip` layouts are not compared (the caller compared them before).
+
+        The bytes compared are those `_Layout.matches` compares and the zip local header's
+        signature every reused record starts with (`_Layout.words`), as 8-byte words under
+        a mask (zero over the CRC-32 fields, the data and the bytes no parse read).
+        """
+        import numpy as np
+
+        layouts = self._layouts.get(length, [])
+        which = np.full(len(starts), -1, dtype=np.int64)
+        crcs = np.zeros(len(starts), dtype=np.int64)
+        found = [(layout.record, layout.data_start) for layout in layouts]
+        if len(layouts) <= skip or not len(starts):
+            return which, crcs, found
+
+        def gathered(at: Any, width: int) -> Any:  # the `width` bytes at each of `at`, a (len(at), width) copy
+            windows = np.ndarray((len(block) - width + 1, width), np.uint8, buffer=block, strides=(1, 1))
+            return windows[at]
+
+        pending = np.ones(len(starts), dtype=bool)
+        for number, layout in enumerate(layouts[skip:], skip):
+            runs = self._words.get(id(layout))
+            if runs is None:
+                runs = self._words[id(layout)] = layout.words(length)
+            candidates = np.flatnonzero(pending)
+            if not len(candidates):
+                break
+            if not runs:  # the parse read past the record's end: `reuse` alone decides
+                continue
+            at = starts[candidates]
+            same = np.ones(len(candidates), dtype=bool)
+            for first, end, expected, mask in runs:  # only the words compared are copied
+                part = gathered(at + first * 8, (end - first) * 8).view("<u8")
+                if mask is not None:
+                    part &= mask
+                same &= (part == expected).all(axis=1)
+            hit = candidates[same]
+            if not len(hit):
+                continue
+            which[hit] = number
+            pending[hit] = False
+            crcs[hit] = gathered(starts[hit] + layout.crc_at, 4).view("<u4")[:, 0]
+        return which, crcs, found
 
 
 SPAN_GAP = 4096  # ranges a parse read this close together are read again as one (the bytes between are not compared)
@@ -404,6 +458,46 @@ class _Layout:
         if self.crc_at + 4 > width:
             found[:] = False
         return found
+
+    def words(self, length: int) -> list[tuple[int, int, Any, Any]]:
+        """Return the bytes `matches` compares in a record of `length` bytes, and the zip
+        local header signature at its start, as runs of 8-byte words: (first word, end word,
+        expected words, mask words), the mask all ones over the bytes compared and zero
+        elsewhere (the expected words zero there too; None for a run compared whole); []
+        when no record would match."""
+        import numpy as np
+
+        width = -(-length // 8) * 8
+        template = np.zeros(width, dtype=np.uint8)
+        mask = np.zeros(width, dtype=np.uint8)
+        for start, span, pieces in self.spans:
+            if start + span > length:
+                return []
+            for begin, end, expected in pieces:
+                template[start + begin:start + end] = np.frombuffer(expected, np.uint8)
+                mask[start + begin:start + end] = 0xFF
+        if self.crc_at + 4 > length:
+            return []
+        # and the record starts with a zip local header (`reuse_block` reuses no other)
+        signature = np.frombuffer(LOCAL_MAGIC, np.uint8)
+        if ((mask[:len(signature)] != 0) & (template[:len(signature)] != signature)).any():
+            return []
+        template[:len(signature)], mask[:len(signature)] = signature, 0xFF
+        template, mask = template.view("<u8"), mask.view("<u8")
+        used = np.flatnonzero(mask)
+        if not len(used):  # nothing read (cannot happen: a parse reads the end record)
+            return []
+        # words used lying within RUN_GAP words of each other form one run (fewer array calls)
+        cuts = np.flatnonzero(np.diff(used) > RUN_GAP) + 1
+        runs = []
+        for run in np.split(used, cuts):
+            first, end = int(run[0]), int(run[-1]) + 1
+            bits = mask[first:end].copy()
+            runs.append((first, end, template[first:end] & bits, None if (bits == np.uint64(0xFFFFFFFFFFFFFFFF)).all() else bits))
+        return runs
+
+
+RUN_GAP = 8  # words: unused words between two used ones below this are compared under a zero mask
 
 
 def find_record_problems(read: Read, length: int, where: str, skip_largest: bool) -> list[tuple[str, str]]:
