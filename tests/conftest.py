@@ -101,3 +101,26 @@ def cli():
         return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
 
     return run
+
+
+def save_with_writer_options(path: Path, writer_options: str) -> dict:
+    """Write a small state with torch's own dcp.save in one of its other blob formats and
+    return the state: "safetensors" (SerializationFormat.SAFETENSORS) or "zstd" (the
+    ZStandard extension: blobs that must be decoded); skips without zstandard."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    if writer_options == "zstd":
+        pytest.importorskip("zstandard")
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        options = {"_extensions": [ZStandard()]}
+    else:
+        options = {"serialization_format": SerializationFormat.SAFETENSORS}
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(7, 5), "b": torch.randn(5).to(torch.bfloat16), "i": torch.arange(4),
+                       "s": torch.tensor(3.0)}, "extra": {"step": 3}}
+    dcp.save(state, storage_writer=FileSystemWriter(path, **options), no_dist=True)
+    return state

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import FIXTURES, assert_same_bytes, flatten
+from conftest import FIXTURES, assert_same_bytes, flatten, save_with_writer_options
 
 from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool import execute
@@ -161,21 +161,7 @@ def test_all_to_pt_equals_dcp_to_torch_save_with_optimizer_state_and_objects(nam
 
 @pytest.mark.parametrize("writer_options", ["safetensors", "zstd"])
 def test_safetensors_and_zstd_serialised_checkpoints_consolidate_to_the_saved_bytes(writer_options, tmp_path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-    if writer_options == "zstd":
-        pytest.importorskip("zstandard")
-        from torch.distributed.checkpoint._extension import ZStandard
-
-        options = {"_extensions": [ZStandard()]}
-    else:
-        options = {"serialization_format": SerializationFormat.SAFETENSORS}
-    torch.manual_seed(0)
-    state = {"model": {"w": torch.randn(7, 5), "b": torch.randn(5).to(torch.bfloat16), "i": torch.arange(4),
-                       "s": torch.tensor(3.0)}, "extra": {"step": 3}}
-    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "ckpt", **options), no_dist=True)
+    state = save_with_writer_options(tmp_path / "ckpt", writer_options)
     # the saved state itself is the reference: torch 2.13's own dcp_to_torch_save cannot read
     # a SAFETENSORS-format checkpoint back at all (its FileSystemReader torch.loads every
     # tensor blob: "Unsupported operand 176"); ckpttool reads it

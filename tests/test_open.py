@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import FIXTURES, assert_same_bytes, flatten
+from conftest import FIXTURES, assert_same_bytes, flatten, save_with_writer_options
 
 import ckpttool
 from ckpttool.checkpoint import ChunkTable, with_tables
@@ -144,21 +144,8 @@ def test_reads_on_the_thread_pool_give_the_same_bytes(consolidated, monkeypatch,
 @pytest.mark.parametrize("writer_options", ["safetensors", "zstd"])
 def test_safetensors_format_and_zstd_blobs_read_as_saved(writer_options, tmp_path):
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-    if writer_options == "zstd":  # blobs that must be decoded: Gather without a raw source
-        pytest.importorskip("zstandard")
-        from torch.distributed.checkpoint._extension import ZStandard
-
-        options = {"_extensions": [ZStandard()]}
-    else:
-        options = {"serialization_format": SerializationFormat.SAFETENSORS}
-    torch.manual_seed(0)
-    state = {"model": {"w": torch.randn(7, 5), "b": torch.randn(5).to(torch.bfloat16), "i": torch.arange(4),
-                       "s": torch.tensor(3.0)}, "extra": {"step": 3}}
-    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "ckpt", **options), no_dist=True)
+    state = save_with_writer_options(tmp_path / "ckpt", writer_options)  # zstd: Gather without a raw source
     with ckpttool.open(tmp_path / "ckpt") as f:
         assert sorted(f.model_keys()) == ["b", "i", "s", "w"]
         for key, value in state["model"].items():
