@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable
 
 from ckpttool import distributed, execute, integrity, io, readers
-from ckpttool.adapter import AdapterMerge, check_merge_target
 from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.distributed import ProcessStats
@@ -165,9 +164,11 @@ def consolidate(
     refuse_overlap(target, src)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
-    merge = AdapterMerge(merge_adapter, None, source.follow_symlinks, write.verify) \
-        if merge_adapter is not None else None
-    if merge is not None:
+    merge = None
+    if merge_adapter is not None:  # LoRA's modules are imported by the commands that merge only
+        from ckpttool.adapter import AdapterMerge, check_merge_target
+
+        merge = AdapterMerge(merge_adapter, None, source.follow_symlinks, write.verify)
         check_merge_target(target)
     budget = 0 if write.dry_run else write.max_memory // 2  # half of --max-memory for coalesced reads
     with SourceFiles(source.follow_symlinks, budget) as files:

@@ -33,7 +33,6 @@ from dataclasses import replace
 
 from ckpttool import __version__
 from ckpttool.checkpoint import Checkpoint
-from ckpttool.adapter import AdapterMerge, check_merge_target
 from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
                                            plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
@@ -129,9 +128,11 @@ def export(
                               drop_tied=convert.drop_tied or tied)
     kind = output_format(target, weights_convert.max_shard_size)
     refuse_overlap(target, src)
-    merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks, write.verify) \
-        if merge_adapter is not None else None
-    if merge is not None:
+    merge = None
+    if merge_adapter is not None:  # LoRA's modules are imported by the commands that merge only
+        from ckpttool.adapter import AdapterMerge, check_merge_target
+
+        merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks, write.verify)
         check_merge_target(target)
     planned = plan_output(src, target.name, kind, weights_convert, source, write.threads,  # the source is read once, here
                           adapt=merge.view if merge else None)
