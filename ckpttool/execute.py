@@ -366,7 +366,7 @@ def _ranks(counts):
     return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-# small records lying close together are checked a block at a time (`ParsedRecords.reuse_block`):
+# small records lying close together are checked a block at a time (`ParsedRecords.match_block`):
 # one read and a few array comparisons per record length instead of a parse each
 BLOCK_RECORD = 64 << 10  # largest record checked in a block
 BLOCK_GAP = 64 << 10  # most bytes between two records of a block (read through)
@@ -408,13 +408,20 @@ def _reuse_block(ahead: ReadAhead, jobs: list[tuple[Tensor, int]], chunks: list[
         block = ahead.files.read(blobs[0].file, start, end - start)
     except CheckpointError:
         return [None] * len(numbers)
+    import numpy as np
+
     by_length: dict[int, list[int]] = {}
     for place, blob in enumerate(blobs):
         by_length.setdefault(blob.length, []).append(place)
+    buffer = np.frombuffer(block + bytes(8), np.uint8)  # match_block reads whole words past a record's end
     reused: list = [None] * len(numbers)
     for length, places in by_length.items():
-        for place, found in zip(places, ahead.records.reuse_block(block, [blobs[p].offset - start for p in places], length)):
-            reused[place] = found
+        starts = np.array([blobs[place].offset - start for place in places], dtype=np.int64)
+        which, crcs, layouts = ahead.records.match_block(buffer, starts, length)
+        for place, number, crc, at in zip(places, which.tolist(), crcs.tolist(), starts.tolist()):
+            if number >= 0:
+                record, data_start = layouts[number]
+                reused[place] = (record, at + data_start, crc)
     plain: dict[int, bool] = {}  # by id of a layout's record
     located: list[RawData | None] = []
     for number, blob, found in zip(numbers, blobs, reused):

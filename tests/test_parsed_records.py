@@ -94,8 +94,44 @@ def test_a_record_tail_patched_for_a_crc_is_the_tail_written_in_full(dtype, shap
         assert layout.tail(crc) == written
 
 
+def reuse_by_rows(parsed: ParsedRecords, block: bytes, starts: list[int], length: int) -> list:
+    """The reference `match_block` is held to: each record's bytes as a row, compared piece by
+    piece with what each parsed layout's parse read (`_Layout.spans`, the CRC-32 fields left
+    out), the record starting with a zip local header; (record, data offset in the block,
+    CRC-32) or None per record."""
+    import numpy as np
+
+    from ckpttool.torchsave.zip import LOCAL_MAGIC
+
+    rows = np.lib.stride_tricks.sliding_window_view(np.frombuffer(block, np.uint8), length)[starts]
+    found: list = [None] * len(starts)
+    pending = (rows[:, :len(LOCAL_MAGIC)] == np.frombuffer(LOCAL_MAGIC, np.uint8)).all(axis=1)
+    for layout in parsed._layouts.get(length, ()):
+        matched = pending.copy()
+        if any(start + span > length for start, span, _ in layout.spans) or layout.crc_at + 4 > length:
+            continue  # the parse read past the record: only a parse decides
+        for start, _, pieces in layout.spans:
+            for begin, end, expected in pieces:
+                matched &= (rows[:, start + begin:start + end] == np.frombuffer(expected, np.uint8)).all(axis=1)
+        pending &= ~matched
+        crcs = rows[:, layout.crc_at:layout.crc_at + 4].copy().view("<u4").ravel().tolist()
+        for index in np.flatnonzero(matched).tolist():
+            found[index] = (layout.record, starts[index] + layout.data_start, crcs[index])
+    return found
+
+
+def reuse_by_words(parsed: ParsedRecords, block: bytes, starts: list[int], length: int) -> list:
+    """`match_block`'s answer in `reuse_by_rows`' form."""
+    import numpy as np
+
+    which, crcs, layouts = parsed.match_block(np.frombuffer(block + bytes(8), np.uint8),
+                                              np.array(starts, dtype=np.int64), length)
+    return [None if number < 0 else (layouts[number][0], start + layouts[number][1], crc)
+            for start, number, crc in zip(starts, which.tolist(), crcs.tolist())]
+
+
 def test_a_block_of_records_reuses_a_layout_exactly_where_parsing_each_alone_would():
-    """`reuse_block` compares many records at once: for every record, damaged or not, it gives
+    """`match_block` compares many records at once: for every record, damaged or not, it gives
     what `parse` gives through the same layout (offset and CRC-32 its own), or None."""
     rng = random.Random(2)
     layout = record_layout("float32", (4, 8))
@@ -114,7 +150,7 @@ def test_a_block_of_records_reuses_a_layout_exactly_where_parsing_each_alone_wou
         starts = [i * (len(good) + gap) for i in range(len(records))]
         parsed = ParsedRecords()
         parsed.parse(reader(good, 0), len(good), "test", 0)
-        for start, found in zip(starts, parsed.reuse_block(block, starts, len(good))):
+        for start, found in zip(starts, reuse_by_words(parsed, block, starts, len(good))):
             alone = ParsedRecords()
             alone.parse(reader(good, 0), len(good), "test", 0)
             expected = outcome(alone.parse, block, start, len(good))
@@ -125,9 +161,9 @@ def test_a_block_of_records_reuses_a_layout_exactly_where_parsing_each_alone_wou
                 assert data_at - start == layout.data_offset
 
 
-def test_match_block_reuses_exactly_what_reuse_block_reuses():
-    """`match_block` (masked 8-byte words, for ChunkTable walks) against `reuse_block` (the
-    comparisons `parse` makes) on blocks of records of two layouts of one length, damaged
+def test_match_block_reuses_exactly_what_comparing_rows_reuses():
+    """`match_block` (masked 8-byte words) against `reuse_by_rows` (the comparisons `parse`
+    makes, row by row) on blocks of records of two layouts of one length, damaged
     anywhere, signature bytes included, at any alignment."""
     import numpy as np
 
@@ -152,7 +188,7 @@ def test_match_block_reuses_exactly_what_reuse_block_reuses():
         parsed = ParsedRecords()
         for good in goods[:rng.choice((1, 2, 3))]:
             parsed.parse(reader(good, 0), length, "test", 0)
-        expected = parsed.reuse_block(block, starts, length)
+        expected = reuse_by_rows(parsed, block, starts, length)
         which, crcs, layouts = parsed.match_block(np.frombuffer(block, np.uint8), np.array(starts, dtype=np.int64), length)
         for start, found, number, crc in zip(starts, expected, which.tolist(), crcs.tolist()):
             if found is None:

@@ -303,41 +303,17 @@ class ParsedRecords:
                 self._kept += 1
         return record
 
-    def reuse_block(self, block: bytes, starts: list[int], length: int) -> list[tuple[TensorRecord, int, int] | None]:
-        """For each record of `length` bytes at `starts` (ascending) of `block`: when its bytes
-        are those of a layout parsed before, (that layout's record, the data's offset in
-        `block`, the data's CRC-32), which `parse` would return with the record's own offset
-        and CRC-32; else None (parse it alone). The comparisons `parse` makes, made for all the
-        records at once; only records that start with a zip local header are reused.
-        """
-        import numpy as np
-
-        # each record's bytes, copied row by row out of a window view (no index per byte)
-        rows = np.lib.stride_tricks.sliding_window_view(np.frombuffer(block, np.uint8), length)[starts]
-        found: list[tuple[TensorRecord, int, int] | None] = [None] * len(starts)
-        pending = (rows[:, :len(LOCAL_MAGIC)] == np.frombuffer(LOCAL_MAGIC, np.uint8)).all(axis=1)
-        for layout in self._layouts.get(length, ()):
-            if not pending.any():
-                break
-            matched = pending & layout.matches(rows)
-            if not matched.any():
-                continue
-            pending &= ~matched
-            crcs = rows[:, layout.crc_at:layout.crc_at + 4].copy().view("<u4").ravel().tolist()
-            record, data_start = layout.record, layout.data_start
-            for index in np.flatnonzero(matched).tolist():
-                found[index] = (record, starts[index] + data_start, crcs[index])
-        return found
-
     def match_block(self, block: Any, starts: Any, length: int, skip: int = 0) -> tuple[Any, Any, list[tuple[TensorRecord, int]]]:
-        """`reuse_block` as arrays, for blocks of thousands of records: `block` is a uint8
-        numpy array holding at least 8 bytes past each record's end (any values), `starts`
-        an int64 array of where records of `length` bytes start in it. Returns, per record,
-        the number of the layout its bytes are (-1: parse it alone) and the data's CRC-32
-        (int64, 0 where -1), and per layout of `length` (its record, the data's offset in the
-        record). The first `skip` layouts are not compared (the caller compared them before).
+        """`parse` for many records at once, where a layout parsed before can be reused:
+        `block` is a uint8 numpy array holding at least 8 bytes past each record's end (any
+        values), `starts` an int64 array of where records of `length` bytes start in it.
+        Returns, per record, the number of the layout its bytes are (-1: parse it alone) and
+        the data's CRC-32 (int64, 0 where -1), and per layout of `length` (its record, the
+        data's offset in the record): `parse` would return that record with the record's own
+        offset and CRC-32. The first `skip` layouts are not compared (the caller compared them
+        before).
 
-        The bytes compared are those `_Layout.matches` compares and the zip local header's
+        The bytes compared are those `_Layout.reuse` compares and the zip local header's
         signature every reused record starts with (`_Layout.words`), as 8-byte words under
         a mask (zero over the CRC-32 fields, the data and the bytes no parse read).
         """
@@ -442,25 +418,8 @@ class _Layout:
                             offset + self.data_start, record.data_length,
                             int.from_bytes(read(self.crc_at, 4), "little"), record.byteorder)
 
-    def matches(self, rows: Any) -> Any:
-        """Return, for each row of `rows` (a (count, record length) uint8 numpy array of
-        records that lie in it whole), whether `reuse` would reuse this layout for it."""
-        import numpy as np
-
-        found = np.ones(len(rows), dtype=bool)
-        width = rows.shape[1]
-        for start, length, pieces in self.spans:
-            if start + length > width:  # the parse read past this record: reuse() alone decides
-                return np.zeros(len(rows), dtype=bool)
-            for begin, end, expected in pieces:
-                at = start + begin
-                found &= (rows[:, at:at + end - begin] == np.frombuffer(expected, np.uint8)).all(axis=1)
-        if self.crc_at + 4 > width:
-            found[:] = False
-        return found
-
     def words(self, length: int) -> list[tuple[int, int, Any, Any]]:
-        """Return the bytes `matches` compares in a record of `length` bytes, and the zip
+        """Return the bytes `reuse` compares in a record of `length` bytes, and the zip
         local header signature at its start, as runs of 8-byte words: (first word, end word,
         expected words, mask words), the mask all ones over the bytes compared and zero
         elsewhere (the expected words zero there too; None for a run compared whole); []
@@ -478,7 +437,7 @@ class _Layout:
                 mask[start + begin:start + end] = 0xFF
         if self.crc_at + 4 > length:
             return []
-        # and the record starts with a zip local header (`reuse_block` reuses no other)
+        # and the record starts with a zip local header (`match_block` reuses no other)
         signature = np.frombuffer(LOCAL_MAGIC, np.uint8)
         if ((mask[:len(signature)] != 0) & (template[:len(signature)] != signature)).any():
             return []
