@@ -206,15 +206,19 @@ def row_major_runs(box: Box, region: Box, itemsize: int) -> list[tuple[int, int]
     return runs
 
 
+def dim0_slabs(shape: Sequence[int], offsets: "np.ndarray", sizes: "np.ndarray") -> bool:
+    """True when every box of the (rows, ndim) columns is a dim-0 slab of a tensor of `shape`:
+    all of every dim but the first (FSDP's chunks)."""
+    import numpy as np
+
+    return bool((offsets[:, 1:] == 0).all() and (sizes[:, 1:] == np.asarray(shape[1:], dtype=np.int64)).all())
+
+
 def slab_runs(shape: Sequence[int], offsets: "np.ndarray", sizes: "np.ndarray", itemsize: int) -> list[list[tuple[int, int]]] | None:
     """Return `row_major_runs(whole tensor, box, itemsize)` for each box of the (rows, ndim)
     columns when every box is a dim-0 slab (all of every other dim): one run each, or none
     for an empty one. None when some box is not a slab (use row_major_runs)."""
-    import numpy as np
-
-    if not shape or volume(shape) * itemsize >= COLUMN_LIMIT:
-        return None
-    if not ((offsets[:, 1:] == 0).all() and (sizes[:, 1:] == np.asarray(shape[1:], dtype=np.int64)).all()):
+    if not shape or volume(shape) * itemsize >= COLUMN_LIMIT or not dim0_slabs(shape, offsets, sizes):
         return None
     row = volume(shape[1:]) * itemsize
     return [[(start, length)] if length else []

@@ -43,7 +43,7 @@ from ckpttool.checkpoint import Blob, Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import RawData
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
-from ckpttool.geometry import COLUMN_LIMIT, Box, overlapping_boxes, row_major_runs, split_dim0, volume
+from ckpttool.geometry import COLUMN_LIMIT, Box, dim0_slabs, overlapping_boxes, row_major_runs, split_dim0, volume
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.plan.operations import Copy, Gather, Operation, Record
 from ckpttool.torchsave.record import record_layout
@@ -292,7 +292,7 @@ def _slab_runs(tensor: Tensor, boxes: Sequence[Box]) -> list[tuple[Run, ...]] | 
         return None
     starts, rows = offsets[keep, 0], sizes[keep, 0]
     ends = starts + rows
-    if (not ((offsets[keep, 1:] == 0).all() and (sizes[keep, 1:] == np.asarray(rest, dtype=np.int64)).all())
+    if (not dim0_slabs(shape, offsets[keep], sizes[keep])
             or starts[0] != 0 or ends[-1] != shape[0] or (starts[1:] != ends[:-1]).any()):
         return None
     row = volume(rest) * tensor.itemsize
