@@ -35,12 +35,41 @@ class StoredChunk:
     length: int
 
 
+@dataclass(frozen=True, eq=False)
+class StoredChunks(Sequence[StoredChunk]):
+    """A tensor's chunks as columns (reshard's plan at 300k+ chunks): row `i` is
+    `StoredChunk(tuple(offsets[i]), tuple(sizes[i]), files[file[i]], offset[i], length[i])`.
+    Equal by identity (its columns are numpy arrays)."""
+
+    offsets: Any  # numpy int64 (n, ndim)
+    sizes: Any  # numpy int64 (n, ndim)
+    files: tuple[str, ...]
+    file: Any  # numpy int64 (n,): index into `files`
+    offset: Any  # numpy int64 (n,)
+    length: Any  # numpy int64 (n,)
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return StoredChunk(tuple(self.offsets[index].tolist()), tuple(self.sizes[index].tolist()),
+                           self.files[int(self.file[index])], int(self.offset[index]), int(self.length[index]))
+
+    def __iter__(self) -> Iterator[StoredChunk]:
+        files = self.files
+        for offsets, sizes, file, offset, length in zip(self.offsets.tolist(), self.sizes.tolist(), self.file.tolist(),
+                                                        self.offset.tolist(), self.length.tolist()):
+            yield StoredChunk(tuple(offsets), tuple(sizes), files[file], offset, length)
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     fqn: str
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[StoredChunk, ...]
+    chunks: Sequence[StoredChunk]  # a tuple, or StoredChunks
 
 
 @dataclass(frozen=True)

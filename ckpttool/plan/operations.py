@@ -9,7 +9,10 @@ kinds, and `execute` runs any list of them (with one memory budget) and verifies
 - `Gather`: a chunk read whole (decoded when its blob is transformed or strided), cast if
   asked, and written as pieces (block / 2-D sharding, or a decoded source);
 - `Record`: a torch.save record of one chunk (reshard): its head, the data of its parts
-  (each a Copy or Gather), and the tail that carries the CRC-32 of that data.
+  (each a Copy or Gather), and the tail that carries the CRC-32 of that data;
+- `Records`: many such records laid end to end in one output, each filled by one run of
+  raw source bytes (reshard's common case: 300k+ small records, one operation per few
+  hundred, held as columns instead of a Record and a Copy each).
 
 Example:
     >>> Copy("__0_0.distcp", 1216, "m.safetensors", 96, 208).memory
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from ckpttool import dtypes
 from ckpttool.checkpoint import Tensor
 from ckpttool.dcp.blobs import RawData
+from ckpttool.torchsave.record import record_layout
 
 CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a record's data
@@ -123,4 +127,49 @@ class Record:
         object.__setattr__(self, "memory", max(min(length, STREAM_BLOCK), sum(decoded.values())))
 
 
-Operation = Copy | Convert | Gather | Record
+@dataclass(frozen=True, eq=False)
+class Records:
+    """torch.save records of chunks laid end to end in `dst` from byte `offset`, record `i`
+    holding a `shapes[kind[i]]` chunk of `fqn[i]` whose first row is `start[i]` (its other
+    offsets 0), its data the `length` raw bytes at `src_offset[i]` of data file `src[i]`
+    (`length` = the record layout's `data_length`).
+
+    `records()` gives the same writes as one `Record` (with one `Copy` part) per record: what
+    they write is what these write, byte for byte. Equal by identity (its columns are long).
+    """
+
+    dst: str
+    offset: int
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # distinct (dtype, shape) of the records
+    kind: tuple[int, ...]  # per record: index into `shapes`
+    fqn: tuple[str, ...]
+    start: tuple[int, ...]
+    src: tuple[str, ...]
+    src_offset: tuple[int, ...]
+    output_length: int = field(init=False, repr=False)
+    memory: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        lengths = [record_layout(dtype, shape).length for dtype, shape in self.shapes]
+        total = sum(lengths[kind] for kind in self.kind)
+        object.__setattr__(self, "output_length", total)
+        object.__setattr__(self, "memory", 2 * total)  # the source spans read, and the records built
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+    def records(self) -> list[Record]:
+        """Return the records as `Record` operations, in output order."""
+        layouts = [record_layout(dtype, shape) for dtype, shape in self.shapes]
+        out, at = [], self.offset
+        for kind, fqn, start, src, src_offset in zip(self.kind, self.fqn, self.start, self.src, self.src_offset):
+            dtype, shape = self.shapes[kind]
+            layout = layouts[kind]
+            chunk_offsets = (start, *(0 for _ in shape[1:])) if shape else ()
+            copy = Copy(src, src_offset, self.dst, at + layout.data_offset, layout.data_length)
+            out.append(Record(self.dst, at, fqn, chunk_offsets, dtype, shape, (copy,)))
+            at += layout.length
+        return out
+
+
+Operation = Copy | Convert | Gather | Record | Records
