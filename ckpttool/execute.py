@@ -29,7 +29,7 @@ from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
 from ckpttool.errors import CheckpointError, CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
 from ckpttool.plan import unique_chunks, unique_table_rows
-from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record
+from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record, Records
 from ckpttool.torchsave.ptfile import crc32_combine
 from ckpttool.torchsave.record import ParsedRecords, RecordLayout, record_layout
 
@@ -486,8 +486,8 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
     at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
     (one operation, or a batch of small ones: `batches`). From coalesced remote files the
     source ranges of all operations are fetched ahead, in order."""
+    operations = [record for op in operations for record in (op.records() if isinstance(op, Records) else (op,))]
     if files.coalesced:
-        operations = list(operations)
         files.expect([span for op in operations for span in source_ranges(op)])
     # a batch of small operations is interpreter work between short syscalls: several of
     # them at once only contend for the GIL (twice the CPU for the same work), so they take
@@ -755,6 +755,8 @@ def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[s
     """Read the output back and compare it byte for byte with what each operation must have
     written (source re-read, re-cast or re-decoded; a record's head and tail as well); raise
     VerificationFailed naming `describe(op)` and the output byte at the first difference."""
+
+    operations = [record for op in operations for record in (op.records() if isinstance(op, Records) else (op,))]
 
     def check(op: Operation) -> Callable[[], int]:
         def run_check() -> int:

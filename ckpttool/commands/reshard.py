@@ -35,7 +35,8 @@ from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.plan.operations import Record
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions, WriteOptions
-from ckpttool.plan.reshard import Mesh, ReshardPlan, ReshardWrites, parse_mesh, plan_reshard, plan_writes
+from ckpttool.plan.rank_files import ReshardWrites, plan_writes
+from ckpttool.plan.reshard import Mesh, ReshardPlan, parse_mesh, plan_reshard
 from ckpttool.formats import peft
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
