@@ -548,8 +548,7 @@ def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, 
         op = batch[0]
 
         def run_records() -> int:
-            with turns:
-                return record_writes.write_records(op, files, outputs[op.dst])
+            return record_writes.write_records(op, files, outputs[op.dst], turns)
 
         return Task(run_records, memory)
     if len(batch) == 1:

@@ -16,11 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import os
 import zlib
+from contextlib import AbstractContextManager, nullcontext
 from typing import Iterable, Iterator, Mapping
 
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.io import Output, write_at
+from ckpttool.io import Output, thread_buffer, write_at
 from ckpttool.plan.operations import RECORDS_WRITE_BLOCK, Operation, Records
 from ckpttool.torchsave.record import record_layout
 
@@ -28,6 +30,7 @@ from ckpttool.torchsave.record import record_layout
 # one 64 KiB read costs less than a second syscall and its Python around it
 READ_GAP = 64 << 10
 READ_SPAN = 8 << 20  # the longest span read at once (a few of them per operation, at most)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16  # pieces a pwritev takes
 
 
 def runs_fast(op: Operation, files: DataFiles, outputs: Mapping[str, Output]) -> bool:
@@ -71,7 +74,8 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
     kind, src, src_offset = op.kind, op.src, op.src_offset
     count = len(kind)
     gap_budget = op.output_length  # bytes read through between runs: spans hold at most data + output
-    order = sorted(range(count), key=lambda i: (src[i], src_offset[i]))
+    keys = list(zip(src, src_offset))
+    order = sorted(range(count), key=keys.__getitem__)
     spans: list[tuple[str, int, int]] = []
     span_of = [0] * count
     start_in = [0] * count
@@ -79,10 +83,11 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
     for i in order:
         at = src_offset[i]
         stop = at + lengths[kind[i]]
-        gap = max(0, at - end)  # runs that overlap (a run read twice) join at no cost
-        if file == src[i] and gap <= READ_GAP and max(end, stop) - start <= READ_SPAN and gap <= gap_budget:
+        gap = at - end if at > end else 0  # runs that overlap (a run read twice) join at no cost
+        if file == src[i] and gap <= READ_GAP and (stop if stop > end else end) - start <= READ_SPAN and gap <= gap_budget:
             gap_budget -= gap
-            end = max(end, stop)
+            if stop > end:
+                end = stop
         else:
             if file is not None:
                 spans.append((file, start, end))
@@ -94,14 +99,30 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
     return spans, span_of, start_in
 
 
-def write_records(op: Records, files: DataFiles, fd: int) -> int:
+def write_records(op: Records, files: DataFiles, fd: int, turns: AbstractContextManager | None = None) -> int:
     """Write all of `op`'s records into `fd` from `op.offset`; return the bytes written.
+    `turns` (a lock shared with other tasks) is held while the records are built and
+    written, not while their source is read: building is interpreter work, reading is not.
 
     A source file that ends before a record's data raises the CorruptBlob that reading that
     record alone raises (naming the file and the record's byte range).
     """
     spans, span_of, start_in = source_spans(op)
-    views = [memoryview(_read_span(op, files, span)) for span in spans]
+    # into this thread's reused buffer: a fresh MiB-sized bytes per span is a fresh mapping
+    # whose every page faults in (that doubled the time of the reads)
+    buffer = memoryview(thread_buffer(sum(end - start for _, start, end in spans), "records"))
+    views, at = [], 0
+    for span in spans:
+        view = buffer[at:at + span[2] - span[1]]
+        _read_span(op, files, span, view)
+        views.append(view)
+        at += len(view)
+    with turns if turns is not None else nullcontext():
+        _build_and_write(op, views, span_of, start_in, fd)
+    return op.output_length
+
+
+def _build_and_write(op: Records, views: list[memoryview], span_of: list[int], start_in: list[int], fd: int) -> None:
     layouts = [record_layout(dtype, shape) for dtype, shape in op.shapes]
     # this loop runs once per record (300k+ in a reshard): everything it needs is a local
     heads = [layout.head for layout in layouts]
@@ -111,6 +132,7 @@ def write_records(op: Records, files: DataFiles, fd: int) -> int:
     crc32 = zlib.crc32
     pieces: list = []
     append = pieces.append
+    most = IOV_MAX - 3  # a record is three pieces
     block_start, pending = op.offset, 0
     for kind, span, start in zip(op.kind, span_of, start_in):
         data = views[span][start:start + lengths[kind]]
@@ -118,21 +140,27 @@ def write_records(op: Records, files: DataFiles, fd: int) -> int:
         append(data)
         append(tails[kind](crc32(data)))
         pending += sizes[kind]
-        if pending >= RECORDS_WRITE_BLOCK:
-            write_at(fd, b"".join(pieces), block_start)
+        if pending >= RECORDS_WRITE_BLOCK or len(pieces) > most:
+            _write_pieces(fd, pieces, block_start, pending)
             block_start += pending
             pending = 0
             pieces.clear()
     if pieces:
-        write_at(fd, b"".join(pieces), block_start)
-    return op.output_length
+        _write_pieces(fd, pieces, block_start, pending)
 
 
-def _read_span(op: Records, files: DataFiles, span: tuple[str, int, int]) -> bytes:
+def _write_pieces(fd: int, pieces: list, offset: int, length: int) -> None:
+    """Write `pieces` (`length` bytes) end to end at `offset`: one pwritev, without joining them."""
+    written = os.pwritev(fd, pieces, offset)
+    if written < length:  # a short write: the rest as one block
+        write_at(fd, b"".join(pieces)[written:], offset + written)
+
+
+def _read_span(op: Records, files: DataFiles, span: tuple[str, int, int], view: memoryview) -> None:
     file, start, end = span
     if end > files.size(file):  # name the first record that runs past the end, as reading it alone does
         lengths = [record_layout(dtype, shape).data_length for dtype, shape in op.shapes]
         for kind, src, src_offset in zip(op.kind, op.src, op.src_offset):
             if src == file and start <= src_offset < end:
                 files.read(src, src_offset, lengths[kind])
-    return files.read(file, start, end - start)
+    files.read_into(file, start, view)

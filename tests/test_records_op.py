@@ -99,9 +99,9 @@ def test_records_from_few_large_reads_and_writes(saved, tmp_path, monkeypatch):
     path, _ = saved
     op, _ = slab_records(path, parts=3)
     reads, writes = [], []
-    read, write_at = DataFiles.read, record_writes.write_at
-    monkeypatch.setattr(DataFiles, "read", lambda self, *args: reads.append(args) or read(self, *args))
-    monkeypatch.setattr(record_writes, "write_at", lambda *args: writes.append(args[2]) or write_at(*args))
+    read_into, write_pieces = DataFiles.read_into, record_writes._write_pieces
+    monkeypatch.setattr(DataFiles, "read_into", lambda self, *args: reads.append(args[:2]) or read_into(self, *args))
+    monkeypatch.setattr(record_writes, "_write_pieces", lambda *args: writes.append(args[2]) or write_pieces(*args))
     written(path, [op], tmp_path, "records")
     assert len(reads) == len({*op.src}) < len(op), "one read per source file: its runs lie close together"
     assert writes == [0], "the whole output in one write"
@@ -178,3 +178,11 @@ def test_from_a_remote_source_records_are_expanded_into_their_records(saved):
     with DataFiles("s3://bucket/ckpt") as files:  # nothing is fetched: no request is made
         assert not files.local
         assert list(record_writes.expanded([op], files, {"out": 3})) == op.records()
+
+
+def test_a_short_vectored_write_is_completed(saved, tmp_path, monkeypatch):
+    path, _ = saved
+    op, _ = slab_records(path)
+    pwritev = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, pieces, offset: pwritev(fd, pieces[:2], offset))
+    assert written(path, [op], tmp_path, "records") == written(path, op.records(), tmp_path, "record")
