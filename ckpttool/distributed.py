@@ -161,9 +161,10 @@ def split(operations: Sequence[Operation], world_size: int) -> list[list[Operati
 
     The operations are laid end to end in the given order and cut at k*total/world_size:
     a Copy is cut at any byte, a Convert between output elements (its source offset follows),
-    so one huge tensor is shared out too. A Gather or a Record (a torch.save record whose
-    tail holds its data's CRC-32) stays whole, on the rank its middle falls in: shares differ
-    by at most the largest of those. Pure: every rank computes the same split.
+    so one huge tensor is shared out too. A Gather, a Record (a torch.save record whose
+    tail holds its data's CRC-32) or a Records (a run of them, written from one block of
+    source reads) stays whole, on the rank its middle falls in: shares differ by at most the
+    largest of those. Pure: every rank computes the same split.
 
     Example:
         >>> [sum(op.length for op in share) for share in split([Copy("a", 0, "b", 0, 10)], 3)]

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from ckpttool import dtypes, storage
+from ckpttool import dtypes, record_writes, storage
 from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate, read_chunk
 from ckpttool.errors import CheckpointError, CorruptBlob, VerificationFailed
@@ -485,9 +485,11 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
     at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
     (one operation, or a batch of small ones: `batches`). From coalesced remote files the
-    source ranges of all operations are fetched ahead, in order."""
-    operations = [record for op in operations for record in (op.records() if isinstance(op, Records) else (op,))]
+    source ranges of all operations are fetched ahead, in order. A Records operation runs as
+    one task (`record_writes`) from local files into an fd, else as its records."""
+    operations = record_writes.expanded(operations, files, outputs)
     if files.coalesced:
+        operations = list(operations)
         files.expect([span for op in operations for span in source_ranges(op)])
     # a batch of small operations is interpreter work between short syscalls: several of
     # them at once only contend for the GIL (twice the CPU for the same work), so they take
@@ -499,6 +501,8 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
 
 def source_ranges(op: Operation) -> list[tuple[str, int, int]]:
     """Return the (file, start, end) byte ranges of the source that running `op` reads."""
+    if isinstance(op, Records):
+        return [span for record in op.records() for span in source_ranges(record)]
     if isinstance(op, Record):
         return list(dict.fromkeys(span for part in op.parts for span in source_ranges(part)))  # a chunk is decoded once
     if isinstance(op, (Copy, Convert)):
@@ -520,7 +524,7 @@ def batches(operations: Iterable[Operation]) -> Iterator[list[Operation]]:
     size = 0
     for op in operations:
         length = op.output_length
-        if length >= SMALL_OPERATION:
+        if length >= SMALL_OPERATION or type(op) is Records:  # a Records operation is a batch already
             if batch:
                 yield batch
                 batch, size = [], 0
@@ -540,6 +544,13 @@ def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, 
     the largest one's buffers at a time, and at most SMALL_OPERATION gathered writes); a
     batch of several holds `turns` while it runs."""
     memory = max(op.memory for op in batch)
+    if type(batch[0]) is Records:  # interpreter work per record, like a batch: takes turns
+        op = batch[0]
+
+        def run_records() -> int:
+            return record_writes.write_records(op, files, outputs[op.dst], turns)
+
+        return Task(run_records, memory)
     if len(batch) == 1:
         return Task(_runner(batch[0], files, outputs, None), memory)
     def run_all() -> int:
@@ -746,7 +757,7 @@ def output_crc(fd: int, offset: int, length: int, operations: Sequence[Operation
 def first_offset(op: Operation) -> int:
     if isinstance(op, Gather):
         return min(offset for _, offset, _ in op.pieces) if op.pieces else 0
-    return op.offset if isinstance(op, Record) else op.dst_offset
+    return op.offset if isinstance(op, (Record, Records)) else op.dst_offset
 
 
 def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
@@ -754,9 +765,9 @@ def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[s
            on_done: Callable[[int], None] | None = None) -> None:
     """Read the output back and compare it byte for byte with what each operation must have
     written (source re-read, re-cast or re-decoded; a record's head and tail as well); raise
-    VerificationFailed naming `describe(op)` and the output byte at the first difference."""
-
-    operations = [record for op in operations for record in (op.records() if isinstance(op, Records) else (op,))]
+    VerificationFailed naming `describe(op)` and the output byte at the first difference
+    (a Records operation is checked, and described, record by record)."""
+    operations = record_writes.as_records(operations)
 
     def check(op: Operation) -> Callable[[], int]:
         def run_check() -> int:

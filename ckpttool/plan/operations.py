@@ -30,6 +30,7 @@ from ckpttool.torchsave.record import record_layout
 
 CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a record's data
+RECORDS_WRITE_BLOCK = 4 << 20  # a Records operation's output is built and written this much at a time
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,11 @@ class Records:
         lengths = [record_layout(dtype, shape).length for dtype, shape in self.shapes]
         total = sum(lengths[kind] for kind in self.kind)
         object.__setattr__(self, "output_length", total)
-        object.__setattr__(self, "memory", 2 * total)  # the source spans read, and the records built
+        # held at once while it runs: the source spans (the records' data and the gaps read
+        # through between runs, at most `total` of them: record_writes.source_spans), and the
+        # output block being built (up to RECORDS_WRITE_BLOCK and one record past it)
+        block = min(total, RECORDS_WRITE_BLOCK + max(lengths, default=0))
+        object.__setattr__(self, "memory", 2 * total + block)
 
     def __len__(self) -> int:
         return len(self.kind)

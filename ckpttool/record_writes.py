@@ -1,0 +1,166 @@
+"""Writing a `Records` operation: many small torch.save records end to end, from local files.
+
+Reshard's common case is 300k+ records of a few KiB each. One `Record` (and one `Copy`)
+per record costs a read, a few objects and a write per record; here a whole operation
+reads its source bytes in a few large preads (neighbouring runs coalesced into spans,
+`READ_GAP` and `READ_SPAN`), builds each record from views of those spans (head, data,
+tail holding the data's CRC-32) and writes the output in pwrites of about
+`RECORDS_WRITE_BLOCK` bytes. What it writes is what `Records.records()` writes, byte for
+byte; operations it cannot run this way (remote sources, outputs without an fd) are
+expanded into those records by `expanded` and take the general path.
+
+Example:
+    >>> write_records(op, files, fd)  # op: Records; files.local; fd: an int
+    op.output_length
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from contextlib import AbstractContextManager, nullcontext
+from typing import Iterable, Iterator, Mapping
+
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.io import Output, thread_buffer, write_at
+from ckpttool.plan.operations import RECORDS_WRITE_BLOCK, Operation, Records
+from ckpttool.torchsave.record import record_layout
+
+# source runs closer than this are read as one span, the bytes between them read through:
+# one 64 KiB read costs less than a second syscall and its Python around it
+READ_GAP = 64 << 10
+READ_SPAN = 8 << 20  # the longest span read at once (a few of them per operation, at most)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16  # pieces a pwritev takes
+
+
+def runs_fast(op: Operation, files: DataFiles, outputs: Mapping[str, Output]) -> bool:
+    """True when `op` is a Records operation `write_records` can run: local sources, an fd output."""
+    return type(op) is Records and files.local and isinstance(outputs[op.dst], int)
+
+
+def expanded(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, Output]) -> Iterator[Operation]:
+    """Yield the operations, each Records operation that `write_records` cannot run replaced
+    by its `Record` operations (which the general path runs: remote reads, output objects)."""
+    for op in operations:
+        if type(op) is Records and not runs_fast(op, files, outputs):
+            yield from op.records()
+        else:
+            yield op
+
+
+def as_records(operations: Iterable[Operation]) -> Iterator[Operation]:
+    """Yield the operations, each Records operation replaced by its `Record` operations."""
+    for op in operations:
+        if type(op) is Records:
+            yield from op.records()
+        else:
+            yield op
+
+
+def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], list[int]]:
+    """Return the (file, start, end) spans that hold `op`'s source runs, and for each record
+    (in output order) the index of its span and where its data starts in it.
+
+    Runs are taken in (file, offset) order; a run joins the span before it when the gap is
+    at most READ_GAP, the span stays within READ_SPAN, and the gap bytes read through so far
+    stay within `op.output_length` (so the spans hold at most the records' data and as many
+    bytes again as the output: `Records.memory` counts on it).
+
+    Example:
+        >>> source_spans(op)  # two records' runs 100 bytes apart in one file
+        ([('__0_0.distcp', 704, 4900)], [0, 0], [0, 2148])
+    """
+    lengths = [record_layout(dtype, shape).data_length for dtype, shape in op.shapes]
+    kind, src, src_offset = op.kind, op.src, op.src_offset
+    count = len(kind)
+    gap_budget = op.output_length  # bytes read through between runs: spans hold at most data + output
+    keys = list(zip(src, src_offset))
+    order = sorted(range(count), key=keys.__getitem__)
+    spans: list[tuple[str, int, int]] = []
+    span_of = [0] * count
+    start_in = [0] * count
+    file, start, end = None, 0, 0
+    for i in order:
+        at = src_offset[i]
+        stop = at + lengths[kind[i]]
+        gap = at - end if at > end else 0  # runs that overlap (a run read twice) join at no cost
+        if file == src[i] and gap <= READ_GAP and (stop if stop > end else end) - start <= READ_SPAN and gap <= gap_budget:
+            gap_budget -= gap
+            if stop > end:
+                end = stop
+        else:
+            if file is not None:
+                spans.append((file, start, end))
+            file, start, end = src[i], at, stop
+        span_of[i] = len(spans)
+        start_in[i] = at - start
+    if file is not None:
+        spans.append((file, start, end))
+    return spans, span_of, start_in
+
+
+def write_records(op: Records, files: DataFiles, fd: int, turns: AbstractContextManager | None = None) -> int:
+    """Write all of `op`'s records into `fd` from `op.offset`; return the bytes written.
+    `turns` (a lock shared with other tasks) is held while the records are built and
+    written, not while their source is read: building is interpreter work, reading is not.
+
+    A source file that ends before a record's data raises the CorruptBlob that reading that
+    record alone raises (naming the file and the record's byte range).
+    """
+    spans, span_of, start_in = source_spans(op)
+    # into this thread's reused buffer: a fresh MiB-sized bytes per span is a fresh mapping
+    # whose every page faults in (that doubled the time of the reads)
+    buffer = memoryview(thread_buffer(sum(end - start for _, start, end in spans), "records"))
+    views, at = [], 0
+    for span in spans:
+        view = buffer[at:at + span[2] - span[1]]
+        _read_span(op, files, span, view)
+        views.append(view)
+        at += len(view)
+    with turns if turns is not None else nullcontext():
+        _build_and_write(op, views, span_of, start_in, fd)
+    return op.output_length
+
+
+def _build_and_write(op: Records, views: list[memoryview], span_of: list[int], start_in: list[int], fd: int) -> None:
+    layouts = [record_layout(dtype, shape) for dtype, shape in op.shapes]
+    # this loop runs once per record (300k+ in a reshard): everything it needs is a local
+    heads = [layout.head for layout in layouts]
+    lengths = [layout.data_length for layout in layouts]
+    sizes = [layout.length for layout in layouts]
+    tails = [layout.tail for layout in layouts]
+    crc32 = zlib.crc32
+    pieces: list = []
+    append = pieces.append
+    most = IOV_MAX - 3  # a record is three pieces
+    block_start, pending = op.offset, 0
+    for kind, span, start in zip(op.kind, span_of, start_in):
+        data = views[span][start:start + lengths[kind]]
+        append(heads[kind])
+        append(data)
+        append(tails[kind](crc32(data)))
+        pending += sizes[kind]
+        if pending >= RECORDS_WRITE_BLOCK or len(pieces) > most:
+            _write_pieces(fd, pieces, block_start, pending)
+            block_start += pending
+            pending = 0
+            pieces.clear()
+    if pieces:
+        _write_pieces(fd, pieces, block_start, pending)
+
+
+def _write_pieces(fd: int, pieces: list, offset: int, length: int) -> None:
+    """Write `pieces` (`length` bytes) end to end at `offset`: one pwritev, without joining them."""
+    written = os.pwritev(fd, pieces, offset)
+    if written < length:  # a short write: the rest as one block
+        write_at(fd, b"".join(pieces)[written:], offset + written)
+
+
+def _read_span(op: Records, files: DataFiles, span: tuple[str, int, int], view: memoryview) -> None:
+    file, start, end = span
+    if end > files.size(file):  # name the first record that runs past the end, as reading it alone does
+        lengths = [record_layout(dtype, shape).data_length for dtype, shape in op.shapes]
+        for kind, src, src_offset in zip(op.kind, op.src, op.src_offset):
+            if src == file and start <= src_offset < end:
+                files.read(src, src_offset, lengths[kind])
+    files.read_into(file, start, view)

@@ -1,0 +1,188 @@
+"""A Records operation (reshard's many small records, as columns) writes exactly what its
+`records()` write, one Record at a time: from local files in a few large reads and writes,
+elsewhere (remote sources, output objects) as those records."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+
+import pytest
+
+from conftest import assert_same_bytes
+
+from ckpttool import distributed, execute, record_writes
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.errors import CorruptBlob, VerificationFailed
+from ckpttool.plan.operations import Record, Records
+from ckpttool.readers.dcp import read_checkpoint
+from ckpttool.torchsave.record import record_layout
+
+RUN = dict(threads=4, max_memory=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """torch's own dcp.save of mixed dtypes and shapes (0-d to 3-d), one file per tensor:
+    (checkpoint path, state)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        "scalar": torch.tensor(2.5),
+        "bias": torch.randn(9, generator=generator).to(torch.bfloat16),
+        "weight": torch.randn(6, 5, generator=generator).to(torch.float16),
+        "cube": torch.arange(4 * 3 * 2, dtype=torch.int64).reshape(4, 3, 2),
+        "rows": torch.randn(7, 4, generator=generator),
+    }
+    path = tmp_path_factory.mktemp("records") / "ckpt"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), single_file_per_rank=False), no_dist=True)
+    return path, state
+
+
+def slab_records(path, dst: str = "out", offset: int = 0, parts: int = 2) -> tuple[Records, list[tuple[str, slice]]]:
+    """A Records op of every tensor cut into `parts` dim-0 slabs (0-d: whole), in reverse
+    source order (the executor sorts its reads); with the (fqn, rows) each record holds."""
+    checkpoint = read_checkpoint(path)
+    with DataFiles(checkpoint.path) as files:
+        located = execute.locate_chunks(files, checkpoint.tensors.values())
+    shapes: list = []
+    columns: dict[str, list] = {name: [] for name in ("kind", "fqn", "start", "src", "src_offset")}
+    held = []
+    for fqn, tensor in sorted(checkpoint.tensors.items(), reverse=True):
+        raw = located[fqn][0]
+        shape = tuple(tensor.shape)
+        rows = shape[0] if shape else 1
+        row_bytes = raw.length // rows
+        cuts = sorted({rows * k // parts for k in range(parts + 1)})
+        for begin, end in reversed(list(zip(cuts, cuts[1:]))):
+            piece = ((end - begin, *shape[1:]) if shape else ())
+            key = (tensor.dtype, piece)
+            if key not in shapes:
+                shapes.append(key)
+            for name, value in zip(columns, (shapes.index(key), fqn, begin, raw.file, raw.offset + begin * row_bytes)):
+                columns[name].append(value)
+            held.append((fqn, slice(begin, end) if shape else ()))
+    op = Records(dst, offset, tuple(shapes), *(tuple(values) for values in columns.values()))
+    return op, held
+
+
+def written(path, operations, tmp_path, name: str) -> bytes:
+    out = tmp_path / name
+    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with DataFiles(path) as files:
+            execute.run(operations, files, {"out": fd}, **RUN)
+    finally:
+        os.close(fd)
+    return out.read_bytes()
+
+
+def test_records_write_the_same_bytes_as_their_records_and_each_loads_as_its_slab(saved, tmp_path):
+    import torch
+
+    path, state = saved
+    op, held = slab_records(path, offset=100)
+    assert len(op.shapes) > 4 and len({*op.src}) == 5
+    fast = written(path, [op], tmp_path, "records")
+    slow = written(path, op.records(), tmp_path, "record")
+    assert fast == slow and len(fast) == 100 + op.output_length
+    for record, (fqn, rows) in zip(op.records(), held):
+        data = fast[record.offset:record.offset + record_layout(record.dtype, record.shape).length]
+        loaded = torch.load(io.BytesIO(data), weights_only=True)
+        assert_same_bytes(loaded, state[fqn][rows].contiguous(), fqn)
+
+
+def test_records_from_few_large_reads_and_writes(saved, tmp_path, monkeypatch):
+    path, _ = saved
+    op, _ = slab_records(path, parts=3)
+    reads, writes = [], []
+    read_into, write_pieces = DataFiles.read_into, record_writes._write_pieces
+    monkeypatch.setattr(DataFiles, "read_into", lambda self, *args: reads.append(args[:2]) or read_into(self, *args))
+    monkeypatch.setattr(record_writes, "_write_pieces", lambda *args: writes.append(args[2]) or write_pieces(*args))
+    written(path, [op], tmp_path, "records")
+    assert len(reads) == len({*op.src}) < len(op), "one read per source file: its runs lie close together"
+    assert writes == [0], "the whole output in one write"
+
+
+def test_a_records_op_runs_as_one_task_of_its_own():
+    op = Records("out", 0, (("float32", (2,)),), (0,) * 3, ("a",) * 3, (0, 2, 4), ("f",) * 3, (0, 8, 16))
+    assert [len(batch) for batch in execute.batches([op, op])] == [1, 1]
+    assert execute.first_offset(op) == 0
+    assert execute.source_ranges(op) == [("f", 0, 8), ("f", 8, 16), ("f", 16, 24)]
+
+
+def test_a_truncated_source_raises_corrupt_blob_naming_the_file(saved, tmp_path):
+    path, _ = saved
+    copy = tmp_path / "ckpt"
+    shutil.copytree(path, copy)
+    op, _ = slab_records(copy)
+    victim = op.src[0]
+    with open(copy / victim, "r+b") as handle:
+        handle.truncate(op.src_offset[0] + 1)
+    with pytest.raises(CorruptBlob, match=f"{copy / victim}: byte range .* beyond the file"):
+        written(copy, [op], tmp_path, "records")
+
+
+def test_verify_names_the_fqn_and_chunk_of_a_flipped_output_byte(saved, tmp_path):
+    path, _ = saved
+    op, held = slab_records(path)
+    out = tmp_path / "out"
+    out.write_bytes(written(path, [op], tmp_path, "records"))
+    record = op.records()[3]
+    flipped = bytearray(out.read_bytes())
+    flipped[record.parts[0].dst_offset + 1] ^= 1  # in its data
+    out.write_bytes(flipped)
+    describe = lambda r: f"{r.fqn} chunk at {list(r.chunk_offsets)}" if isinstance(r, Record) else "?"  # noqa: E731
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        with DataFiles(path) as files, pytest.raises(VerificationFailed, match=rf"^{held[3][0]} chunk at \["):
+            execute.verify([op], files, {"out": fd}, describe=describe, **RUN)
+    finally:
+        os.close(fd)
+
+
+def test_split_keeps_a_records_op_whole_on_one_rank(saved):
+    op, _ = slab_records(saved[0])
+    shares = distributed.split([op], 3)
+    assert sorted(len(share) for share in shares) == [0, 0, 1]
+    assert [o for share in shares for o in share] == [op]
+
+
+class Sink:
+    """An output object without an fd, as a remote upload is."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def write_at(self, data, offset: int) -> None:
+        end = offset + len(data)
+        self.data.extend(bytes(max(0, end - len(self.data))))
+        self.data[offset:end] = data
+
+
+def test_into_an_output_object_records_write_what_their_records_write(saved, tmp_path):
+    path, _ = saved
+    op, _ = slab_records(path)
+    sink = Sink()
+    with DataFiles(path) as files:
+        assert not record_writes.runs_fast(op, files, {"out": sink})
+        execute.run([op], files, {"out": sink}, **RUN)
+    assert bytes(sink.data) == written(path, op.records(), tmp_path, "record")
+
+
+def test_from_a_remote_source_records_are_expanded_into_their_records(saved):
+    op, _ = slab_records(saved[0])
+    with DataFiles("s3://bucket/ckpt") as files:  # nothing is fetched: no request is made
+        assert not files.local
+        assert list(record_writes.expanded([op], files, {"out": 3})) == op.records()
+
+
+def test_a_short_vectored_write_is_completed(saved, tmp_path, monkeypatch):
+    path, _ = saved
+    op, _ = slab_records(path)
+    pwritev = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, pieces, offset: pwritev(fd, pieces[:2], offset))
+    assert written(path, [op], tmp_path, "records") == written(path, op.records(), tmp_path, "record")
