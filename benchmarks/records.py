@@ -89,7 +89,7 @@ def run_case(case: str, directory: Path, output: Path, args: argparse.Namespace)
     output.mkdir(parents=True)
     sizes: dict[str, int] = {}
     for op in operations:
-        end = op.offset + (op.output_length if case == "after" else _record_length(op))
+        end = op.offset + (op.length if case == "after" else _record_length(op))
         sizes[op.dst] = max(sizes.get(op.dst, 0), end)
     fds = {name: os.open(output / name, os.O_RDWR | os.O_CREAT, 0o644) for name in sorted(sizes)}
     try:

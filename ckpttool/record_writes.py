@@ -63,7 +63,7 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
 
     Runs are taken in (file, offset) order; a run joins the span before it when the gap is
     at most READ_GAP, the span stays within READ_SPAN, and the gap bytes read through so far
-    stay within `op.output_length` (so the spans hold at most the records' data and as many
+    stay within `op.length` (so the spans hold at most the records' data and as many
     bytes again as the output: `Records.memory` counts on it).
 
     Example:
@@ -73,7 +73,7 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
     lengths = [record_layout(dtype, shape).data_length for dtype, shape in op.shapes]
     kind, src, src_offset = op.kind, op.src, op.src_offset
     count = len(kind)
-    gap_budget = op.output_length  # bytes read through between runs: spans hold at most data + output
+    gap_budget = op.length  # bytes read through between runs: spans hold at most data + output
     keys = list(zip(src, src_offset))
     order = sorted(range(count), key=keys.__getitem__)
     spans: list[tuple[str, int, int]] = []
@@ -100,7 +100,8 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
 
 
 def write_records(op: Records, files: DataFiles, fd: int, turns: AbstractContextManager | None = None) -> int:
-    """Write all of `op`'s records into `fd` from `op.offset`; return the bytes written.
+    """Write all of `op`'s records into `fd` from `op.offset`; return its data bytes
+    (`output_length`, as a Record counts them: the progress and split measure).
     `turns` (a lock shared with other tasks) is held while the records are built and
     written, not while their source is read: building is interpreter work, reading is not.
 

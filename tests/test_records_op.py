@@ -88,7 +88,7 @@ def test_records_write_the_same_bytes_as_their_records_and_each_loads_as_its_sla
     assert len(op.shapes) > 4 and len({*op.src}) == 5
     fast = written(path, [op], tmp_path, "records")
     slow = written(path, op.records(), tmp_path, "record")
-    assert fast == slow and len(fast) == 100 + op.output_length
+    assert fast == slow and len(fast) == 100 + op.length
     for record, (fqn, rows) in zip(op.records(), held):
         data = fast[record.offset:record.offset + record_layout(record.dtype, record.shape).length]
         loaded = torch.load(io.BytesIO(data), weights_only=True)

@@ -147,13 +147,17 @@ class Records:
     start: tuple[int, ...]
     src: tuple[str, ...]
     src_offset: tuple[int, ...]
-    output_length: int = field(init=False, repr=False)
+    length: int = field(init=False, repr=False)  # bytes written: the records, heads and tails included
+    output_length: int = field(init=False, repr=False)  # the chunks' data bytes, as a Record counts them
     memory: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        lengths = [record_layout(dtype, shape).length for dtype, shape in self.shapes]
+        layouts = [record_layout(dtype, shape) for dtype, shape in self.shapes]
+        lengths = [layout.length for layout in layouts]
         total = sum(lengths[kind] for kind in self.kind)
-        object.__setattr__(self, "output_length", total)
+        data = [layout.data_length for layout in layouts]
+        object.__setattr__(self, "length", total)
+        object.__setattr__(self, "output_length", sum(data[kind] for kind in self.kind))
         # held at once while it runs: the source spans (the records' data and the gaps read
         # through between runs, at most `total` of them: record_writes.source_spans), and the
         # output block being built (up to RECORDS_WRITE_BLOCK and one record past it)

@@ -64,17 +64,20 @@ class RecordLayout:
 
 @dataclass(frozen=True)
 class _TailPatches:
-    """A record's tail for any data CRC-32: the tail written for CRC 0, with the fields that
-    depend on the CRC written over (the data's CRC in its descriptor and central header; the
+    """A record's tail for any data CRC-32: the tail written for CRC 0, cut where the fields
+    that depend on the CRC go (the data's CRC in its descriptor and central header; the
     serialization id, a digest of every entry's CRC, and its own CRC in both places).
-    Offsets are from the tail's start."""
 
-    template: bytes
-    crcs_before: tuple[int, ...]  # of the entries before data/0, in write order
-    crcs_after: tuple[int, ...]  # of those after it, but for the serialization id
-    data_crc_at: tuple[int, ...]
-    id_at: int
-    id_crc_at: tuple[int, ...]
+    `segments` are the template's bytes between those fields and `fields` says which goes
+    after each segment (DATA_CRC, IDENTITY or IDENTITY_CRC): a tail is one join, not a copy
+    of the template patched in place (3x faster; a reshard makes 300k of them)."""
+
+    segments: tuple[bytes, ...]
+    fields: tuple[int, ...]
+    crcs_before: bytes  # of the entries before data/0, in write order, packed as uint32s
+    crcs_after: bytes  # of those after it, but for the serialization id
+
+    DATA_CRC, IDENTITY, IDENTITY_CRC = 0, 1, 2
 
     @classmethod
     def of(cls, layout: archive.Layout, data_end: int) -> "_TailPatches":
@@ -89,21 +92,29 @@ class _TailPatches:
         storage, identity = layout.storages[0], layout.entries[-1]
         crcs = [zlib.crc32(data) if data is not None else None for data in layout.contents[:-1]]
         index = layout.entries.index(storage)
-        return cls(template, tuple(crcs[:index]), tuple(crcs[index + 1:]),
-                   (storage.data_offset + storage.size + 4 - data_end, central[storage.name] + CRC_IN_CENTRAL_HEADER - data_end),
-                   identity.data_offset - data_end,
-                   (identity.data_offset + identity.size + 4 - data_end, central[identity.name] + CRC_IN_CENTRAL_HEADER - data_end))
+        identity_at = identity.data_offset - data_end
+        fields = sorted([
+            (storage.data_offset + storage.size + 4 - data_end, cls.DATA_CRC, 4),
+            (central[storage.name] + CRC_IN_CENTRAL_HEADER - data_end, cls.DATA_CRC, 4),
+            (identity_at, cls.IDENTITY, len(archive.serialization_id_of(b""))),  # 40 digits
+            (identity.data_offset + identity.size + 4 - data_end, cls.IDENTITY_CRC, 4),
+            (central[identity.name] + CRC_IN_CENTRAL_HEADER - data_end, cls.IDENTITY_CRC, 4),
+        ])
+        segments, at = [], 0
+        for start, _, length in fields:
+            segments.append(template[at:start])
+            at = start + length
+        segments.append(template[at:])
+        return cls(tuple(segments), tuple(kind for _, kind, _ in fields),
+                   struct.pack(f"<{index}I", *crcs[:index]), struct.pack(f"<{len(crcs) - index - 1}I", *crcs[index + 1:]))
 
     def tail(self, crc32: int) -> bytes:
-        out = bytearray(self.template)
-        identity = archive.serialization_id((*self.crcs_before, crc32, *self.crcs_after))
-        identity_crc = zlib.crc32(identity)
-        out[self.id_at:self.id_at + len(identity)] = identity
-        for at in self.data_crc_at:
-            struct.pack_into("<I", out, at, crc32)
-        for at in self.id_crc_at:
-            struct.pack_into("<I", out, at, identity_crc)
-        return bytes(out)
+        crc = crc32.to_bytes(4, "little")
+        identity = archive.serialization_id_of(self.crcs_before + crc + self.crcs_after)
+        values = (crc, identity, zlib.crc32(identity).to_bytes(4, "little"))
+        s, f = self.segments, self.fields  # five fields, always (`of`)
+        return b"".join((s[0], values[f[0]], s[1], values[f[1]], s[2], values[f[2]], s[3], values[f[3]], s[4],
+                         values[f[4]], s[5]))
 
 
 @functools.lru_cache(maxsize=4096)
