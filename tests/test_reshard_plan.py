@@ -9,7 +9,9 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool.checkpoint import Blob, Chunk, ChunkTable, Tensor
+from pathlib import Path
+
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor
 from ckpttool.options import WriteOptions
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.errors import CorruptMetadata, UsageError
@@ -198,3 +200,72 @@ def test_parse_mesh(world_size, mesh, expected):
 def test_parse_mesh_refuses_what_does_not_fit(world_size, mesh):
     with pytest.raises(UsageError):
         parse_mesh(world_size, mesh)
+
+
+def _random_checkpoint(rng: random.Random) -> Checkpoint:
+    """Tensors saved at world 2 (dim-0 halves: sharded), whole (replicated) and 0-d, with
+    first dims small enough that some targets get empty shards, and a few objects, in a
+    shuffled state-dict order."""
+    tensors, objects = {}, {}
+    for number in range(rng.randint(3, 9)):
+        fqn = f"model.t{number}"
+        kind = rng.choice(["sharded", "whole", "scalar"])
+        if kind == "scalar":
+            tensors[fqn] = tensor(fqn, (), [((), ())])
+            continue
+        shape = (rng.randint(1, 9), rng.randint(1, 3))
+        if kind == "sharded" and shape[0] > 1:
+            cut = rng.randint(1, shape[0] - 1)
+            tensors[fqn] = tensor(fqn, shape, [((0, 0), (cut, shape[1])), ((cut, 0), (shape[0] - cut, shape[1]))])
+        else:
+            tensors[fqn] = tensor(fqn, shape, [((0, 0), shape)])
+    for number in range(rng.randint(0, 3)):
+        objects[f"optim.o{number}"] = Object(f"optim.o{number}", Blob("__0_0.distcp", 0, 8))
+    names = list(tensors) + list(objects)
+    rng.shuffle(names)
+    return Checkpoint(Path("ckpt"), ".metadata", "1.0.0", tensors, objects, {fqn: (fqn,) for fqn in names})
+
+
+def _torch_dedup(checkpoint: Checkpoint, plan, mesh: Mesh) -> list[list[tuple]]:
+    """Each rank's save plan as FSDP2 on `mesh` makes it (its shard of every sharded tensor,
+    every whole tensor and object), deduplicated by torch's own dedup_save_plans: the items
+    each rank's file keeps, in order."""
+    import torch
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    sharded = {layout.fqn: layout.sharded for layout in plan.tensors}
+    plans = []
+    for rank in range(mesh.world_size):
+        items = []
+        for fqn in checkpoint.nesting:
+            if fqn in checkpoint.objects:
+                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+                continue
+            shape = checkpoint.tensors[fqn].shape
+            if sharded[fqn]:
+                start, rows = split_dim0(shape[0], mesh.shards)[rank % mesh.shards]
+                offsets, sizes = (start,) + (0,) * (len(shape) - 1), (rows, *shape[1:])
+            else:
+                offsets, sizes = (0,) * len(shape), shape
+            data = TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                                   TensorProperties(dtype=torch.float32), torch.Size(shape))
+            items.append(WriteItem(MetadataIndex(fqn, offsets), WriteItemType.SHARD, tensor_data=data))
+        plans.append(SavePlan(items))
+    return [[(item.index.fqn, tuple(item.index.offset) if item.index.offset is not None else None) for item in kept.items]
+            for kept in dedup_save_plans(plans)]
+
+
+@pytest.mark.parametrize("mesh", [Mesh(1, 1), Mesh(1, 3), Mesh(1, 7), Mesh(2, 3), Mesh(3, 2), Mesh(2, 5)])
+def test_each_rank_file_holds_what_torchs_dedup_save_plans_leaves_that_rank(mesh):
+    rng = random.Random(mesh.world_size * 31 + mesh.replicas)
+    for trial in range(25):
+        checkpoint = _random_checkpoint(rng)
+        plan = plan_reshard(checkpoint, mesh)
+        ours = [[(o.fqn, None) for o in f.objects] + [(c.fqn, c.offsets) for c in f.chunks] for f in plan.files]
+        expected = _torch_dedup(checkpoint, plan, mesh)
+        # torch writes a rank's objects before its tensors; within each kind, the plan's order
+        expected = [[item for item in items if item[1] is None] + [item for item in items if item[1] is not None]
+                    for items in expected]
+        assert ours == expected, (trial, mesh)

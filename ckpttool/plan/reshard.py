@@ -454,8 +454,8 @@ def _owners(slabs: dict[str, _Slabs], objects: list[str], order: list[str], mesh
     object; `order` is the state dict's (the order of each rank's save plan).
 
     torch/distributed/checkpoint/_dedup_save_plans.py walks the ranks' plans in order; an
-    item several ranks hold goes to the holder with the fewest bytes planned so far (the
-    lowest rank on a tie). An item one rank holds just adds to its load, so only the ranks
+    item several ranks hold goes to the holder with the fewest bytes planned so far (on a
+    tie, the first of its holders' set). An item one rank holds just adds to its load, so only the ranks
     that are the first holder of a shared item are walked item by item (rank 0, for
     replicated tensors and objects); the others add their own items' weight at once.
     """
@@ -501,7 +501,10 @@ def _owners(slabs: dict[str, _Slabs], objects: list[str], order: list[str], mesh
             if len(holders) == 1:
                 load[rank] += weight
             elif key not in assigned:
-                owner = min(holders, key=load.__getitem__)  # holders ascend: the lowest rank wins a tie
+                # torch takes min(plan_indices, key=size) over a set the ranks were added to in
+                # order: a tie goes to the first in the set's iteration order, which is not the
+                # lowest rank once ranks reach its table size (holders (3, 8) iterate 8, 3)
+                owner = min(set(holders), key=load.__getitem__)
                 assigned[key] = owner
                 load[owner] += weight
     owners = []
