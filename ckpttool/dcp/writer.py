@@ -352,6 +352,7 @@ class _Fragments:
         self.file_fetch: list[bytes] = [b""] * len(rows.files if rows else ())  # b"": not in the memo yet
         self.unfetched: Any = None  # numpy bool per file of `rows`: not in the memo yet
         self.stale = True  # something was written in full since `unfetched` was brought up to date
+        self.all_fetched = False  # the memo holds every file name of `rows`
 
     def chunks(self, chunks: Sequence[StoredChunk], writer: Writer) -> Iterator[NewObject | Fragment]:
         for chunk in chunks:
@@ -471,6 +472,9 @@ class _Fragments:
                     self.file_fetch[file] = writer.fragment(name)
                     self.unfetched[file] = False
             self.stale = False
+            self.all_fetched = not self.unfetched.any()
+        if self.all_fetched:  # past the first uses of every file: the common case, without numpy
+            return None
         found = np.flatnonzero(self.unfetched[self.rows.file[start:stop]])
         return start + int(found[0]) if len(found) else None
 
