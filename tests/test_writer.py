@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import random
 import subprocess
 import sys
 import zipfile
@@ -31,7 +32,7 @@ from ckpttool.commands.validate import validate
 from ckpttool.dcp import writer
 from ckpttool.checkpoint import Blob
 from ckpttool.dcp.blobs import DataFiles, read_tensor_record, record_problems
-from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, metadata_bytes
+from ckpttool.dcp.writer import StoredChunk, StoredChunks, StoredObject, StoredTensor, metadata_bytes
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.torchsave import ptfile
 from ckpttool.torchsave.pickle import Global, NewObject, Reduce, dumps
@@ -284,6 +285,137 @@ def test_metadata_reads_through_ckpttool_as_torchs_pickled_metadata_does(case, t
     (tmp_path / "torch" / ".metadata").write_bytes(reference)
     ours, theirs = read_checkpoint(tmp_path / "ours"), read_checkpoint(tmp_path / "torch")
     assert replace(ours, path=None) == replace(theirs, path=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# .metadata from columns: reshard's plan gives each tensor's chunks as StoredChunks (numpy
+# columns); the writer encodes their rows without a StoredChunk each, to the same bytes
+
+
+def as_columns(tensor: StoredTensor) -> StoredTensor:
+    """The same tensor with its chunks as StoredChunks, over its own tuple of file names (in
+    another order than the chunks name them, and with one no chunk uses)."""
+    import numpy as np
+
+    chunks = tensor.chunks
+    ndim = len(chunks[0].offsets) if chunks else len(tensor.shape)
+    files = tuple(sorted({chunk.file for chunk in chunks}, reverse=True)) + ("__unused_0.distcp",)
+    return replace(tensor, chunks=StoredChunks(
+        offsets=np.array([chunk.offsets for chunk in chunks], np.int64).reshape(len(chunks), ndim),
+        sizes=np.array([chunk.sizes for chunk in chunks], np.int64).reshape(len(chunks), ndim),
+        files=files,
+        file=np.array([files.index(chunk.file) for chunk in chunks], np.int64),
+        offset=np.array([chunk.offset for chunk in chunks], np.int64),
+        length=np.array([chunk.length for chunk in chunks], np.int64),
+    ))
+
+
+def boxes_tensor(fqn: str, shape: tuple[int, ...], boxes, files, start: int = 0, length: int = 1000) -> StoredTensor:
+    """A tensor whose chunks are these (offsets, sizes) boxes, round-robin over `files`, blobs
+    one after the other from `start`."""
+    chunks = tuple(StoredChunk(tuple(offsets), tuple(sizes), files[c % len(files)], start + c * length, length)
+                   for c, (offsets, sizes) in enumerate(boxes))
+    return StoredTensor(fqn, "float32", shape, chunks)
+
+
+def dim0_tensor(fqn: str, shape: tuple[int, ...], count: int, files, start: int = 0) -> StoredTensor:
+    """A tensor split along dim 0 into `count` slabs (the last ones empty when too few rows)."""
+    per = -(-shape[0] // count) if shape[0] else 0
+    boxes = [((min(c * per, shape[0]), *(0 for _ in shape[1:])), (max(0, min(per, shape[0] - c * per)), *shape[1:]))
+             for c in range(count)]
+    return boxes_tensor(fqn, shape, boxes, files, start)
+
+
+FILES = [writer.data_file_name(rank) for rank in range(5)]
+INT_EDGES = [0, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32, 2**39, 2**47 + 3, 2**55, 2**62, 2**63 - 1,
+             -1, -256, -2**31, -2**31 - 1, -2**39 - 1, -2**63]
+COLUMN_CASES = {
+    "several tensors and files, shapes repeated across tensors": (
+        [dim0_tensor(f"model.layers.{i}.{name}", shape, 4, FILES, 10**4 * i)
+         for i in range(3) for name, shape in (("wq", (16, 8)), ("wk", (4, 8)), ("norm", (16,)))], [], {}),
+    "0-d, 1-d, 3-d and 4-d tensors": ([
+        boxes_tensor("step", (), [((), ())], FILES),
+        dim0_tensor("bias", (10,), 3, FILES, 100),
+        boxes_tensor("conv", (4, 6, 8), [((0, 0, 0), (2, 6, 8)), ((2, 0, 0), (2, 3, 8)), ((2, 3, 0), (2, 3, 8))], FILES, 200),
+        boxes_tensor("cube", (2, 2, 2, 2), [((0, 0, 0, 0), (1, 2, 2, 2)), ((1, 0, 0, 0), (1, 2, 2, 2))], FILES, 300),
+        boxes_tensor("step2", (), [((), ())], FILES[3:], 400),
+    ], [], {}),
+    "empty chunks and a tensor without chunks": ([
+        dim0_tensor("short", (3, 4), 5, FILES),  # torch.chunk of 3 rows for 5 ranks: two empty slabs
+        dim0_tensor("empty", (0, 4), 2, FILES, 50),
+        StoredTensor("none", "float32", (0, 4), ()),
+        dim0_tensor("after", (8,), 2, FILES, 90),
+    ], [], {}),
+    "a repeated (fqn, offsets): first index, last blob": ([
+        boxes_tensor("twice", (4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4)), ((0, 0), (2, 4)), ((2, 0), (2, 4))], FILES),
+        boxes_tensor("unordered", (6,), [((4,), (2,)), ((0,), (2,)), ((2,), (2,))], FILES, 500),  # distinct
+        boxes_tensor("same", (4,), [((0,), (2,)), ((2,), (2,))], FILES, 600),
+        boxes_tensor("other", (4,), [((0,), (4,))], FILES, 700),
+        boxes_tensor("same", (4,), [((2,), (2,)), ((0,), (2,))], FILES[2:], 800),  # the same fqn again
+        boxes_tensor("zero-d twice", (), [((), ()), ((), ())], FILES, 900),
+    ], [], {}),
+    "past 256 memo slots: 300 files, 300 tensors": (
+        [dim0_tensor(f"model.layers.{i}.weight", (8, 3), 4, [writer.data_file_name(r) for r in range(300)], 64 * i)
+         for i in range(300)], [], {}),
+    "every int encoding in offsets, sizes, blob offsets and lengths": ([
+        StoredTensor("ints", "uint8", (2**63 - 1,), tuple(StoredChunk((value,), (value >> 1,), FILES[i % 5], value, ~value)
+                                                          for i, value in enumerate(INT_EDGES))),
+        boxes_tensor("far", (2**40, 2), [((2**39, 0), (2**39, 2))], FILES, 2**45, 2**33),
+    ], [], {}),
+    "objects, zstd objects and tensors given as tuples among them": ([
+        boxes_tensor("first", (4,), [((0,), (4,))], ["objects.distcp"]),
+        as_columns(boxes_tensor("kept as a tuple", (4,), [((0,), (2,)), ((2,), (2,))], FILES[1:])),
+        boxes_tensor("last", (4,), [((0,), (2,)), ((2,), (2,))], FILES[2:], 40),
+    ], [StoredObject("a", "objects.distcp", 0, 9, ("stream.zstd/1",)), StoredObject("b", FILES[4], 9, 9)],
+       {"a": ("a",), "b": ("b",)}),
+}
+
+
+def with_columns(tensors: list[StoredTensor]) -> list[StoredTensor]:
+    """The tensors with every tuple of chunks as StoredChunks (and StoredChunks as tuples: the
+    case above that mixes them keeps one of each)."""
+    return [replace(t, chunks=tuple(t.chunks)) if isinstance(t.chunks, StoredChunks) else as_columns(t) for t in tensors]
+
+
+@pytest.mark.parametrize("case", [*COLUMN_CASES, *METADATA_CASES])
+def test_metadata_from_stored_chunks_is_byte_identical_to_metadata_from_tuples_of_stored_chunk(case):
+    tensors, objects, planner_data = COLUMN_CASES.get(case) or METADATA_CASES[case]
+    from_tuples = metadata_bytes(tensors, objects, planner_data, Path("/ckpt"), "save-0")
+    assert metadata_bytes(with_columns(tensors), objects, planner_data, Path("/ckpt"), "save-0") == from_tuples
+
+
+def test_metadata_from_stored_chunks_is_byte_identical_on_random_checkpoints():
+    rng = random.Random(0)
+    files = [writer.data_file_name(rank) for rank in range(270)]
+    for trial in range(40):
+        tensors, start = [], 0
+        for t in range(rng.randint(0, 30)):
+            ndim = rng.choice((0, 1, 2, 3, 4))
+            boxes = []
+            for _ in range(rng.randint(1, 40) if ndim else rng.randint(1, 2)):
+                offsets = tuple(rng.choice((0, 1, 255, 256, 65536, 2**31, 2**40)) for _ in range(ndim))
+                boxes.append((offsets, tuple(rng.randint(0, 300) for _ in range(ndim))))
+            tensor = boxes_tensor(f"t{rng.randint(0, 40)}", (9,) * ndim, boxes, rng.sample(files, rng.randint(1, 270)),
+                                  start, rng.choice((100, 70000, 2**31)))
+            tensors.append(tensor if rng.random() < 0.8 else as_columns(tensor))
+            start += 2**rng.randint(8, 40)
+        objects = [StoredObject(f"o{o}", rng.choice(files), o, 9, rng.choice(((), ("stream.zstd/1",))))
+                   for o in range(rng.randint(0, 3))]
+        before = metadata_bytes(tensors, objects, {}, f"/ckpt/{trial}", "save")
+        assert metadata_bytes(with_columns(tensors), objects, {}, f"/ckpt/{trial}", "save") == before, trial
+
+
+@pytest.mark.parametrize("case", list(COLUMN_CASES))
+def test_metadata_from_stored_chunks_loads_in_torch_as_the_metadata_of_its_tuples(case, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    tensors, objects, planner_data = COLUMN_CASES[case]
+    (tmp_path / ".metadata").write_bytes(metadata_bytes(with_columns(tensors), objects, planner_data, tmp_path, "save-0"))
+    loaded = FileSystemReader(tmp_path).read_metadata()
+    loaded.storage_meta.load_id = None  # the reader's own, set as it reads
+    assert loaded == pickle.loads(metadata_bytes(tensors, objects, planner_data, tmp_path, "save-0"))
+    if "repeated" not in case:  # torch's classes keep a repeated key's last MetadataIndex (dict assignment)
+        assert loaded == torch_metadata(tensors, objects, planner_data, tmp_path, "save-0")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ Example:
 from __future__ import annotations
 
 import functools
+import pickle
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -156,24 +158,41 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
     The chunk lists and storage_data are written lazily through `_Fragments`: a chunk (or
     storage entry) whose strings and classes the memo already holds is spliced in from
     cached bytes instead of being built and walked as stand-ins (75 us a chunk otherwise).
+    Chunks given as `StoredChunks` are encoded from their columns, all tensors' rows at once.
     """
-    fragments = _Fragments()
+    tensors = list(tensors)
+    rows, spans = _rows(tensors)
+    fragments = _Fragments(rows)
     state_dict_metadata: dict[str, NewObject] = {}
     # storage_data is keyed by MetadataIndex, equal when fqn and offset are (index is not
     # compared); a repeated key keeps its first MetadataIndex and takes the last value
-    storage_data: dict[tuple[str, tuple[int, ...] | None], list] = {}
+    storage_data: dict[Any, Any] = {}
 
     def store(fqn: str, offsets: tuple[int, ...] | None, index: int | None, info: tuple) -> None:
         entry = storage_data.setdefault((fqn, offsets), [(fqn, offsets, index), info])
         entry[1] = info
 
-    for tensor in tensors:
-        for index, chunk in enumerate(tensor.chunks):
-            store(tensor.fqn, tuple(chunk.offsets), index, (chunk.file, chunk.offset, chunk.length, ()))
+    # a tensor's rows are one block of storage_data (no key per chunk) when no other entry
+    # can share a key with them: its fqn is no other tensor's and its offsets are distinct
+    fqn_counts = Counter(tensor.fqn for tensor in tensors)
+    repeated = _repeated_offsets(rows, spans)
+    for position, (tensor, span) in enumerate(zip(tensors, spans)):
+        if span is None:
+            for index, chunk in enumerate(tensor.chunks):
+                store(tensor.fqn, tuple(chunk.offsets), index, (chunk.file, chunk.offset, chunk.length, ()))
+            chunks = LazyList(functools.partial(fragments.chunks, tensor.chunks))
+        else:
+            if fqn_counts[tensor.fqn] == 1 and position not in repeated:
+                block = _Block(tensor.fqn, *span)
+                storage_data[block] = block
+            else:
+                for row in range(*span):
+                    offsets, _ = rows.box(row)
+                    store(tensor.fqn, offsets, row - span[0], rows.storage(row))
+            chunks = LazyList(functools.partial(fragments.column_chunks, *span))
         state_dict_metadata[tensor.fqn] = NewObject(
             _TENSOR_STORAGE_METADATA,
-            {"properties": _tensor_properties(tensor.dtype), "size": _size(tensor.shape),
-             "chunks": LazyList(functools.partial(fragments.chunks, tensor.chunks))},
+            {"properties": _tensor_properties(tensor.dtype), "size": _size(tensor.shape), "chunks": chunks},
         )
     for obj in objects:
         state_dict_metadata[obj.fqn] = NewObject(_BYTES_STORAGE_METADATA, None)  # empty __dict__
@@ -202,17 +221,138 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
     )
 
 
+@dataclass(frozen=True, eq=False)
+class _Rows:
+    """The chunks of every tensor given as `StoredChunks`, one row each in the order they are
+    written: one numpy pass encodes all of them (per tensor, numpy's call overhead would be
+    most of the time at 2,892 tensors of ~120 chunks)."""
+
+    offsets: Any  # numpy int64 (rows, width): a row's values past its ndim are 0
+    sizes: Any  # numpy int64 (rows, width)
+    ndim: Any  # numpy int64 (rows,)
+    file: Any  # numpy int64 (rows,): index into `files`
+    offset: Any  # numpy int64 (rows,)
+    length: Any  # numpy int64 (rows,)
+    index: Any  # numpy int64 (rows,): the chunk's index in its tensor
+    files: tuple[str, ...]
+
+    def box(self, row: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Return the row's (offsets, sizes) as Python ints."""
+        ndim = int(self.ndim[row])
+        return tuple(self.offsets[row, :ndim].tolist()), tuple(self.sizes[row, :ndim].tolist())
+
+    def storage(self, row: int) -> tuple[str, int, int, tuple]:
+        """Return the row's (file, offset, length, transforms) as `store` takes them."""
+        return self.files[int(self.file[row])], int(self.offset[row]), int(self.length[row]), ()
+
+
+@dataclass(frozen=True, eq=False)
+class _Block:
+    """storage_data's entries for rows `start:stop`, one tensor's chunks (keyed by identity)."""
+
+    fqn: str
+    start: int
+    stop: int
+
+
+def _rows(tensors: Sequence[StoredTensor]) -> tuple[_Rows | None, list[tuple[int, int] | None]]:
+    """Return the rows of the tensors whose chunks are `StoredChunks` (None when none are:
+    then numpy is not imported), and each tensor's (start, stop) in them (None for a tensor
+    given as a tuple)."""
+    columns = [tensor.chunks for tensor in tensors if isinstance(tensor.chunks, StoredChunks)]
+    if not columns:
+        return None, [None] * len(tensors)
+    import numpy as np
+
+    counts = [len(chunks) for chunks in columns]
+    dims = [np.shape(chunks.offsets)[1] for chunks in columns]
+    total, width = sum(counts), max(dims, default=0)
+    offsets = np.zeros((total, width), np.int64)
+    sizes = np.zeros((total, width), np.int64)
+    file = np.zeros(total, np.int64)
+    names: dict[str, int] = {}
+    remaps: dict[tuple[str, ...], Any] = {}  # a StoredChunks' files -> their index in `names`
+    spans: list[tuple[int, int] | None] = []
+    start = 0
+    for tensor in tensors:
+        chunks = tensor.chunks
+        if not isinstance(chunks, StoredChunks):
+            spans.append(None)
+            continue
+        stop = start + len(chunks)
+        ndim = np.shape(chunks.offsets)[1]
+        offsets[start:stop, :ndim] = chunks.offsets
+        sizes[start:stop, :ndim] = chunks.sizes
+        remap = remaps.get(chunks.files)
+        if remap is None:
+            remap = remaps[chunks.files] = np.array([names.setdefault(name, len(names)) for name in chunks.files],
+                                                    np.int64)
+        file[start:stop] = remap[np.asarray(chunks.file, np.int64)]
+        spans.append((start, stop))
+        start = stop
+    firsts = np.cumsum(counts, dtype=np.int64) - counts
+    return _Rows(
+        offsets=offsets,
+        sizes=sizes,
+        ndim=np.repeat(np.array(dims, np.int64), counts),
+        file=file,
+        offset=np.concatenate([np.asarray(chunks.offset, np.int64) for chunks in columns] or [np.zeros(0, np.int64)]),
+        length=np.concatenate([np.asarray(chunks.length, np.int64) for chunks in columns] or [np.zeros(0, np.int64)]),
+        index=np.arange(total, dtype=np.int64) - np.repeat(firsts, counts),
+        files=tuple(names),
+    ), spans
+
+
+def _repeated_offsets(rows: _Rows | None, spans: Sequence[tuple[int, int] | None]) -> set[int]:
+    """Return the positions of the tensors (in `spans`) two of whose rows have the same offsets."""
+    if rows is None or len(rows.offsets) < 2:
+        return set()
+    import numpy as np
+
+    offsets = rows.offsets
+    # rows in strictly increasing (lexicographic) order are distinct: the common case, checked
+    # at once for all rows; a tensor whose rows are not is checked row by row
+    before, after = offsets[:-1], offsets[1:]
+    if offsets.shape[1]:
+        differ = before != after
+        column = differ.argmax(axis=1)  # the first that differs, if any
+        pairs = np.arange(len(column))
+        increasing = differ[pairs, column] & (after[pairs, column] > before[pairs, column])
+    else:  # only 0-d tensors: every offsets is ()
+        increasing = np.zeros(len(before), bool)
+    unordered = np.flatnonzero(~increasing & (rows.index[1:] > 0)) + 1  # each against the row before, in its tensor
+    positions = {span[0]: position for position, span in enumerate(spans) if span is not None}
+    repeated = set()
+    for first in np.unique(unordered - rows.index[unordered]).tolist():  # the first row of their tensor
+        position = positions[first]
+        start, stop = spans[position]
+        ndim = int(rows.ndim[start])
+        if len(set(map(tuple, offsets[start:stop, :ndim].tolist()))) < stop - start:
+            repeated.add(position)
+    return repeated
+
+
 class _Fragments:
     """The encoded bytes one `metadata_bytes` call reuses: whole chunk entries by box, the
     memo fetches of fqns, file names and torch.Size values, and the fixed parts of
     MetadataIndex and _StorageInfo. Every value is first written in full (which puts its
-    strings and classes in the memo); only then are its bytes taken from here."""
+    strings and classes in the memo); only then are its bytes taken from here.
 
-    def __init__(self) -> None:
+    Rows of `StoredChunks` follow the same rule, encoded by numpy from those fixed parts:
+    every chunk entry at once, storage entries in runs between the ones written in full."""
+
+    def __init__(self, rows: _Rows | None) -> None:
         self.chunk: dict[tuple, bytes] = {}
         self.fetch: dict = {}  # fqn / file name (str) / offsets (tuple: a torch.Size) -> bytes fetching it
         self.index_parts: list[bytes] | None = None
         self.info_parts: list[bytes] | None = None
+        self.rows = rows  # not None when a column method is called
+        self.chunk_rows: tuple[bytes, list[int]] | None = None  # every row's chunk entry, and where each starts
+        self.size_head: bytes | None = None  # the fetch of torch.Size
+        self.file_fetch: list[bytes] = [b""] * len(rows.files if rows else ())  # b"": not in the memo yet
+        self.unfetched: Any = None  # numpy bool per file of `rows`: not in the memo yet
+        self.stale = True  # something was written in full since `unfetched` was brought up to date
+        self.all_fetched = False  # the memo holds every file name of `rows`
 
     def chunks(self, chunks: Sequence[StoredChunk], writer: Writer) -> Iterator[NewObject | Fragment]:
         for chunk in chunks:
@@ -227,6 +367,26 @@ class _Fragments:
                 self.chunk[key] = data
             yield Fragment(data)
 
+    def column_chunks(self, start: int, stop: int, writer: Writer) -> Iterator[NewObject | Fragment]:
+        """Yield the chunk entries of rows `start:stop`: in full until the memo holds their
+        class and keys, then the rest as one Fragment."""
+        row = start
+        while row < stop and self.chunk_rows is None:
+            parts = writer.object_parts(_CHUNK_STORAGE_METADATA, ("offsets", "sizes"))
+            size = writer.fragment(_SIZE)
+            if parts is None or size is None:
+                offsets, sizes = self.rows.box(row)
+                yield NewObject(_CHUNK_STORAGE_METADATA, {"offsets": _size(offsets), "sizes": _size(sizes)})
+                row += 1
+                continue
+            rows = self.rows
+            data, lengths = _joined_rows([parts[0], *_size_segments(size, rows.offsets, rows.ndim), parts[1],
+                                          *_size_segments(size, rows.sizes, rows.ndim), parts[2]], len(rows.ndim))
+            self.chunk_rows = data, [0, *lengths.cumsum().tolist()]
+        if row < stop:
+            data, starts = self.chunk_rows
+            yield Fragment(data[starts[row]:starts[stop]])
+
     def _fetch(self, writer: Writer, key: Any, value: Any) -> bytes | None:
         data = self.fetch.get(key)
         if data is None:
@@ -237,8 +397,16 @@ class _Fragments:
 
     def storage(self, entries: list, writer: Writer) -> Iterator[tuple[NewObject, NewObject] | Fragment]:
         """Yield storage_data's (MetadataIndex, _StorageInfo) pairs, as one Fragment each once
-        their strings and classes are in the memo."""
-        for (fqn, offsets, index), (file, offset, length, transforms) in entries:
+        their strings and classes are in the memo (a `_Block`'s rows: one Fragment a run)."""
+        runs: list[tuple[int, int, bytes]] = []  # rows to encode at once: (start, stop, fetch of their fqn)
+        for entry in entries:
+            if type(entry) is _Block:
+                yield from self._block(entry, runs, writer)
+                continue
+            if runs:
+                yield Fragment(self._storage_rows(runs))
+                runs.clear()
+            (fqn, offsets, index), (file, offset, length, transforms) = entry
             if self.index_parts is None or self.info_parts is None:
                 self.index_parts = writer.object_parts(_METADATA_INDEX, ("fqn", "index", "offset"))
                 self.info_parts = writer.object_parts(_STORAGE_INFO, ("relative_path", "offset", "length"))
@@ -249,11 +417,172 @@ class _Fragments:
                     name, size, path = (self._fetch(writer, fqn, fqn), self._fetch(writer, offsets, _size(offsets)),
                                         self._fetch(writer, file, file))
             if offsets is None or transforms or None in (self.index_parts, self.info_parts, name, size, path):
+                self.stale = True
                 yield _metadata_index(fqn, offsets, index), _storage_info(file, offset, length, transforms)
                 continue
             key, info = self.index_parts, self.info_parts
             yield Fragment(b"".join((key[0], name, key[1], int_bytes(index), key[2], size, key[3],
                                      info[0], path, info[1], int_bytes(offset), info[2], int_bytes(length), info[3])))
+        if runs:
+            yield Fragment(self._storage_rows(runs))
+
+    def _block(self, block: _Block, runs: list, writer: Writer) -> Iterator[tuple[NewObject, NewObject] | Fragment]:
+        """Add the block's rows to `runs`, but write a row in full (the runs before it first)
+        where the memo lacks what it fetches: the first entry's classes and keys, a file's name."""
+        row = block.start
+        while row < block.stop:
+            name = self._ready(writer, block.fqn)
+            full = row if name is None else self._first_unfetched(row, block.stop, writer)
+            if full is None:
+                runs.append((row, block.stop, name))
+                return
+            if full > row:
+                runs.append((row, full, name))
+            if runs:
+                yield Fragment(self._storage_rows(runs))
+                runs.clear()
+            offsets, _ = self.rows.box(full)
+            file, offset, length, _ = self.rows.storage(full)
+            self.stale = True
+            yield _metadata_index(block.fqn, offsets, full - block.start), _storage_info(file, offset, length)
+            row = full + 1
+
+    def _ready(self, writer: Writer, fqn: str) -> bytes | None:
+        """Return the fetch of `fqn` when the memo holds it and the classes and keys of every
+        storage entry, else None."""
+        if self.index_parts is None or self.info_parts is None:
+            self.index_parts = writer.object_parts(_METADATA_INDEX, ("fqn", "index", "offset"))
+            self.info_parts = writer.object_parts(_STORAGE_INFO, ("relative_path", "offset", "length"))
+        if self.size_head is None:
+            self.size_head = writer.fragment(_SIZE)
+        if self.index_parts is None or self.info_parts is None or self.size_head is None:
+            return None
+        return self._fetch(writer, fqn, fqn)
+
+    def _first_unfetched(self, start: int, stop: int, writer: Writer) -> int | None:
+        """Return the first of rows `start:stop` whose file name the memo lacks, or None."""
+        import numpy as np
+
+        if self.unfetched is None:
+            self.unfetched = np.ones(len(self.rows.files), bool)
+        if self.stale:  # only what was written in full can have put a file name in the memo
+            for file in np.flatnonzero(self.unfetched).tolist():
+                name = self.rows.files[file]
+                if name in writer.memo:
+                    self.file_fetch[file] = writer.fragment(name)
+                    self.unfetched[file] = False
+            self.stale = False
+            self.all_fetched = not self.unfetched.any()
+        if self.all_fetched:  # past the first uses of every file: the common case, without numpy
+            return None
+        found = np.flatnonzero(self.unfetched[self.rows.file[start:stop]])
+        return start + int(found[0]) if len(found) else None
+
+    def _storage_rows(self, runs: Sequence[tuple[int, int, bytes]]) -> bytes:
+        """Return the storage entries of these runs of rows, as the per-entry path writes them."""
+        import numpy as np
+
+        rows, key, info = self.rows, self.index_parts, self.info_parts
+        counts = np.array([stop - start for start, stop, _ in runs], np.int64)
+        firsts = np.array([start for start, _, _ in runs], np.int64)
+        into = np.cumsum(counts) - counts  # where each run starts among the selected rows
+        selected = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - into, counts)
+        run_of_row = np.repeat(np.arange(len(runs)), counts)
+        return _joined_rows([
+            key[0], _fetch_column([name for _, _, name in runs], run_of_row), key[1], _int_column(rows.index[selected]),
+            key[2], *_size_segments(self.size_head, rows.offsets[selected], rows.ndim[selected]), key[3],
+            info[0], _fetch_column(self.file_fetch, rows.file[selected]), info[1], _int_column(rows.offset[selected]),
+            info[2], _int_column(rows.length[selected]), info[3],
+        ], len(selected))[0]
+
+
+_TUPLE_OPCODES = pickle.EMPTY_TUPLE + pickle.TUPLE1 + pickle.TUPLE2 + pickle.TUPLE3 + pickle.TUPLE  # by length; 4: more
+
+# The numpy encoders below build `_joined_rows` segments: bytes every row has, or a column of
+# each row's own bytes (numpy uint8 (width, rows): byte j of every row together, as filling and
+# masking whole rows of that is ~2x faster than (rows, width); and numpy int64 (rows,) lengths).
+
+
+def _size_segments(head: bytes, values: Any, ndim: Any) -> list:
+    """Return the segments of `_size(row[:ndim])` for each row of `values` (numpy (rows,
+    width)), `head` the fetch of torch.Size: the writer's `_tuple` inside a TUPLE1, then REDUCE."""
+    import numpy as np
+
+    rows = len(ndim)
+    segments: list = [head, (np.full((1, rows), pickle.MARK[0], np.uint8), (ndim > 3).astype(np.int64))]
+    for column in range(values.shape[1]):
+        encoded, lengths = _int_column(values[:, column])
+        segments.append((encoded, np.where(ndim > column, lengths, 0)))
+    opcodes = np.frombuffer(_TUPLE_OPCODES, np.uint8)[np.minimum(ndim, 4)]
+    segments += [(opcodes.reshape(1, rows), np.ones(rows, np.int64)), pickle.TUPLE1 + pickle.REDUCE]
+    return segments
+
+
+def _int_column(values: Any) -> tuple[Any, Any]:
+    """Return the segment of `int_bytes(value)` for each of `values` (numpy int64)."""
+    import numpy as np
+
+    values = np.asarray(values, np.int64)
+    rows = len(values)
+    little = values.astype("<i8").view(np.uint8).reshape(rows, 8).T
+    # 0: BININT1, 1: BININT2, 2: BININT, 3: LONG1
+    kind = np.where(values < 0, 2 + (values < -0x80000000),
+                    (values > 0xFF).view(np.int8) + (values > 0xFFFF) + (values > 0x7FFFFFFF))
+    encoded = np.empty((10, rows), np.uint8)
+    encoded[0] = np.frombuffer(pickle.BININT1 + pickle.BININT2 + pickle.BININT + pickle.LONG1, np.uint8)[kind]
+    encoded[1:9] = little
+    lengths = np.array([2, 3, 5, 0], np.int64)[kind]
+    long = kind == 3
+    if long.any():
+        # LONG1: a length byte, then the fewest little-endian two's-complement bytes (encode_long)
+        count = np.ones(rows, np.int64)
+        for size in range(1, 8):
+            count += (values >= 1 << (8 * size - 1)) | (values < -(1 << (8 * size - 1)))
+        encoded[1, long] = count[long]
+        encoded[2:10, long] = little[:, long]
+        lengths[long] = 2 + count[long]
+    return encoded[:int(lengths.max(initial=0))], lengths
+
+
+def _fetch_column(fetches: Sequence[bytes], which: Any) -> tuple[Any, Any]:
+    """Return the segment of `fetches[i]` for each `i` of `which` (numpy int64)."""
+    import numpy as np
+
+    width = max(map(len, fetches), default=0)
+    table = np.frombuffer(b"".join(data.ljust(width, b"\0") for data in fetches), np.uint8).reshape(len(fetches), width)
+    return table.T[:, which], np.array([len(data) for data in fetches], np.int64)[which]
+
+
+def _joined_rows(segments: Sequence, rows: int) -> tuple[bytes, Any]:
+    """Return the bytes of `rows` rows, each its segments' bytes in turn, and each row's length."""
+    import numpy as np
+
+    merged: list = []
+    for segment in segments:  # runs of fixed bytes as one
+        if isinstance(segment, bytes) and merged and isinstance(merged[-1], bytes):
+            merged[-1] += segment
+        else:
+            merged.append(segment)
+    widths = [len(segment) if isinstance(segment, bytes) else len(segment[0]) for segment in merged]
+    # every row at its segments' widest, then the bytes past each row's own lengths left out
+    table = np.empty((sum(widths), rows), np.uint8)
+    keep = np.empty((sum(widths), rows), bool)
+    lengths = np.zeros(rows, np.int64)
+    start = 0
+    for segment, width in zip(merged, widths):
+        stop = start + width
+        if isinstance(segment, bytes):
+            table[start:stop] = np.frombuffer(segment, np.uint8)[:, None]
+            keep[start:stop] = True
+            lengths += width
+        else:
+            encoded, counts = segment
+            table[start:stop] = encoded
+            np.less(np.arange(width)[:, None], counts, out=keep[start:stop])
+            lengths += counts
+        start = stop
+    return table.T[keep.T].tobytes(), lengths
+
 
 def data_file_name(rank: int) -> str:
     """Return torch's name for rank `rank`'s data file (FileSystemWriter: `__{rank}_{n}.distcp`)."""
