@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -123,10 +124,9 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
               write: WriteOptions, label: str = "reshard") -> tuple[ReshardWrites, tuple[ProcessStats, ...]]:
     """Write `plan` of `checkpoint` as a DCP checkpoint at `destination`, atomically: rank
     files preallocated, filled (under torchrun, each process its share), verified if asked,
-    fsynced, then `.metadata`. Returns what was written and the work of each process."""
+    fsynced, then `.metadata` (encoded meanwhile). Returns what was written and the work of each process."""
     force, verify, threads, budget = write.force, write.verify, write.threads, write.max_memory
     writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values(), threads))
-    metadata = metadata_bytes(writes.tensors, writes.objects, plan.planner_data, destination, save_id)
 
     def prepare(fds: dict[str, int]) -> None:
         for name, size in writes.files:
@@ -141,8 +141,12 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
     carried = carried_files(checkpoint)
 
     def finish(temp: Path, fds: dict[str, int]) -> None:
-        for fd in fds.values():
-            io.sync(fd)
+        # `.metadata` is encoded while the data files are flushed: one waits on the disk, the
+        # other on the interpreter (each ~0.4 s at 300k chunks)
+        with ThreadPoolExecutor(1) as pool:
+            synced = pool.submit(lambda: [io.sync(fd) for fd in fds.values()])
+            metadata = metadata_bytes(writes.tensors, writes.objects, plan.planner_data, destination, save_id)
+            synced.result()
         for name, data in carried:
             execute.write_file(temp / name, data)
         execute.write_file(temp / METADATA_FILENAME, metadata)

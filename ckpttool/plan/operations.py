@@ -31,6 +31,9 @@ from ckpttool.torchsave.record import record_layout
 CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a record's data
 RECORDS_WRITE_BLOCK = 4 << 20  # a Records operation's output is built and written this much at a time
+# the bytes between its runs a Records operation may read through (at least its own length):
+# its records often come from a few source files, each run a few KiB apart
+RECORDS_READ_THROUGH = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,7 @@ class Records:
     src_offset: tuple[int, ...]
     length: int = field(init=False, repr=False)  # bytes written: the records, heads and tails included
     output_length: int = field(init=False, repr=False)  # the chunks' data bytes, as a Record counts them
+    read_through: int = field(init=False, repr=False)  # most gap bytes read between runs (record_writes)
     memory: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,11 +162,12 @@ class Records:
         data = [layout.data_length for layout in layouts]
         object.__setattr__(self, "length", total)
         object.__setattr__(self, "output_length", sum(data[kind] for kind in self.kind))
+        object.__setattr__(self, "read_through", max(total, RECORDS_READ_THROUGH))
         # held at once while it runs: the source spans (the records' data and the gaps read
-        # through between runs, at most `total` of them: record_writes.source_spans), and the
-        # output block being built (up to RECORDS_WRITE_BLOCK and one record past it)
+        # through between runs: record_writes.source_spans), and the output block being built
+        # (up to RECORDS_WRITE_BLOCK and one record past it)
         block = min(total, RECORDS_WRITE_BLOCK + max(lengths, default=0))
-        object.__setattr__(self, "memory", 2 * total + block)
+        object.__setattr__(self, "memory", self.output_length + self.read_through + block)
 
     def __len__(self) -> int:
         return len(self.kind)
