@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fsdp_loads import exit_spawned_rank
+
 SEED = 21
 
 
@@ -49,6 +51,7 @@ def _rank(rank: int, world: int, path: str, port: int, tensors: int, rows: int, 
     dcp.save({"model": model}, checkpoint_id=path)
     dist.barrier()
     dist.destroy_process_group()
+    exit_spawned_rank()
 
 
 def main() -> None:

@@ -133,6 +133,16 @@ def _worker(rank: int, world_size: int, port: int, jobs: list[LoadJob], out: str
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_spawned_rank()
+
+
+def exit_spawned_rank() -> None:
+    """End a spawned gloo rank that finished its work: through os._exit, as gloo can abort
+    ("terminate called without an active exception", SIGABRT) in the interpreter's own exit
+    after a clean finish (the pytorch#190489 pattern), which fails the whole spawn."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def load_all(jobs: list[LoadJob], world_size: int, out: Path) -> Path:

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, assert_same_bytes, flatten, save_with_writer_options
+from fsdp_loads import exit_spawned_rank
 
 from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool import execute
@@ -91,6 +92,7 @@ def _save_layouts(rank: int, port: int, directory: str) -> None:
     }
     dcp.save({"model": state}, checkpoint_id=directory)
     dist.destroy_process_group()
+    exit_spawned_rank()
 
 
 def _spawn_layouts(directory: Path) -> Path:
