@@ -85,10 +85,10 @@ def _plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str
     # a chunk filled by one run of raw bytes, in a small record, is written by a Records
     run = table.run_bounds[:-1]
     single = np.flatnonzero(np.diff(table.run_bounds) == 1)
-    source_names, source_file, source_offset = _raw_sources(plan, checkpoint, located)
+    source_names, base, source_file, source_offset = _raw_sources(plan, checkpoint, located)
     raw_file = np.full(len(table), -1, dtype=np.int64)
     raw_offset = np.zeros(len(table), dtype=np.int64)
-    source = _source_base(plan, checkpoint)[table.tensor[single]] + table.run_source[run[single]]
+    source = base[table.tensor[single]] + table.run_source[run[single]]
     raw_file[single] = source_file[source]
     raw_offset[single] = source_offset[source] + table.run_source_offset[run[single]]
     simple = (raw_file >= 0) & (length <= RECORDS_RECORD)
@@ -137,24 +137,18 @@ def _record_kinds(table: TargetTable) -> tuple[list[tuple[str, tuple[int, ...]]]
     return list(found), np.array(numbers, dtype=np.int64)[inverse.reshape(-1)]
 
 
-def _source_base(plan: ReshardPlan, checkpoint: Checkpoint) -> Any:
-    """Where each tensor's source chunks start in `_raw_sources`' columns."""
+def _raw_sources(plan: ReshardPlan, checkpoint: Checkpoint,
+                 located: Mapping[str, Mapping[int, RawData | None]]) -> tuple[list[str], Any, Any, Any]:
+    """Return the source data files, where each tensor's source chunks start in the columns
+    that follow, and per source chunk of every tensor the index of its file (-1: not located
+    raw, it is decoded) and its raw bytes' offset."""
     import numpy as np
 
     counts = [len(checkpoint.tensors[layout.fqn].chunks) for layout in plan.tensors]
-    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))[:-1]
-
-
-def _raw_sources(plan: ReshardPlan, checkpoint: Checkpoint,
-                 located: Mapping[str, Mapping[int, RawData | None]]) -> tuple[list[str], Any, Any]:
-    """Return the source data files and, per source chunk of every tensor (in `_source_base`'s
-    order), the index of its file (-1: not located raw, it is decoded) and its raw bytes' offset."""
-    import numpy as np
-
+    base = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
     keys: list[int] = []
     raws: list[RawData] = []
-    base = _source_base(plan, checkpoint).tolist()
-    for start, layout in zip(base, plan.tensors):
+    for start, layout in zip(base.tolist(), plan.tensors):
         found = located.get(layout.fqn)
         if found:
             keys.extend([start + index for index in found])
@@ -163,13 +157,11 @@ def _raw_sources(plan: ReshardPlan, checkpoint: Checkpoint,
         keys, raws = [key for key, raw in zip(keys, raws) if raw is not None], [raw for raw in raws if raw is not None]
     names = list(map(operator.attrgetter("file"), raws))
     files = {name: number for number, name in enumerate(dict.fromkeys(names))}
-    positions, numbers, offsets = keys, list(map(files.__getitem__, names)), list(map(operator.attrgetter("offset"), raws))
-    total = base[-1] + len(checkpoint.tensors[plan.tensors[-1].fqn].chunks) if plan.tensors else 0
-    file = np.full(total, -1, dtype=np.int64)
-    offset = np.zeros(total, dtype=np.int64)
-    file[positions] = numbers
-    offset[positions] = offsets
-    return list(files), file, offset
+    file = np.full(int(base[-1]), -1, dtype=np.int64)
+    offset = np.zeros(int(base[-1]), dtype=np.int64)
+    file[keys] = list(map(files.__getitem__, names))
+    offset[keys] = list(map(operator.attrgetter("offset"), raws))
+    return list(files), base[:-1], file, offset
 
 
 class _Columns:
