@@ -11,7 +11,7 @@ from conftest import FIXTURES
 
 from pathlib import Path
 
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
 from ckpttool.options import WriteOptions
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.errors import CorruptMetadata, UsageError
@@ -269,3 +269,50 @@ def test_each_rank_file_holds_what_torchs_dedup_save_plans_leaves_that_rank(mesh
         expected = [[item for item in items if item[1] is None] + [item for item in items if item[1] is not None]
                     for items in expected]
         assert ours == expected, (trial, mesh)
+
+
+def _written(checkpoint: Checkpoint, mesh: Mesh) -> tuple:
+    """What reshard writes for `checkpoint` on `mesh`: file sizes, every record as a Record
+    (Records expanded), the objects and the `.metadata` chunks."""
+    from ckpttool import execute
+    from ckpttool.dcp.blobs import DataFiles
+    from ckpttool.plan.operations import Records
+    from ckpttool.plan.rank_files import plan_writes
+
+    plan = plan_reshard(checkpoint, mesh)
+    with DataFiles(checkpoint.path) as files:
+        writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values()))
+    operations = [record for op in writes.operations for record in (op.records() if isinstance(op, Records) else [op])]
+    return (writes.files, operations, writes.objects,
+            [(t.fqn, t.dtype, t.shape, list(t.chunks)) for t in writes.tensors], [list(f.chunks) for f in plan.files])
+
+
+@pytest.mark.parametrize("name", ["fsdp2_world2_adamw", "fsdp2_world3_uneven", "fsdp2_world2"])
+def test_reshard_from_chunk_tables_writes_what_it_writes_from_chunk_tuples(name):
+    # a large .metadata is read into ChunkTables, whose runs come from the columns
+    # (slab_run_columns); small ones into tuples, which take the general sweep
+    checkpoint = read_checkpoint(FIXTURES / name)
+    tabled = with_tables(checkpoint)
+    assert any(isinstance(t.chunks, ChunkTable) for t in tabled.tensors.values())
+    for mesh in (Mesh(1, 1), Mesh(1, 3), Mesh(2, 2), Mesh(1, 7)):
+        assert _written(tabled, mesh) == _written(checkpoint, mesh), mesh
+
+
+def test_small_records_of_one_raw_run_are_written_by_records_and_the_rest_by_a_record_each():
+    from ckpttool import execute
+    from ckpttool.dcp.blobs import DataFiles
+    from ckpttool.plan.operations import Copy, Record, Records
+    from ckpttool.plan.rank_files import RECORDS_RECORD, plan_writes
+    from ckpttool.torchsave.record import record_layout
+
+    checkpoint = read_checkpoint(FIXTURES / "fsdp2_world3_uneven")
+    plan = plan_reshard(checkpoint, Mesh(1, 2))  # rows 0..7 of a 13-row tensor from two source chunks
+    with DataFiles(checkpoint.path) as files:
+        writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values()))
+    grouped = [op for op in writes.operations if isinstance(op, Records)]
+    alone = [op for op in writes.operations if isinstance(op, Record)]
+    assert grouped and any(len(op.parts) > 1 for op in alone)
+    for op in alone:  # several runs, a decoded source, or too large a record to build whole
+        assert (len(op.parts) != 1 or not isinstance(op.parts[0], Copy)
+                or record_layout(op.dtype, op.shape).length > RECORDS_RECORD), op
+    assert sum(len(op) for op in grouped) + len(alone) == sum(len(f.chunks) for f in plan.files)
