@@ -11,7 +11,7 @@
 `world` rank files (one 512-byte chunk per rank), as `ckpttool reshard` writes records
 (`torchsave.record`, `dcp.writer.metadata_bytes`): tensors * world chunks, each a real
 torch.save record torch's own loader reads. Data are seeded, so the checkpoint is the same
-every time. `--time` prints the median seconds of `execute.locate_chunks` over all chunks in
+every time. `--time` prints the median seconds of `locating.locate_chunks` over all chunks in
 this process (import from PYTHONPATH to pick the tree). Timings are never asserted.
 """
 
@@ -55,7 +55,10 @@ def make(path: Path, tensors: int, world_size: int) -> int:
 def time_locate(path: Path, repeat: int) -> float:
     """Return the median seconds of locating every chunk of the checkpoint at `path`."""
     from ckpttool.dcp.blobs import DataFiles
-    from ckpttool.execute import locate_chunks
+    try:
+        from ckpttool.locating import locate_chunks
+    except ImportError:  # a tree from before locating had its own module
+        from ckpttool.execute import locate_chunks
     from ckpttool.readers.dcp import read_checkpoint
 
     checkpoint = read_checkpoint(path)

@@ -1,4 +1,4 @@
-"""`execute.locate_chunks` on a large checkpoint read as ChunkTables, two revisions in one run:
+"""`locating.locate_chunks` on a large checkpoint read as ChunkTables, two revisions in one run:
 every tensor, and a subset by fqn prefix (the model's tensors, as `consolidate` picks them).
 
     python benchmarks/locate_columns.py --path /work/frontier/70b-w128 --before main --after .
@@ -31,7 +31,10 @@ CHILD = r"""
 import statistics, sys, time
 from ckpttool.checkpoint import ChunkTable
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.execute import locate_chunks
+try:
+    from ckpttool.locating import locate_chunks
+except ImportError:  # a tree from before locating had its own module
+    from ckpttool.execute import locate_chunks
 from ckpttool.readers.dcp import read_checkpoint
 
 path, prefix, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3])

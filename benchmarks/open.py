@@ -131,13 +131,13 @@ def interleaved(commands: list[tuple[list[str] | str, bool]], repeat: int) -> li
 def chunk_ranges(source: Path, rows: int | None = None) -> list[tuple[Path, int, int]]:
     """(file, offset, length) of the raw bytes of TENSOR's first `rows` rows (all by default),
     chunk by chunk (no torch: ckpttool's locate)."""
-    from ckpttool import execute
+    from ckpttool import locating
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.readers.dcp import read_checkpoint
 
     tensor = read_checkpoint(source).tensors[TENSOR]
     with DataFiles(source) as files:
-        located = execute.locate_chunks(files, [tensor])[TENSOR]
+        located = locating.locate_chunks(files, [tensor])[TENSOR]
     rows = tensor.shape[0] if rows is None else rows
     row_bytes = tensor.nbytes // tensor.shape[0]
     ranges = []

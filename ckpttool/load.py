@@ -29,7 +29,7 @@ import operator
 import os
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, NamedTuple, Sequence
 
-from ckpttool import dtypes, execute, integrity, readers
+from ckpttool import dtypes, execute, integrity, locating, readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate
 from ckpttool.errors import CorruptMetadata, KeyCollision, MissingEntry, UsageError
@@ -261,7 +261,7 @@ class CheckpointFile:
         record headers of neighbouring chunks come from one read)."""
         wanted = [tensor for tensor in tensors if tensor.fqn not in self._located]
         if wanted:
-            self._located.update(execute.locate_chunks(self._files, wanted, self.threads))
+            self._located.update(locating.locate_chunks(self._files, wanted, self.threads))
 
     def _allocate(self, dtype: str, shape: Sequence[int]) -> tuple[Any, memoryview]:
         if self.framework == "np":

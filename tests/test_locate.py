@@ -8,7 +8,7 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool import execute
+from ckpttool import locating
 from ckpttool.dcp.blobs import DataFiles, locate
 from ckpttool.errors import CheckpointError, CorruptBlob
 from ckpttool.plan import unique_chunks
@@ -35,13 +35,13 @@ def one_by_one(files: DataFiles, checkpoint) -> dict:
 
 def counting_tasks(monkeypatch) -> list[int]:
     counts = []
-    run_each = execute.run_each
+    run_each = locating.run_each
 
     def counted(tasks, threads):
         counts.append(len(tasks))
         return run_each(tasks, threads)
 
-    monkeypatch.setattr(execute, "run_each", counted)
+    monkeypatch.setattr(locating, "run_each", counted)
     return counts
 
 
@@ -55,7 +55,7 @@ def test_many_chunks_of_one_file_are_located_by_one_task_with_few_reads(many_sma
     read = DataFiles.read
     monkeypatch.setattr(DataFiles, "read", lambda self, *args: reads.append(args) or read(self, *args))
     with DataFiles(checkpoint.path) as files:
-        located = execute.locate_chunks(files, checkpoint.tensors.values(), threads=4)
+        located = locating.locate_chunks(files, checkpoint.tensors.values(), threads=4)
     assert counts == [1]
     assert located == expected and len(expected) == 300
     assert len(reads) < 10  # 300 records, their headers in a few windows
@@ -68,7 +68,7 @@ def test_locating_runs_one_task_per_data_file_and_finds_what_each_chunk_alone_fi
         expected = one_by_one(files, checkpoint)
     counts = counting_tasks(monkeypatch)
     with DataFiles(checkpoint.path) as files:
-        located = execute.locate_chunks(files, checkpoint.tensors.values(), threads=2)
+        located = locating.locate_chunks(files, checkpoint.tensors.values(), threads=2)
     data_files = {chunk.blob.file for tensor in checkpoint.tensors.values() for chunk in tensor.chunks}
     assert counts == [len(data_files)] and located == expected
 
@@ -94,7 +94,7 @@ def test_of_several_bad_records_the_error_names_the_first_chunk_in_order(many_sm
             for tensor in tensors:
                 locate(files, tensor, tensor.chunks[0])
         with pytest.raises(CorruptBlob) as together:
-            execute.locate_chunks(files, tensors, threads=4)
+            locating.locate_chunks(files, tensors, threads=4)
     assert str(together.value) == str(alone.value) and first.fqn in str(together.value)
 
 
@@ -104,10 +104,10 @@ def test_small_records_lying_close_together_are_checked_a_block_at_a_time(many_s
     with DataFiles(checkpoint.path) as files:
         expected = one_by_one(files, checkpoint)
     alone = []
-    locate_one = execute._locate_one
-    monkeypatch.setattr(execute, "_locate_one", lambda *args: alone.append(args) or locate_one(*args))
+    locate_one = locating._locate_one
+    monkeypatch.setattr(locating, "_locate_one", lambda *args: alone.append(args) or locate_one(*args))
     with DataFiles(checkpoint.path) as files:
-        located = execute.locate_chunks(files, checkpoint.tensors.values(), threads=1)
+        located = locating.locate_chunks(files, checkpoint.tensors.values(), threads=1)
     assert located == expected
     assert len(alone) <= 10  # 300 records of five shapes: one parse per layout, the rest compared as arrays
 
@@ -131,11 +131,11 @@ def test_records_damaged_anywhere_in_a_block_give_what_locating_each_chunk_alone
                 data[blob.offset + rng.randrange(blob.length)] = rng.randrange(256)
         (copy / "__0_0.distcp").write_bytes(bytes(data))
         results = []
-        for locating in (lambda files: one_by_one(files, checkpoint),
-                         lambda files: execute.locate_chunks(files, checkpoint.tensors.values(), threads=1)):
+        for locate_all in (lambda files: one_by_one(files, checkpoint),
+                           lambda files: locating.locate_chunks(files, checkpoint.tensors.values(), threads=1)):
             with DataFiles(copy) as files:
                 try:
-                    results.append(locating(files))
+                    results.append(locate_all(files))
                 except CheckpointError as error:
                     results.append(f"{type(error).__name__}: {error}")
         assert results[0] == results[1], trial
@@ -170,7 +170,7 @@ def both_ways(checkpoint, path=None, threads: int = 2) -> tuple:
     """(locating each chunk alone, in job order; locate_chunks), each a Located or the error."""
     path = path or checkpoint.path
     return (outcome(lambda files: one_by_one(files, checkpoint), path),
-            outcome(lambda files: execute.locate_chunks(files, checkpoint.tensors.values(), threads=threads), path))
+            outcome(lambda files: locating.locate_chunks(files, checkpoint.tensors.values(), threads=threads), path))
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,8 @@ def world4_tables(tmp_path_factory):
 
 def counting_alone(monkeypatch) -> list:
     alone = []
-    locate_one = execute._locate_one
-    monkeypatch.setattr(execute, "_locate_one", lambda *args: alone.append(args) or locate_one(*args))
+    locate_one = locating._locate_one
+    monkeypatch.setattr(locating, "_locate_one", lambda *args: alone.append(args) or locate_one(*args))
     return alone
 
 
@@ -217,7 +217,7 @@ def test_chunk_tables_are_located_from_columns_as_each_chunk_alone(source, inter
     # and the same as the chunk walk gives the same tensors as chunk tuples
     tuples = [replace_chunks(tensor, tuple(tensor.chunks)) for tensor in checkpoint.tensors.values()]
     with DataFiles(path) as files:
-        assert execute.locate_chunks(files, tuples, threads=2) == together
+        assert locating.locate_chunks(files, tuples, threads=2) == together
 
 
 def replace_chunks(tensor, chunks):
@@ -232,7 +232,7 @@ def test_records_of_tables_are_compared_as_arrays_one_parse_per_layout(interleav
         expected = both_ways(checkpoint)[0]
         alone = counting_alone(monkeypatch)
         with DataFiles(path) as files:
-            located = execute.locate_chunks(files, checkpoint.tensors.values(), threads=1)
+            located = locating.locate_chunks(files, checkpoint.tensors.values(), threads=1)
         assert located == expected
         chunks = sum(len(found) for found in located.values())
         # 240 records of 30 layouts / 164 records of 2 layouts (rows and the bias), parsed once each per thread

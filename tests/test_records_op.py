@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_same_bytes
 
-from ckpttool import distributed, execute, record_writes
+from ckpttool import distributed, execute, locating, record_writes
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CorruptBlob, VerificationFailed
 from ckpttool.plan.operations import Record, Records
@@ -47,7 +47,7 @@ def slab_records(path, dst: str = "out", offset: int = 0, parts: int = 2) -> tup
     source order (the executor sorts its reads); with the (fqn, rows) each record holds."""
     checkpoint = read_checkpoint(path)
     with DataFiles(checkpoint.path) as files:
-        located = execute.locate_chunks(files, checkpoint.tensors.values())
+        located = locating.locate_chunks(files, checkpoint.tensors.values())
     shapes: list = []
     columns: dict[str, list] = {name: [] for name in ("kind", "fqn", "start", "src", "src_offset")}
     held = []

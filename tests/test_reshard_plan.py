@@ -274,14 +274,14 @@ def test_each_rank_file_holds_what_torchs_dedup_save_plans_leaves_that_rank(mesh
 def _written(checkpoint: Checkpoint, mesh: Mesh) -> tuple:
     """What reshard writes for `checkpoint` on `mesh`: file sizes, every record as a Record
     (Records expanded), the objects and the `.metadata` chunks."""
-    from ckpttool import execute
+    from ckpttool import locating
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.plan.operations import Records
     from ckpttool.plan.rank_files import plan_writes
 
     plan = plan_reshard(checkpoint, mesh)
     with DataFiles(checkpoint.path) as files:
-        writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values()))
+        writes = plan_writes(plan, checkpoint, locating.locate_chunks(files, checkpoint.tensors.values()))
     operations = [record for op in writes.operations for record in (op.records() if isinstance(op, Records) else [op])]
     return (writes.files, operations, writes.objects,
             [(t.fqn, t.dtype, t.shape, list(t.chunks)) for t in writes.tensors], [list(f.chunks) for f in plan.files])
@@ -299,7 +299,7 @@ def test_reshard_from_chunk_tables_writes_what_it_writes_from_chunk_tuples(name)
 
 
 def test_small_records_of_one_raw_run_are_written_by_records_and_the_rest_by_a_record_each():
-    from ckpttool import execute
+    from ckpttool import locating
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.plan.operations import Copy, Record, Records
     from ckpttool.plan.rank_files import RECORDS_RECORD, plan_writes
@@ -308,7 +308,7 @@ def test_small_records_of_one_raw_run_are_written_by_records_and_the_rest_by_a_r
     checkpoint = read_checkpoint(FIXTURES / "fsdp2_world3_uneven")
     plan = plan_reshard(checkpoint, Mesh(1, 2))  # rows 0..7 of a 13-row tensor from two source chunks
     with DataFiles(checkpoint.path) as files:
-        writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values()))
+        writes = plan_writes(plan, checkpoint, locating.locate_chunks(files, checkpoint.tensors.values()))
     grouped = [op for op in writes.operations if isinstance(op, Records)]
     alone = [op for op in writes.operations if isinstance(op, Record)]
     assert grouped and any(len(op.parts) > 1 for op in alone)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable
 
-from ckpttool import distributed, execute, integrity, io, readers
+from ckpttool import distributed, execute, integrity, io, locating, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.distributed import ProcessStats
@@ -201,7 +201,7 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
     opened = shared.open(checkpoint.path) if shared is not None else DataFiles(checkpoint.path, source.follow_symlinks)
     with opened as files:
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
-        located = execute.locate_chunks(files, tensors.values(), threads)
+        located = locating.locate_chunks(files, tensors.values(), threads)
         objects = load_objects(checkpoint, files, selection.objects) if kind.kind == "torch" else {}
         if convert.everything and kind.kind == "torch" and detection.layout == LIGHTNING:
             selection, objects = with_lightning_metadata(selection, objects, files, checkpoint.path)
@@ -268,7 +268,7 @@ def with_lightning_metadata(selection: Selection, objects: dict[str, Any], files
             {**objects, **meta})
 
 
-def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: execute.Located) -> tuple[Tie, ...]:
+def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: locating.Located) -> tuple[Tie, ...]:
     """Return pairs (embedding-like key, head-like key) that hold the same tensor.
 
     Names and geometry are compared first; only a matching pair has its bytes compared, block
@@ -291,7 +291,7 @@ def find_ties(files: DataFiles, tensors: dict[str, Tensor], located: execute.Loc
     return tuple(ties)
 
 
-def _same_chunk(files: DataFiles, a: Tensor, index_a: int, b: Tensor, index_b: int, located: execute.Located) -> bool:
+def _same_chunk(files: DataFiles, a: Tensor, index_a: int, b: Tensor, index_b: int, located: locating.Located) -> bool:
     raw_a, raw_b = located[a.fqn][index_a], located[b.fqn][index_b]
     if raw_a is not None and raw_b is not None:
         if (raw_a.file, raw_a.offset) == (raw_b.file, raw_b.offset):

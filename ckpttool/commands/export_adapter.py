@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckpttool import execute
+from ckpttool import execute, locating
 from ckpttool.adapter import adapter_config, find_adapter
 from ckpttool.commands.consolidate import Planned, write_output
 from ckpttool.dcp.blobs import DataFiles
@@ -78,7 +78,7 @@ def export_adapter(src: str | os.PathLike, outdir: str | os.PathLike, assets: st
     selection = Selection(dict(sorted(keys.items())), {}, {key: (key,) for key in keys})
     with DataFiles(found.checkpoint.path, source.follow_symlinks) as files:
         tensors = [found.checkpoint.tensors[fqn] for fqn in keys.values()]
-        located = execute.locate_chunks(files, tensors, write.threads)
+        located = locating.locate_chunks(files, tensors, write.threads)
     plan = plan_consolidate(found.checkpoint, selection, located, name=peft.WEIGHTS_NAME, kind=_SINGLE_FILE)
     document = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     files_out = ((peft.WEIGHTS_NAME, plan.files[0].size), (peft.CONFIG_NAME, len(document)))

@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ckpttool import execute, integrity, readers
+from ckpttool import integrity, locating, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, raw_range_transforms
 from ckpttool.commands.reshard import ReshardReport, write_dcp
 from ckpttool.dcp.blobs import DataFiles
@@ -49,7 +49,7 @@ class ImportReport(ReshardReport):
     prefix: str = DEFAULT_PREFIX
 
 
-def nest_under(checkpoint: Checkpoint, prefix: str, located: execute.Located,
+def nest_under(checkpoint: Checkpoint, prefix: str, located: locating.Located,
                keys: Mapping[str, str] | None = None) -> Checkpoint:
     """Return `checkpoint` with every entry of `keys` (fqn -> model key; default every entry
     under its fqn) renamed `prefix + key` and nested under the prefix's parts in the state dict
@@ -115,7 +115,7 @@ def import_checkpoint(
                          "folder, a .pt); rewrite a DCP checkpoint with `ckpttool reshard`")
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     with DataFiles(checkpoint.path, source.follow_symlinks) as files:
-        located = execute.locate_chunks(files, checkpoint.tensors.values(), write.threads)
+        located = locating.locate_chunks(files, checkpoint.tensors.values(), write.threads)
         nested = nest_under(checkpoint, prefix, located, find_model(checkpoint, source.model_prefix).require().keys)
         plan = plan_reshard(nested, target_mesh)
         report = dict(source=checkpoint.path, destination=destination, plan=plan, tensor_bytes=plan.nbytes,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ckpttool import distributed, execute, integrity, io, readers
+from ckpttool import distributed, execute, integrity, io, locating, readers
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.dcp.writer import metadata_bytes
@@ -126,7 +126,7 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
     files preallocated, filled (under torchrun, each process its share), verified if asked,
     fsynced, then `.metadata` (encoded meanwhile). Returns what was written and the work of each process."""
     force, verify, threads, budget = write.force, write.verify, write.threads, write.max_memory
-    writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values(), threads))
+    writes = plan_writes(plan, checkpoint, locating.locate_chunks(files, checkpoint.tensors.values(), threads))
 
     def prepare(fds: dict[str, int]) -> None:
         for name, size in writes.files:

@@ -1,7 +1,7 @@
 """The consolidate plan: which source bytes go where in one full state dict, as pure data.
 
 Planning reads nothing. `select` picks the output keys from the metadata; the command then
-locates the chosen chunks' raw bytes (`execute.locate_chunks`), finds tied pairs and decodes
+locates the chosen chunks' raw bytes (`locating.locate_chunks`), finds tied pairs and decodes
 python objects (IO), and `plan_consolidate` turns all of that into output files (safetensors
 headers or a .pt zip layout) and the operations that fill them (`plan.operations`).
 

@@ -8,7 +8,7 @@ small records as columns); any other chunk gets its own `Record` (several runs, 
 source, a large record streamed).
 
 Example:
-    >>> writes = plan_writes(plan, checkpoint, execute.locate_chunks(files, checkpoint.tensors.values()))
+    >>> writes = plan_writes(plan, checkpoint, locating.locate_chunks(files, checkpoint.tensors.values()))
     >>> writes.files[0]
     ('__0_0.distcp', 36261)
 """

@@ -1,0 +1,448 @@
+"""Where each chunk's raw bytes are: torch.save record headers read, one task per data file.
+
+Planners take the result (`Located`: fqn -> chunk index -> `RawData`, or None where a chunk
+must be decoded) as input; nothing here writes. A large `.metadata` is read into
+`ChunkTable`s, and those tensors are located from their columns a data file at a time
+(`_TableJobs`); small checkpoints (chunk tuples) and coalesced remote spans walk chunk by
+chunk. The results and the errors (the first in tensor and chunk order) are those of
+locating each chunk alone.
+
+Example:
+    >>> with DataFiles(checkpoint.path) as files:
+    ...     located = locate_chunks(files, checkpoint.tensors.values())
+    >>> located["model.embed.weight"][0]
+    RawData(file='__0_0.distcp', offset=1216, length=208, crc32=2931488367)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Sequence, TypeVar
+
+from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
+from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate
+from ckpttool.errors import CheckpointError, CorruptBlob
+from ckpttool.io import thread_buffer
+from ckpttool.plan import unique_chunks, unique_table_rows
+from ckpttool.torchsave.record import ParsedRecords
+
+T = TypeVar("T")
+Located = dict[str, dict[int, RawData | None]]  # fqn -> chunk index -> raw bytes (None: decode)
+
+
+def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4) -> Located:
+    """Return where each distinct chunk's raw bytes are (reading only record headers); the
+    planners take this as input. Raises CorruptBlob for a record that disagrees with the
+    metadata or runs past the end of its file.
+
+    One task per data file walks its records in offset order through a `ReadAhead`, so the
+    headers of neighbouring records come from one read; tasks run `threads` at a time. On
+    several bad chunks the error raised is the first in (tensor, chunk) order, as if each
+    chunk were located alone in that order.
+    """
+    with paused_gc():  # a few small acyclic objects per chunk (see paused_gc)
+        return _locate_chunks(files, list(tensors), threads)
+
+
+def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Located:
+    # ChunkTable tensors are located from their columns (`_TableJobs`), the others chunk by
+    # chunk; coalesced spans (remote roots) keep the chunk walk, which tells them its order.
+    # Job numbers run over both in (tensor, chunk) order: the error raised is the first's.
+    columnar = not files.coalesced
+    tables = [tensor for tensor in tensors if columnar and isinstance(tensor.chunks, ChunkTable)]
+    table_rows = iter(unique_table_rows([tensor.chunks for tensor in tables]))
+    jobs: dict[int, tuple[Tensor, int]] = {}
+    chunks: dict[int, Chunk] = {}
+    table_indices: list = []
+    table_first: list[int] = []
+    count = 0
+    for tensor in tensors:
+        if columnar and isinstance(tensor.chunks, ChunkTable):
+            indices = next(table_rows)
+            table_indices.append(indices)
+            table_first.append(count)
+            count += len(indices)
+            continue
+        indices = unique_chunks(tensor)
+        if isinstance(tensor.chunks, ChunkTable):
+            picked = tensor.chunks.rows(indices)  # one pass over the columns
+        else:
+            picked = [tensor.chunks[index] for index in indices]
+        for index, chunk in zip(indices, picked):
+            jobs[count], chunks[count] = (tensor, index), chunk
+            count += 1
+    found: dict[int, RawData | None] = {}
+    tasks = _chunk_tasks(files, jobs, chunks, found)
+    columns = _TableJobs(tables, table_indices, table_first) if tables else None
+    if columns is not None:
+        tasks += columns.tasks(files)
+        if files.local:  # a file's walk is a read and array work: threads beyond the cores only contend
+            threads = min(threads, max(2, os.cpu_count() or 1))
+    failures = [failure for failure in run_each(tasks, threads) if failure is not None]
+    if failures:
+        raise min(failures, key=lambda failure: failure[0])[1]
+    located: Located = {tensor.fqn: {} for tensor in tensors}
+    for number, (tensor, index) in jobs.items():
+        located[tensor.fqn][index] = found[number]
+    if columns is not None:
+        columns.fill(located)
+    return located
+
+
+def _chunk_tasks(files: DataFiles, jobs: dict[int, tuple[Tensor, int]], chunks: dict[int, Chunk],
+                 found: dict[int, RawData | None]) -> list[Callable[[], tuple[int, Exception] | None]]:
+    """One task per data file locating the chunks of `jobs` (by job number), walking the file's
+    records in offset order; each returns the first error in job order, or None."""
+    by_file: dict[str, list[int]] = {}
+    for number, chunk in chunks.items():
+        by_file.setdefault(chunk.blob.file if chunk.blob is not None else "", []).append(number)
+    files.walk_records(chunk.blob for chunk in chunks.values())
+
+    def walk(relative: str, numbers: list[int]) -> tuple[int, Exception] | None:
+        ahead = ReadAhead(files, relative)
+        errors: list[tuple[int, Exception]] = []  # all kept: the one raised is the first in job order
+
+        def locate_alone(number: int) -> None:
+            tensor, index = jobs[number]
+            try:
+                found[number] = _locate_one(ahead, tensor, index)
+            except Exception as error:
+                errors.append((number, error))
+
+        ordered = sorted(numbers, key=lambda n: chunks[n].blob.offset if chunks[n].blob is not None else 0)
+        blocks = not files.coalesced  # coalesced spans already serve neighbours from memory
+        position = 0
+        while position < len(ordered):
+            end = _record_block(chunks, ordered, position) if blocks else position + 1
+            block = ordered[position:end]
+            position = end
+            if len(block) == 1:
+                locate_alone(block[0])
+                continue
+            # the block's first record is parsed alone, the others reuse its layout where they
+            # can; of those that cannot, the first is parsed alone, and so on while parsing
+            # finds new layouts (ParsedRecords keeps a bounded number)
+            locate_alone(block[0])
+            rest = block[1:]
+            while rest:
+                missed = []
+                for number, raw in zip(rest, _reuse_block(ahead, jobs, chunks, rest)):
+                    if raw is None:
+                        missed.append(number)
+                    else:
+                        found[number] = raw
+                if not missed:
+                    break
+                layouts = ahead.records.layouts
+                locate_alone(missed[0])
+                rest = missed[1:]
+                if ahead.records.layouts == layouts:
+                    for number in rest:
+                        locate_alone(number)
+                    break
+        return min(errors, key=lambda failure: failure[0]) if errors else None
+
+    return [functools.partial(walk, relative, numbers) for relative, numbers in sorted(by_file.items())]
+
+
+class _TableJobs:
+    """The distinct non-empty chunks of ChunkTable tensors, as columns in job order, located
+    a file at a time with array operations: per file, the job list, the sort by offset, the
+    blocks, the layout comparisons (`ParsedRecords.match_block`), the dtype and shape checks
+    and the data offsets and CRC-32s are arrays; a chunk is touched in Python only to build
+    its `RawData`, or when it is located alone (`_locate_one`: any record not reused).
+    """
+
+    def __init__(self, tensors: list[Tensor], indices: list, first: list[int]):
+        import numpy as np
+
+        self.tensors = tensors
+        counts = np.array([len(rows) for rows in indices], dtype=np.int64)
+        self.index = np.concatenate(indices).astype(np.int64) if indices else np.zeros(0, np.int64)
+        self.tensor = np.repeat(np.arange(len(tensors), dtype=np.int64), counts)
+        self.number = np.repeat(np.array(first, dtype=np.int64), counts) + _ranks(counts)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])  # of each tensor's jobs
+        names: dict[str, int] = {}
+        mapped: dict[int, tuple] = {}  # id of a files tuple -> (the tuple, its global numbers, then -1)
+        dtype_codes: dict[str, int] = {}
+        ndim = max((tensor.chunks.offsets.shape[1] for tensor in tensors), default=0)
+        rows = len(self.index)
+        self.file = np.empty(rows, dtype=np.int64)
+        self.offset = np.empty(rows, dtype=np.int64)
+        self.length = np.empty(rows, dtype=np.int64)
+        self.sizes = np.zeros((rows, ndim), dtype=np.int64)
+        self.ndim = np.repeat(np.array([t.chunks.offsets.shape[1] for t in tensors], dtype=np.int64), counts)
+        self.dtype = np.repeat(np.array([dtype_codes.setdefault(t.dtype, len(dtype_codes)) for t in tensors],
+                                        dtype=np.int64), counts)
+        self.dtype_codes = dtype_codes
+        for number, (tensor, picked) in enumerate(zip(tensors, indices)):
+            table = tensor.chunks
+            known = mapped.get(id(table.files))
+            if known is None:
+                numbers = [names.setdefault(name, len(names)) for name in table.files]
+                known = mapped[id(table.files)] = (table.files, np.array(numbers + [-1], dtype=np.int64))
+            begin, end = self.starts[number], self.starts[number + 1]
+            self.file[begin:end] = known[1][table.file[picked]]
+            self.offset[begin:end] = table.blob_offset[picked]
+            self.length[begin:end] = table.blob_length[picked]
+            self.sizes[begin:end, :table.sizes.shape[1]] = table.sizes[picked]
+        self.names = list(names)
+        # what was found: raw_* for chunks reused from a layout (`reused`), `alone` for the rest
+        self.reused = np.zeros(rows, dtype=bool)
+        self.raw_offset = np.zeros(rows, dtype=np.int64)
+        self.raw_length = np.zeros(rows, dtype=np.int64)
+        self.raw_crc = np.zeros(rows, dtype=np.int64)
+        self.alone: dict[int, RawData | None] = {}  # by job position
+        self._records: dict[int, ParsedRecords] = {}  # by thread
+        self._checks: dict[int, tuple] = {}  # by id of a layout's record: what `_checked` needs of it
+
+    def tasks(self, files: DataFiles) -> list[Callable[[], tuple[int, Exception] | None]]:
+        """One task per data file (and one for chunks without a blob), in file name order."""
+        import numpy as np
+
+        order = np.argsort(self.file, kind="stable")
+        bounds = np.flatnonzero(np.diff(self.file[order])) + 1
+        groups = np.split(order, bounds) if len(order) else []
+        named = sorted(groups, key=lambda group: self.names[self.file[group[0]]] if self.file[group[0]] >= 0 else "")
+        return [functools.partial(self._walk, files, group) for group in named]
+
+    def _walk(self, files: DataFiles, positions) -> tuple[int, Exception] | None:
+        """Locate the jobs at `positions` (ascending), all of one data file: blocks of small
+        records close together by array comparisons, every other record alone."""
+        import numpy as np
+
+        file = int(self.file[positions[0]])
+        relative = self.names[file] if file >= 0 else ""
+        ahead = ReadAhead(files, relative)
+        # a parse is a function of the record's bytes, whatever its file: the layouts parsed
+        # by this thread's earlier walks serve this file too (each thread parses each once),
+        # until they are as many as ParsedRecords keeps: then this file starts afresh
+        records = self._records.get(threading.get_ident())
+        if records is None or records.layouts >= ParsedRecords.MAX_LAYOUTS:
+            records = self._records[threading.get_ident()] = ParsedRecords()
+        ahead.records = records
+        errors: list[tuple[int, Exception]] = []
+        ordered = positions[np.argsort(self.offset[positions], kind="stable")] if file >= 0 else positions
+        offset, length = self.offset[ordered], self.length[ordered]
+        ends = offset + length
+        # (offsets the metadata gives are any int64: only sane ones are read in blocks, so no sum overflows)
+        small = ((length > 0) & (length <= BLOCK_RECORD) & (offset >= 0) & (offset < 1 << 62) if file >= 0
+                 else np.zeros(len(ordered), dtype=bool))
+        # a record joins the one before it when both are small, it starts at or after that
+        # one's end, and at most BLOCK_GAP bytes after it
+        joined = small[1:] & small[:-1] & (offset[1:] >= ends[:-1]) & (offset[1:] - ends[:-1] <= BLOCK_GAP)
+        runs = np.flatnonzero(~joined) + 1
+        for first, end in zip([0, *runs.tolist()], [*runs.tolist(), len(ordered)]):
+            if end - first < BLOCK_MIN:
+                for position in ordered[first:end].tolist():
+                    self._locate_alone(ahead, position, errors)
+                continue
+            while first < end:  # blocks of at most BLOCK_BYTES
+                last = first + max(1, int(np.searchsorted(ends[first:end], offset[first] + BLOCK_BYTES, "right")))
+                self._block(ahead, ordered[first:last], errors)
+                first = last
+        return min(errors, key=lambda failure: failure[0]) if errors else None
+
+    def _block(self, ahead: ReadAhead, block, errors: list) -> None:
+        """Locate the records of `block` (job positions in offset order, records lying in at
+        most BLOCK_BYTES): those whose bytes are a parsed layout's from arrays, the rest alone."""
+        import numpy as np
+
+        offset, length = self.offset[block], self.length[block]
+        start, end = int(offset[0]), int(offset[-1] + length[-1])
+        try:
+            size = ahead.size(ahead.relative)
+            if end > size:
+                raise CorruptBlob("past the end")  # each record alone says which
+            # this thread's buffer, reused block after block (fresh pages cost more than the copy)
+            buffer = np.frombuffer(thread_buffer(end - start + 8, "locate"), np.uint8)
+            ahead.files.read_into(ahead.relative, start, memoryview(buffer)[:end - start])
+        except CheckpointError:
+            for position in block.tolist():
+                self._locate_alone(ahead, position, errors)
+            return
+        places = offset - start
+        pending = np.ones(len(block), dtype=bool)
+        compared: dict[int, int] = {}  # by record length: the layouts every pending record was compared with
+        refused = []  # whose bytes are a layout's that `locate` would not return as raw data
+        while True:
+            for record_length in np.unique(length[pending]).tolist():
+                group = np.flatnonzero(pending & (length == record_length))
+                skip = compared.get(record_length, 0)
+                which, crcs, layouts = ahead.records.match_block(buffer, places[group], record_length, skip)
+                compared[record_length] = len(layouts)
+                for number in range(skip, len(layouts)):
+                    record, data_start = layouts[number]
+                    matched = which == number
+                    hit = group[matched]
+                    if not len(hit):
+                        continue
+                    pending[hit] = False
+                    data_at = start + places[hit] + data_start
+                    good = self._checked(record, block[hit], size, data_at)
+                    refused.append(hit[~good])
+                    taken = block[hit[good]]
+                    self.reused[taken] = True
+                    self.raw_offset[taken] = data_at[good]
+                    self.raw_length[taken] = record.data_length
+                    self.raw_crc[taken] = crcs[matched][good]
+            misses = np.flatnonzero(pending)
+            if not len(misses):
+                break
+            # the first miss is parsed alone (a new layout, if it parses); while parsing finds
+            # new layouts the rest are compared with them, else located alone
+            layouts = ahead.records.layouts
+            self._locate_alone(ahead, int(block[misses[0]]), errors)
+            pending[misses[0]] = False
+            if ahead.records.layouts == layouts:
+                refused.append(misses[1:])
+                break
+        for position in block[np.sort(np.concatenate(refused))].tolist() if refused else ():
+            self._locate_alone(ahead, position, errors)
+
+    def _checked(self, record, positions, size: int, data_at):
+        """Which of the jobs at `positions`, whose record parses as `record` with its data at
+        `data_at`, `locate` would return as plain raw data (the rest: located alone)."""
+        import numpy as np
+
+        check = self._checks.get(id(record))
+        if check is None or check[0] is not record:
+            shape = record.shape
+            usable = (record.is_plain and record.dtype in self.dtype_codes and len(shape) <= self.sizes.shape[1]
+                      and all(type(n) is int and 0 <= n < (1 << 63) for n in shape))
+            check = self._checks[id(record)] = (record, usable, self.dtype_codes.get(record.dtype),
+                                                np.array(shape if usable else (), dtype=np.int64))
+        _, usable, dtype, shape = check
+        if not usable:
+            return np.zeros(len(positions), dtype=bool)
+        good = (self.dtype[positions] == dtype) & (self.ndim[positions] == len(shape))
+        if len(shape):
+            good &= (self.sizes[positions, :len(shape)] == shape).all(axis=1)
+        return good & (data_at + record.data_length <= size)
+
+    def _locate_alone(self, ahead: ReadAhead, position: int, errors: list) -> None:
+        tensor = self.tensors[int(self.tensor[position])]
+        try:
+            self.alone[position] = _locate_one(ahead, tensor, int(self.index[position]))
+        except Exception as error:
+            errors.append((int(self.number[position]), error))
+
+    def fill(self, located: Located) -> None:
+        """Add what was found to `located`: a RawData per reused chunk, built from columns."""
+        import numpy as np
+
+        names = np.array(self.names + [""], dtype=object)
+        raws: list = list(map(RawData, names[self.file].tolist(), self.raw_offset.tolist(), self.raw_length.tolist(),
+                               self.raw_crc.tolist()))
+        for position, raw in self.alone.items():
+            raws[position] = raw
+        indices = self.index.tolist()
+        starts = self.starts.tolist()
+        for number, tensor in enumerate(self.tensors):
+            begin, end = starts[number], starts[number + 1]
+            located[tensor.fqn].update(zip(indices[begin:end], raws[begin:end]))
+
+
+def _ranks(counts):
+    """0, 1, ... count - 1 for each of `counts`, concatenated."""
+    import numpy as np
+
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+# small records lying close together are checked a block at a time (`ParsedRecords.match_block`):
+# one read and a few array comparisons per record length instead of a parse each
+BLOCK_RECORD = 64 << 10  # largest record checked in a block
+BLOCK_GAP = 64 << 10  # most bytes between two records of a block (read through)
+BLOCK_BYTES = 4 << 20  # most bytes read per block
+BLOCK_MIN = 8  # fewer records than this are located one by one
+
+
+def _blockable(blob) -> bool:
+    return blob is not None and not blob.transforms and 0 < blob.length <= BLOCK_RECORD
+
+
+def _record_block(chunks: list[Chunk], ordered: list[int], position: int) -> int:
+    """Return the end of the block of records starting at `ordered[position]` (or position +
+    1): small plain blobs in offset order, none overlapping the one before, with at most
+    BLOCK_GAP bytes between two and BLOCK_BYTES from the first's start to the last's end."""
+    blob = chunks[ordered[position]].blob
+    if not _blockable(blob):
+        return position + 1
+    start, reached, end = blob.offset, blob.offset + blob.length, position + 1
+    while end < len(ordered):
+        following = chunks[ordered[end]].blob
+        if (not _blockable(following) or following.file != blob.file or following.offset < reached
+                or following.offset - reached > BLOCK_GAP or following.offset + following.length - start > BLOCK_BYTES):
+            break
+        reached, end = following.offset + following.length, end + 1
+    return end if end - position >= BLOCK_MIN else position + 1
+
+
+def _reuse_block(ahead: ReadAhead, jobs: list[tuple[Tensor, int]], chunks: list[Chunk],
+                 numbers: list[int]) -> list[RawData | None]:
+    """Return the raw data of each record in `numbers` (a block after its first record, which
+    is located first and so parsed) that `locate` would find through a layout parsed before,
+    or None where the record must be located alone (any doubt, and every error)."""
+    blobs = [chunks[number].blob for number in numbers]
+    start, end = blobs[0].offset, blobs[-1].offset + blobs[-1].length
+    try:
+        if end > ahead.size(blobs[0].file):
+            return [None] * len(numbers)
+        block = ahead.files.read(blobs[0].file, start, end - start)
+    except CheckpointError:
+        return [None] * len(numbers)
+    import numpy as np
+
+    by_length: dict[int, list[int]] = {}
+    for place, blob in enumerate(blobs):
+        by_length.setdefault(blob.length, []).append(place)
+    buffer = np.frombuffer(block + bytes(8), np.uint8)  # match_block reads whole words past a record's end
+    reused: list = [None] * len(numbers)
+    for length, places in by_length.items():
+        starts = np.array([blobs[place].offset - start for place in places], dtype=np.int64)
+        which, crcs, layouts = ahead.records.match_block(buffer, starts, length)
+        for place, number, crc, at in zip(places, which.tolist(), crcs.tolist(), starts.tolist()):
+            if number >= 0:
+                record, data_start = layouts[number]
+                reused[place] = (record, at + data_start, crc)
+    plain: dict[int, bool] = {}  # by id of a layout's record
+    located: list[RawData | None] = []
+    for number, blob, found in zip(numbers, blobs, reused):
+        if found is None:
+            located.append(None)
+            continue
+        record, data_at, crc = found
+        if id(record) not in plain:
+            plain[id(record)] = record.is_plain
+        if record.dtype != jobs[number][0].dtype or record.shape != chunks[number].sizes or not plain[id(record)]:
+            located.append(None)
+        else:
+            located.append(RawData(blob.file, start + data_at, record.data_length, crc))
+    return located
+
+
+def _locate_one(ahead: ReadAhead, tensor: Tensor, index: int) -> RawData | None:
+    chunk = tensor.chunks[index]
+    if chunk.blob is not None:
+        ahead.expect(chunk.blob)
+    raw = locate(ahead, tensor, chunk)
+    if raw is not None and raw.offset + raw.length > ahead.size(raw.file):
+        raise CorruptBlob(
+            f"{ahead.path(raw.file)}: {tensor.fqn} chunk at {list(chunk.offsets)} ends at byte "
+            f"{raw.offset + raw.length}, past the file's {ahead.size(raw.file)} bytes (truncated file?)"
+        )
+    return raw
+
+
+def run_each(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:
+    """Return the results of `tasks`, run `threads` at a time, in order (the seam tests count
+    locate's tasks through)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(tasks)))) as pool:
+        return list(pool.map(lambda task: task(), tasks))
+
+
