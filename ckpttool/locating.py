@@ -20,17 +20,17 @@ import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, MutableMapping, Sequence, TypeVar
 
 from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
-from ckpttool.dcp.blobs import DataFiles, RawData, ReadAhead, locate
+from ckpttool.dcp.blobs import DataFiles, RawData, RawDataRows, ReadAhead, locate
 from ckpttool.errors import CheckpointError, CorruptBlob
 from ckpttool.io import thread_buffer
 from ckpttool.plan import unique_chunks, unique_table_rows
 from ckpttool.torchsave.record import ParsedRecords
 
 T = TypeVar("T")
-Located = dict[str, dict[int, RawData | None]]  # fqn -> chunk index -> raw bytes (None: decode)
+Located = dict[str, MutableMapping[int, RawData | None]]  # fqn -> chunk index -> raw bytes (None: decode)
 
 
 def locate_chunks(files: DataFiles, tensors: Iterable[Tensor], threads: int = 4) -> Located:
@@ -331,19 +331,23 @@ class _TableJobs:
             errors.append((int(self.number[position]), error))
 
     def fill(self, located: Located) -> None:
-        """Add what was found to `located`: a RawData per reused chunk, built from columns."""
+        """Give each tensor its located chunks as columns (`RawDataRows`), with the chunks
+        located alone as its overrides."""
         import numpy as np
 
-        names = np.array(self.names + [""], dtype=object)
-        raws: list = list(map(RawData, names[self.file].tolist(), self.raw_offset.tolist(), self.raw_length.tolist(),
-                               self.raw_crc.tolist()))
-        for position, raw in self.alone.items():
-            raws[position] = raw
-        indices = self.index.tolist()
+        files = (*self.names, "")  # a file number of -1: no file
         starts = self.starts.tolist()
+        rows = []
         for number, tensor in enumerate(self.tensors):
             begin, end = starts[number], starts[number + 1]
-            located[tensor.fqn].update(zip(indices[begin:end], raws[begin:end]))
+            rows.append(RawDataRows(self.index[begin:end], files, self.file[begin:end], self.raw_offset[begin:end],
+                                    self.raw_length[begin:end], self.raw_crc[begin:end]))
+            located[tensor.fqn] = rows[-1]
+        if self.alone:
+            positions = np.array(sorted(self.alone), dtype=np.int64)
+            owners = (np.searchsorted(self.starts, positions, side="right") - 1).tolist()
+            for position, owner in zip(positions.tolist(), owners):
+                rows[owner].overrides[int(self.index[position])] = self.alone[position]
 
 
 def _ranks(counts):

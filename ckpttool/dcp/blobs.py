@@ -21,7 +21,7 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, MutableMapping, Sequence
 
 from ckpttool import dtypes, spans, storage
 from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
@@ -390,6 +390,54 @@ class RawData:
     offset: int
     length: int
     crc32: int | None = None  # CRC-32 the torch.save record states for these bytes, if any
+
+
+class RawDataRows(MutableMapping[int, "RawData | None"]):
+    """A tensor's located chunks as columns (what locating a ChunkTable tensor finds): chunk
+    index -> RawData, each built when asked for, instead of 300k RawData objects built up
+    front. Planners at that scale read the columns: chunk `index[i]` is the raw bytes at
+    `offset[i]` (`length[i]` of them, CRC-32 `crc32[i]`) of data file `files[file[i]]`;
+    `overrides` holds the chunks found another way (located alone; None: decoded), which win.
+
+    Example:
+        >>> rows = located["model.embed.weight"]
+        >>> rows[0] == RawData(rows.files[rows.file[0]], int(rows.offset[0]), int(rows.length[0]), int(rows.crc32[0]))
+        True
+    """
+
+    __slots__ = ("index", "files", "file", "offset", "length", "crc32", "overrides", "_rows")
+
+    def __init__(self, index: Any, files: tuple[str, ...], file: Any, offset: Any, length: Any, crc32: Any):
+        self.index, self.files, self.file = index, files, file
+        self.offset, self.length, self.crc32 = offset, length, crc32
+        self.overrides: dict[int, RawData | None] = {}
+        self._rows: dict[int, int] | None = None  # chunk index -> row, made on the first lookup
+
+    def _row(self, key: int) -> int | None:
+        if self._rows is None:
+            self._rows = dict(zip(self.index.tolist(), range(len(self.index))))
+        return self._rows.get(key)
+
+    def __getitem__(self, key: int) -> RawData | None:
+        if key in self.overrides:
+            return self.overrides[key]
+        row = self._row(key)
+        if row is None:
+            raise KeyError(key)
+        return RawData(self.files[self.file[row]], int(self.offset[row]), int(self.length[row]), int(self.crc32[row]))
+
+    def __setitem__(self, key: int, value: RawData | None) -> None:
+        self.overrides[key] = value
+
+    def __delitem__(self, key: int) -> None:
+        raise TypeError("located chunks are not removed")
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.index.tolist()
+        yield from (key for key in self.overrides if self._row(key) is None)
+
+    def __len__(self) -> int:
+        return len(self.index) + sum(self._row(key) is None for key in self.overrides)
 
 
 def _where(files: DataFiles, tensor: Tensor, chunk: Chunk) -> str:

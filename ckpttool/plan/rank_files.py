@@ -15,12 +15,11 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ckpttool.checkpoint import Checkpoint, Tensor, paused_gc
-from ckpttool.dcp.blobs import RawData
+from ckpttool.dcp.blobs import RawData, RawDataRows
 from ckpttool.dcp.writer import StoredChunks, StoredObject, StoredTensor, data_file_name
 from ckpttool.plan.operations import Copy, Gather, Operation, Record, Records
 from ckpttool.plan.reshard import ReshardPlan, TargetChunk, TargetTable
@@ -146,21 +145,27 @@ def _raw_sources(plan: ReshardPlan, checkpoint: Checkpoint,
 
     counts = [len(checkpoint.tensors[layout.fqn].chunks) for layout in plan.tensors]
     base = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+    file = np.full(int(base[-1]), -1, dtype=np.int64)
+    offset = np.zeros(int(base[-1]), dtype=np.int64)
+    files: dict[str, int] = {}
+    numbers: dict[tuple[str, ...], Any] = {}  # a RawDataRows' files -> their numbers here
     keys: list[int] = []
-    raws: list[RawData] = []
+    raws: list[RawData | None] = []
     for start, layout in zip(base.tolist(), plan.tensors):
         found = located.get(layout.fqn)
+        if isinstance(found, RawDataRows):  # columns: no RawData is built
+            known = numbers.get(found.files)
+            if known is None:
+                known = numbers[found.files] = np.array([files.setdefault(name, len(files)) for name in found.files])
+            file[start + found.index] = known[found.file]
+            offset[start + found.index] = found.offset
+            found = found.overrides
         if found:
             keys.extend([start + index for index in found])
             raws.extend(found.values())
-    if None in raws:  # decoded chunks: no raw bytes to point at
-        keys, raws = [key for key, raw in zip(keys, raws) if raw is not None], [raw for raw in raws if raw is not None]
-    names = list(map(operator.attrgetter("file"), raws))
-    files = {name: number for number, name in enumerate(dict.fromkeys(names))}
-    file = np.full(int(base[-1]), -1, dtype=np.int64)
-    offset = np.zeros(int(base[-1]), dtype=np.int64)
-    file[keys] = list(map(files.__getitem__, names))
-    offset[keys] = list(map(operator.attrgetter("offset"), raws))
+    # chunk by chunk (tuple checkpoints, remote walks, chunks located alone); None: decoded
+    file[keys] = [-1 if raw is None else files.setdefault(raw.file, len(files)) for raw in raws]
+    offset[keys] = [0 if raw is None else raw.offset for raw in raws]
     return list(files), base[:-1], file, offset
 
 
