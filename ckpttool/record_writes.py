@@ -16,10 +16,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from contextlib import AbstractContextManager, nullcontext
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.io import Output, thread_buffer, write_at
@@ -43,15 +44,6 @@ def expanded(operations: Iterable[Operation], files: DataFiles, outputs: Mapping
     by its `Record` operations (which the general path runs: remote reads, output objects)."""
     for op in operations:
         if type(op) is Records and not runs_fast(op, files, outputs):
-            yield from op.records()
-        else:
-            yield op
-
-
-def as_records(operations: Iterable[Operation]) -> Iterator[Operation]:
-    """Yield the operations, each Records operation replaced by its `Record` operations."""
-    for op in operations:
-        if type(op) is Records:
             yield from op.records()
         else:
             yield op
@@ -110,21 +102,52 @@ def write_records(op: Records, files: DataFiles, fd: int, turns: AbstractContext
     record alone raises (naming the file and the record's byte range).
     """
     with turns if turns is not None else nullcontext():
-        spans, span_of, start_in = source_spans(op)
-        # into this thread's reused buffer: a fresh MiB-sized bytes per span is a fresh mapping
-        # whose every page faults in (that doubled the time of the reads)
-        buffer = memoryview(thread_buffer(sum(end - start for _, start, end in spans), "records"))
-        views, at = [], 0
-        for span in spans:
-            view = buffer[at:at + span[2] - span[1]]
-            _read_span(op, files, span, view)
-            views.append(view)
-            at += len(view)
-        _build_and_write(op, views, span_of, start_in, fd)
+        views, span_of, start_in = _sources(op, files)
+        _build(op, views, span_of, start_in, functools.partial(_write_pieces, fd))
     return op.output_length
 
 
-def _build_and_write(op: Records, views: list[memoryview], span_of: list[int], start_in: list[int], fd: int) -> None:
+def records_match(op: Records, files: DataFiles, fd: int) -> bool:
+    """Return True when `fd` holds exactly what `write_records` writes for `op`: the records
+    built again from the source, compared a block at a time (a pread and one comparison per
+    few MiB, not a check per record). The caller finds and names a difference record by record."""
+    views, span_of, start_in = _sources(op, files)
+    try:
+        _build(op, views, span_of, start_in, functools.partial(_compare_pieces, fd))
+    except _Differs:
+        return False
+    return True
+
+
+class _Differs(Exception):
+    """The output differs from the records built again (records_match)."""
+
+
+def _compare_pieces(fd: int, pieces: list, offset: int, length: int) -> None:
+    if os.pread(fd, length, offset) != b"".join(pieces):
+        raise _Differs
+
+
+def _sources(op: Records, files: DataFiles) -> tuple[list[memoryview], list[int], list[int]]:
+    """Read `op`'s source spans (`source_spans`); return views of them, and for each record its
+    span and where its data starts there."""
+    spans, span_of, start_in = source_spans(op)
+    # into this thread's reused buffer: a fresh MiB-sized bytes per span is a fresh mapping
+    # whose every page faults in (that doubled the time of the reads)
+    buffer = memoryview(thread_buffer(sum(end - start for _, start, end in spans), "records"))
+    views, at = [], 0
+    for span in spans:
+        view = buffer[at:at + span[2] - span[1]]
+        _read_span(op, files, span, view)
+        views.append(view)
+        at += len(view)
+    return views, span_of, start_in
+
+
+def _build(op: Records, views: list[memoryview], span_of: list[int], start_in: list[int],
+           put: Callable[[list, int, int], None]) -> None:
+    """Build `op`'s records from the source views and hand them to `put(pieces, offset, length)`
+    a block of about RECORDS_WRITE_BLOCK bytes at a time (at most IOV_MAX pieces)."""
     layouts = [record_layout(dtype, shape) for dtype, shape in op.shapes]
     # this loop runs once per record (300k+ in a reshard): everything it needs is a local
     heads = [layout.head for layout in layouts]
@@ -143,12 +166,12 @@ def _build_and_write(op: Records, views: list[memoryview], span_of: list[int], s
         append(tails[kind](crc32(data)))
         pending += sizes[kind]
         if pending >= RECORDS_WRITE_BLOCK or len(pieces) > most:
-            _write_pieces(fd, pieces, block_start, pending)
+            put(pieces, block_start, pending)
             block_start += pending
             pending = 0
             pieces.clear()
     if pieces:
-        _write_pieces(fd, pieces, block_start, pending)
+        put(pieces, block_start, pending)
 
 
 def _write_pieces(fd: int, pieces: list, offset: int, length: int) -> None:

@@ -144,6 +144,23 @@ def test_verify_names_the_fqn_and_chunk_of_a_flipped_output_byte(saved, tmp_path
         os.close(fd)
 
 
+def test_an_intact_records_output_is_verified_a_block_at_a_time_not_record_by_record(saved, tmp_path, monkeypatch):
+    path, _ = saved
+    op, _ = slab_records(path)
+    out = tmp_path / "out"
+    out.write_bytes(written(path, [op], tmp_path, "records"))
+    per_record = []
+    compare = execute._compare
+    monkeypatch.setattr(execute, "_compare", lambda *args: per_record.append(args) or compare(*args))
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        with DataFiles(path) as files:
+            execute.verify([op], files, {"out": fd}, describe=lambda r: "?", **RUN)
+    finally:
+        os.close(fd)
+    assert per_record == []  # the record-by-record comparison only runs to name a difference
+
+
 def test_split_keeps_a_records_op_whole_on_one_rank(saved):
     op, _ = slab_records(saved[0])
     shares = distributed.split([op], 3)
