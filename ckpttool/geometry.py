@@ -154,17 +154,37 @@ def split_dim0(length: int, world_size: int) -> list[tuple[int, int]]:
     FSDP2 splits with `torch.chunk`: every rank gets `ceil(length / world_size)` rows except
     the last ones, and ranks past the last chunk get empty shards (offset = length, size 0).
     """
+    step, count = torch_chunk(length, world_size)
+    shards = [(rank * step, min(step, length - rank * step)) for rank in range(count)]
+    return shards + [(length, 0)] * (world_size - count)
+
+
+def torch_chunk(length: int, world_size: int) -> tuple[int, int]:
+    """Return the rows of each piece `torch.chunk` cuts `length` rows into for `world_size`
+    ranks, and how many pieces there are (the ranks past them get empty shards).
+
+    Example:
+        >>> torch_chunk(7, 5)
+        (2, 4)
+    """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     step = -(-length // world_size) if length else 0
-    shards = []
-    for rank in range(world_size):
-        start = rank * step
-        if start >= length:  # this rank and every one after it: empty, at the end
-            shards.extend([(length, 0)] * (world_size - rank))
-            break
-        shards.append((start, min(step, length - start)))
-    return shards
+    return step, -(-length // step) if step else 0
+
+
+def positions_in_groups(counts: "np.ndarray") -> "np.ndarray":
+    """Return 0, 1, ..., count - 1 for each of `counts`, concatenated: each row's position in
+    its group, for rows grouped one group after another (int64).
+
+    Example:
+        >>> positions_in_groups(np.array([2, 0, 3]))
+        array([0, 1, 0, 1, 2])
+    """
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def row_major_runs(box: Box, region: Box, itemsize: int) -> list[tuple[int, int]]:

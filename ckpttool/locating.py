@@ -25,6 +25,7 @@ from typing import Callable, Iterable, MutableMapping, Sequence, TypeVar
 from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, RawDataRows, ReadAhead, locate
 from ckpttool.errors import CheckpointError, CorruptBlob
+from ckpttool.geometry import positions_in_groups
 from ckpttool.io import thread_buffer
 from ckpttool.plan import unique_chunks, unique_table_rows
 from ckpttool.torchsave.record import ParsedRecords
@@ -163,7 +164,7 @@ class _TableJobs:
         counts = np.array([len(rows) for rows in indices], dtype=np.int64)
         self.index = np.concatenate(indices).astype(np.int64) if indices else np.zeros(0, np.int64)
         self.tensor = np.repeat(np.arange(len(tensors), dtype=np.int64), counts)
-        self.number = np.repeat(np.array(first, dtype=np.int64), counts) + _ranks(counts)
+        self.number = np.repeat(np.array(first, dtype=np.int64), counts) + positions_in_groups(counts)
         self.starts = np.concatenate([[0], np.cumsum(counts)])  # of each tensor's jobs
         names: dict[str, int] = {}
         mapped: dict[int, tuple] = {}  # id of a files tuple -> (the tuple, its global numbers, then -1)
@@ -348,14 +349,6 @@ class _TableJobs:
             owners = (np.searchsorted(self.starts, positions, side="right") - 1).tolist()
             for position, owner in zip(positions.tolist(), owners):
                 rows[owner].overrides[int(self.index[position])] = self.alone[position]
-
-
-def _ranks(counts):
-    """0, 1, ... count - 1 for each of `counts`, concatenated."""
-    import numpy as np
-
-    total = int(counts.sum())
-    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 # small records lying close together are checked a block at a time (`ParsedRecords.match_block`):

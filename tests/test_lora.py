@@ -260,6 +260,14 @@ def peft_model(hf, base_dir: Path, **lora):
     return peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **lora))
 
 
+def assert_exported_adapter_is_peft_s(cli, source: Path, out: Path, peft_folder: Path) -> None:
+    """`export --adapter` of `source`, with PEFT's own save of the model as its assets, writes
+    the adapter weights PEFT wrote."""
+    result = cli("export", source, out, "--adapter", "--assets", peft_folder, "-q")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load_file(out / "adapter_model.safetensors"), load_file(peft_folder / "adapter_model.safetensors"))
+
+
 def save_checkpoint(model, path: Path, wrapped: bool = True, change=None) -> Path:
     """dcp.save({"model": state dict}) of `model` (keys without `base_model.model.` unless wrapped)."""
     import torch.distributed.checkpoint as dcp
@@ -312,10 +320,7 @@ def test_modules_to_save_export_and_merge_equal_peft_save_pretrained_and_merge_a
         model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.25)
     model.save_pretrained(tmp_path / "peft")
     source = save_checkpoint(model, tmp_path / "ckpt")
-    result = cli("export", source, tmp_path / "out", "--adapter", "--assets", tmp_path / "peft", "-q")
-    assert result.exit_code == 0, result.output
-    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
-                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert_exported_adapter_is_peft_s(cli, source, tmp_path / "out", tmp_path / "peft")
     merged = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8", "-q")
     assert merged.exit_code == 0, merged.output
     assert_same_state(load_file(tmp_path / "merged.safetensors"), model.merge_and_unload().state_dict())
@@ -343,10 +348,7 @@ def test_lora_injected_without_peftmodel_gets_peft_prefix_and_loads_with_the_sam
     model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     model.save_pretrained(tmp_path / "peft")
     source = save_checkpoint(model, tmp_path / "ckpt", wrapped=False)
-    result = cli("export", source, tmp_path / "out", "--adapter", "--assets", tmp_path / "peft", "-q")
-    assert result.exit_code == 0, result.output
-    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
-                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert_exported_adapter_is_peft_s(cli, source, tmp_path / "out", tmp_path / "peft")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "out").eval()
     assert torch.equal(logits(loaded), logits(model.eval()))
@@ -420,10 +422,7 @@ def test_qlora_adapter_exports_and_merge_dequantizes_as_bitsandbytes_and_peft_do
                                                       init_lora_weights=False))
     model.save_pretrained(tmp_path / "peft")
     source = save_checkpoint(model, tmp_path / "ckpt")
-    result = cli("export", source, tmp_path / "adapter", "--adapter", "--assets", tmp_path / "peft", "-q")
-    assert result.exit_code == 0, result.output
-    assert_same_state(load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
-                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert_exported_adapter_is_peft_s(cli, source, tmp_path / "adapter", tmp_path / "peft")
 
     merged = cli("export", source, tmp_path / "merged", "--merge-adapter", "--assets", tmp_path / "base",
                  "--lora-alpha", "8", "-q")
@@ -462,10 +461,7 @@ def test_packed_4bit_base_without_a_readable_quant_state_exports_the_adapter_and
             state[key + ".quant_state.bitsandbytes__nf4"] = torch.zeros(64, dtype=torch.uint8)
 
     source = save_checkpoint(model, tmp_path / "ckpt", change=pack)
-    result = cli("export", source, tmp_path / "out", "--adapter", "--assets", tmp_path / "peft", "-q")
-    assert result.exit_code == 0, result.output
-    assert_same_state(load_file(tmp_path / "out" / "adapter_model.safetensors"),
-                      load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert_exported_adapter_is_peft_s(cli, source, tmp_path / "out", tmp_path / "peft")
     refused = cli("consolidate", source, tmp_path / "merged.safetensors", "--merge-adapter", "--lora-alpha", "8")
     assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1, refused.output
     assert ("model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight.quant_state.bitsandbytes__nf4: "

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ckpttool.checkpoint import paused_gc
 from ckpttool.formats.dcp import DATA_FILE_SUFFIX
+from ckpttool.geometry import positions_in_groups
 from ckpttool.torchsave.pickle import Fragment, Global, LazyDict, LazyList, NewObject, Reduce, Writer, dumps, int_bytes
 
 
@@ -290,7 +291,6 @@ def _rows(tensors: Sequence[StoredTensor]) -> tuple[_Rows | None, list[tuple[int
         file[start:stop] = remap[np.asarray(chunks.file, np.int64)]
         spans.append((start, stop))
         start = stop
-    firsts = np.cumsum(counts, dtype=np.int64) - counts
     return _Rows(
         offsets=offsets,
         sizes=sizes,
@@ -298,7 +298,7 @@ def _rows(tensors: Sequence[StoredTensor]) -> tuple[_Rows | None, list[tuple[int
         file=file,
         offset=np.concatenate([np.asarray(chunks.offset, np.int64) for chunks in columns] or [np.zeros(0, np.int64)]),
         length=np.concatenate([np.asarray(chunks.length, np.int64) for chunks in columns] or [np.zeros(0, np.int64)]),
-        index=np.arange(total, dtype=np.int64) - np.repeat(firsts, counts),
+        index=positions_in_groups(counts),
         files=tuple(names),
     ), spans
 
@@ -407,9 +407,7 @@ class _Fragments:
                 yield Fragment(self._storage_rows(runs))
                 runs.clear()
             (fqn, offsets, index), (file, offset, length, transforms) = entry
-            if self.index_parts is None or self.info_parts is None:
-                self.index_parts = writer.object_parts(_METADATA_INDEX, ("fqn", "index", "offset"))
-                self.info_parts = writer.object_parts(_STORAGE_INFO, ("relative_path", "offset", "length"))
+            self._entry_parts(writer)
             fetch = self.fetch
             name, size, path = fetch.get(fqn), fetch.get(offsets), fetch.get(file)
             if name is None or size is None or path is None:
@@ -447,12 +445,16 @@ class _Fragments:
             yield _metadata_index(block.fqn, offsets, full - block.start), _storage_info(file, offset, length)
             row = full + 1
 
-    def _ready(self, writer: Writer, fqn: str) -> bytes | None:
-        """Return the fetch of `fqn` when the memo holds it and the classes and keys of every
-        storage entry, else None."""
+    def _entry_parts(self, writer: Writer) -> None:
+        """Take the fixed parts of MetadataIndex and _StorageInfo once the memo holds them."""
         if self.index_parts is None or self.info_parts is None:
             self.index_parts = writer.object_parts(_METADATA_INDEX, ("fqn", "index", "offset"))
             self.info_parts = writer.object_parts(_STORAGE_INFO, ("relative_path", "offset", "length"))
+
+    def _ready(self, writer: Writer, fqn: str) -> bytes | None:
+        """Return the fetch of `fqn` when the memo holds it and the classes and keys of every
+        storage entry, else None."""
+        self._entry_parts(writer)
         if self.size_head is None:
             self.size_head = writer.fragment(_SIZE)
         if self.index_parts is None or self.info_parts is None or self.size_head is None:

@@ -42,7 +42,8 @@ from typing import Any, Iterator, Sequence
 from ckpttool.checkpoint import Blob, Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.writer import data_file_name
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
-from ckpttool.geometry import COLUMN_LIMIT, Box, dim0_slabs, overlapping_boxes, row_major_runs, volume
+from ckpttool.geometry import (COLUMN_LIMIT, Box, dim0_slabs, overlapping_boxes, positions_in_groups, row_major_runs,
+                               torch_chunk, volume)
 from ckpttool.model_view import ModelView, find_model
 
 
@@ -219,22 +220,18 @@ class RankFile:
     rank: int
     name: str
     objects: tuple[TargetObject, ...]
-    chunks: Sequence[TargetChunk]  # TargetChunks: a slice of the plan's table
+    chunks: TargetChunks  # a slice of the plan's table
 
     @property
     def nbytes(self) -> int:
         """Tensor data bytes (not counting record headers and objects)."""
-        if isinstance(self.chunks, TargetChunks):
-            return int(self.chunks.table.nbytes[self.chunks.begin:self.chunks.end].sum())
-        return sum(chunk.nbytes for chunk in self.chunks)
+        return int(self.chunks.table.nbytes[self.chunks.begin:self.chunks.end].sum())
 
     @property
     def tensors(self) -> int:
-        if isinstance(self.chunks, TargetChunks):
-            import numpy as np
+        import numpy as np
 
-            return len(np.unique(self.chunks.table.tensor[self.chunks.begin:self.chunks.end]))
-        return len({chunk.fqn for chunk in self.chunks})
+        return len(np.unique(self.chunks.table.tensor[self.chunks.begin:self.chunks.end]))
 
 
 @dataclass(frozen=True)
@@ -435,10 +432,9 @@ def _slabs(index: int, tensor: Tensor, sharded: bool, mesh: Mesh) -> _Slabs:
     if not sharded:
         rows = tensor.shape[0] if tensor.shape else 1
         return _Slabs(index, False, 1, np.zeros(1, np.int64), np.array([rows], np.int64), (), weight)
-    # geometry.split_dim0 (torch.chunk) for every shard at once
+    # geometry.split_dim0 for every shard at once
     length = tensor.shape[0]
-    step = -(-length // mesh.shards) if length else 0
-    count = -(-length // step) if step else 0
+    step, count = torch_chunk(length, mesh.shards)
     starts = np.arange(count, dtype=np.int64) * step
     rows = np.minimum(step, length - starts)
     empty: tuple[int, ...] = ()
@@ -572,9 +568,9 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
     run_counts = join([np.diff(columns[0]) for columns in runs])
     run_bounds = np.concatenate(([0], np.cumsum(run_counts)))
     picked_counts = run_counts[order_in_files]
-    picked = np.repeat(run_bounds[:-1][order_in_files], picked_counts) + _ranks(picked_counts)
+    picked = np.repeat(run_bounds[:-1][order_in_files], picked_counts) + positions_in_groups(picked_counts)
     table = TargetTable(
-        tuple(layouts), tensor_of[order_in_files], _ranks(counts)[order_in_files],
+        tuple(layouts), tensor_of[order_in_files], positions_in_groups(counts)[order_in_files],
         starts[order_in_files], rows[order_in_files], owner[order_in_files],
         (rows * row_bytes[tensor_of])[order_in_files],
         np.concatenate(([0], np.cumsum(picked_counts))),
@@ -616,10 +612,3 @@ def _run_columns(tensor: Tensor, slab: _Slabs) -> tuple[Any, ...]:
     bounds = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
     return (bounds, *(np.array([getattr(run, name) for run in flat], dtype=np.int64)
                       for name in ("source_chunk", "source_offset", "target_offset", "length")))
-
-
-def _ranks(counts: Any) -> Any:
-    """0, 1, ... count - 1 for each of `counts`, concatenated."""
-    import numpy as np
-
-    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
