@@ -10,9 +10,9 @@ dtype, shape, nested_blocksize, nested_dtype, nested_offset). `dequantize` compu
 `bitsandbytes.functional.dequantize_4bit` does (backends/default/ops.py
 `_dequantize_4bit_compute`, `_dequantize_blockwise_compute`): one float32 multiply per value,
 then a cast to the original dtype. Measured with bitsandbytes 0.50.2 on CPU: bit-identical to
-its generic implementation for every shape, and to its CPU kernel (what `dequantize_4bit` runs
-on CPU) when a row holds whole blocks (row length a multiple of the blocksize, as in real
-models); for shorter rows (e.g. 32 values with blocksize 64) that kernel gives other values,
+its CPU kernel (what `dequantize_4bit` runs on CPU) when a row holds whole blocks (row length
+a multiple of the blocksize, as in real models), including the -0.0 of fp4's code 8 (its
+generic implementation writes +0.0 there, from the quant_map); for shorter rows (e.g. 32 values with blocksize 64) that kernel gives other values,
 about 3x further from the original weights than the generic implementation and this one.
 
 Example:
@@ -33,6 +33,9 @@ STATE_SUFFIXES = (".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__
 SIBLINGS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 DTYPES = ("float32", "float16", "bfloat16")  # what dequantize_4bit restores
 MAX_STATE_BYTES = 1 << 16
+# fp4 code 8 is the sign bit alone: its quant_map entry is 0.0, but bitsandbytes' CPU kernel
+# (csrc cpu_ops, what dequantize_4bit runs on CPU) applies the sign and writes -0.0
+FP4_NEGATIVE_ZERO = 8
 
 
 def quantised_weights(keys: Iterable[str]) -> dict[str, tuple[str, ...]]:
@@ -89,7 +92,11 @@ def dequantize(torch: Any, packed: Any, tensors: Mapping[str, Any], state: Mappi
     values = torch.empty(codes.numel() * 2, dtype=torch.int32)
     values[1::2] = codes & 0xF
     values[::2] = codes >> 4
-    values = code.float()[values][:count]
+    table = code.float()
+    if state["quant_type"] == "fp4" and table.numel() > FP4_NEGATIVE_ZERO and table[FP4_NEGATIVE_ZERO] == 0:
+        table = table.clone()
+        table[FP4_NEGATIVE_ZERO] = -0.0  # the sign bit of code 8: bitsandbytes' CPU kernel gives -0.0 there
+    values = table[values][:count]
     return _scale(torch, values, absmax, blocksize).reshape(shape).to(getattr(torch, dtype))
 
 
