@@ -355,6 +355,7 @@ def cannot_compare_exits_2(command):
 @click.option("--atol", type=float, help="Accept floating elements with |a - b| <= atol + rtol * |b|.  [default: bytes must match]")
 @click.option("--rtol", type=float, help="Relative tolerance, with --atol (0 when only one is given).  [default: bytes must match]")
 @click.option("--exact-names", is_flag=True, help="Match entries by their full names only, never by model view (a checkpoint against its consolidation is then all 'only in A/B').")
+@click.option("--assets", type=click.Path(exists=True, file_okay=False), metavar="DIR", help="Folder with the model's config.json: a side that uses a framework's names (torchtitan, Megatron-Core) is compared as export converts it to transformers' names.")
 @model_prefix_option
 @click.option("--limit", default=20, type=click.IntRange(0), help="Differing entries listed in the text output (0: all).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -365,7 +366,7 @@ def cannot_compare_exits_2(command):
 @cannot_compare_exits_2
 def diff(a: str, b: str, normalize: bool, only: tuple[str, ...], filters: tuple[str, ...], renames: tuple[str, ...],
          renames_a: tuple[str, ...], renames_b: tuple[str, ...], atol: float | None, rtol: float | None,
-         exact_names: bool, as_json: bool, limit: int, quiet: bool, source) -> None:
+         exact_names: bool, assets: str | None, as_json: bool, limit: int, quiet: bool, source) -> None:
     """Compare two checkpoints of any layouts and shardings, entry by entry and byte for byte.
 
     Exit 0 identical (or within --atol/--rtol), 1 different, 2 could not compare."""
@@ -374,7 +375,7 @@ def diff(a: str, b: str, normalize: bool, only: tuple[str, ...], filters: tuple[
 
     report = diff_checkpoints(a, b, normalize=normalize, only=only, filters=filters, renames=renames,
                               renames_a=renames_a, renames_b=renames_b, atol=atol, rtol=rtol, exact_names=exact_names,
-                              progress=byte_progress(quiet), source=source)
+                              progress=byte_progress(quiet), source=source, assets=assets)
     show(render.diff_document(report) if as_json else None, render.diff_text(report, limit=limit),
          render.diff_notes(report))
     sys.exit(0 if report.same else EXIT_DIFFERENT)
@@ -420,6 +421,8 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
 @click.option("--rename", "renames", multiple=True, metavar="REGEX=REPL", help="Rewrite output keys with re.sub (repeatable, in order), before the config check.")
 @click.option("--adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", callback=adapter_name, help="Write the LoRA adapter NAME (default: the only one) as the folder PeftModel.from_pretrained loads: adapter_model.safetensors + adapter_config.json.")
 @click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", callback=adapter_name, help=MERGE_HELP)
+@click.option("--quantize", type=click.Choice(["fp8"]), help="Write the projection weights (*_proj) as fine-grained FP8 with float32 weight_scale_inv (DeepSeek's weight_quant), and the matching quantization_config.  [default: keep]")
+@click.option("--block", default="128x128", show_default=True, metavar="RxC", help="--quantize fp8's block size.")
 @lora_options
 @model_prefix_option
 @write_options
@@ -427,8 +430,9 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
 @reads_source
 @reports_errors
 def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_shard_size: str | None, drop_tied: bool,
-           renames: tuple[str, ...], adapter: str | None, merge_adapter: str | None, lora_alpha, use_rslora,
-           fan_in_fan_out, lora_dropout, base_model_name_or_path, as_json: bool, write, source) -> None:
+           renames: tuple[str, ...], adapter: str | None, merge_adapter: str | None, quantize: str | None, block: str,
+           lora_alpha, use_rslora, fan_in_fan_out, lora_dropout, base_model_name_or_path, as_json: bool, write,
+           source) -> None:
     """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
     shards (or model.safetensors), config.json, tokenizer files and a README.md model card;
     with --adapter, a LoRA checkpoint's adapter as the folder PEFT loads."""
@@ -451,7 +455,11 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
         written = export_adapter(src, outdir, assets, lora, write, source)
         show(render_lora.adapter_document(written) if as_json else None, render_lora.adapter_text(written))
         return
-    convert = ConvertOptions(renames=renames, dtype=dtype, drop_tied=drop_tied, max_shard_size=max_shard_size)
+    rows, _, cols = block.lower().partition("x")
+    if not (rows.isdigit() and cols.isdigit()):
+        raise click.UsageError(f"--block {block!r}: expected ROWSxCOLS, e.g. 128x128")
+    convert = ConvertOptions(renames=renames, dtype=dtype, drop_tied=drop_tied, max_shard_size=max_shard_size,
+                             quantize=quantize, block=(int(rows), int(cols)))
     report = export_checkpoint(src, outdir, assets, convert, write, source, lora if merge_adapter is not None else None)
     show(render.export_document(report) if as_json else None, render.export_text(report), render.export_notes(report))
 

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from ckpttool import dtypes, record_writes, storage
+from ckpttool.dequantizing import dequantized_bytes, quantized_bytes, row_ranges
 from ckpttool.dcp.blobs import DataFiles, read_chunk
 from ckpttool.errors import CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
-from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Gather, Operation, Record, Records
+from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Dequantize, Gather, Operation, Quantize, Record, Records
 from ckpttool.torchsave.ptfile import crc32_combine
 from ckpttool.torchsave.record import RecordLayout, record_layout
 
@@ -85,6 +86,10 @@ def source_ranges(op: Operation) -> list[tuple[str, int, int]]:
         return list(dict.fromkeys(span for part in op.parts for span in source_ranges(part)))  # a chunk is decoded once
     if isinstance(op, (Copy, Convert)):
         return [(op.src, op.src_offset, op.src_offset + op.length)]
+    if isinstance(op, Dequantize):
+        return row_ranges(op.codes) + row_ranges(op.scale)
+    if isinstance(op, Quantize):
+        return row_ranges(op.source)
     source = op.source if op.source is not None else op.tensor.chunks[op.chunk].blob
     return [(source.file, source.offset, source.offset + source.length)] if source is not None else []
 
@@ -251,7 +256,7 @@ def _piece_offsets(part: Copy | Gather) -> list[int]:
     return [part.dst_offset] if isinstance(part, Copy) else [offset for _, offset, _ in part.pieces]
 
 
-def output_blocks(op: Convert | Gather | Copy, files: DataFiles, decoded: dict,
+def output_blocks(op: Convert | Gather | Copy | Dequantize | Quantize, files: DataFiles, decoded: dict,
                   block: int = STREAM_BLOCK) -> Iterator[tuple[int, bytes | memoryview]]:
     """Yield (output offset, bytes) that `op` writes, in output order; a block is valid only
     until the next is asked for (they share this thread's buffers). `decoded` caches decoded
@@ -268,6 +273,10 @@ def output_blocks(op: Convert | Gather | Copy, files: DataFiles, decoded: dict,
         buffer = thread_buffer(op.length)
         files.read_into(op.src, op.src_offset, memoryview(buffer)[:op.length])
         yield op.dst_offset, cast_in_place(buffer, op.length, op.source_dtype, op.dtype)
+    elif isinstance(op, Dequantize):
+        yield op.dst_offset, dequantized_bytes(op, files)
+    elif isinstance(op, Quantize):
+        yield op.dst_offset, quantized_bytes(op, files)
     else:
         key = (op.tensor.fqn, op.chunk, op.dtype)
         data = decoded.get(key)

@@ -27,9 +27,10 @@ from __future__ import annotations
 import functools
 import operator
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, NamedTuple, Sequence
 
-from ckpttool import dtypes, execute, integrity, locating, readers
+from ckpttool import dtypes, execute, integrity, locating, quantization, readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate
 from ckpttool.errors import CorruptMetadata, KeyCollision, MissingEntry, UsageError
@@ -38,7 +39,9 @@ from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, Task, parse_size, r
 from ckpttool.keys import KeyRules, output_keys
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
-from ckpttool.plan.consolidate import OutputFormat, plan_tensor, select, target_dtype
+from ckpttool.formats.fp8 import FLOAT8
+from ckpttool.plan.consolidate import OutputFormat, plan_dequantize, plan_tensor, select, target_dtype
+from ckpttool.quantization import Quantization, QuantizedWeight
 from ckpttool.plan.operations import STREAM_BLOCK, Copy, Gather, Operation
 from ckpttool.plan.reshard import Run, fill_runs
 
@@ -74,7 +77,8 @@ class CheckpointFile:
 
     def __init__(self, path: str | os.PathLike, *, framework: str = "pt", model_prefix: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, follow_symlinks: bool = False,
-                 threads: int = DEFAULT_THREADS, max_memory: int | str = DEFAULT_MAX_MEMORY):
+                 threads: int = DEFAULT_THREADS, max_memory: int | str = DEFAULT_MAX_MEMORY,
+                 assets: str | os.PathLike | None = None):
         if framework not in FRAMEWORKS:
             raise UsageError(f"framework {framework!r}: choose 'pt' (torch tensors) or 'np' (numpy arrays)")
         if threads < 1 or parse_size(max_memory) <= 0:
@@ -84,6 +88,12 @@ class CheckpointFile:
         detection, checkpoint = readers.read(self._source.locate(path), follow_symlinks)
         self.layout: str = detection.describe()
         self.problems = tuple(integrity.gate(checkpoint, follow_symlinks).problems)  # warnings only
+        if assets is not None:  # a framework's names (torchtitan, Megatron-Core) read as transformers'
+            from ckpttool.commands.consolidate import as_transformers
+            from ckpttool.safepaths import read_json_object
+
+            config = read_json_object(Path(assets) / "config.json")
+            checkpoint = as_transformers(checkpoint, config, follow_symlinks, model_prefix) or checkpoint
         self.checkpoint: Checkpoint = checkpoint
         self._files = DataFiles(checkpoint.path, follow_symlinks)
         self._located: dict[str, dict[int, RawData | None]] = {}  # fqn -> every chunk located
@@ -167,23 +177,73 @@ class CheckpointFile:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def get_tensor(self, key: str, *, dtype: Any = None, device: Any = "cpu") -> Any:
+    def get_tensor(self, key: str, *, dtype: Any = None, device: Any = "cpu", dequantize: bool = False) -> Any:
         """Return the whole tensor `key` names, assembled from its chunks bit for bit (a torch
         tensor, or with `framework="np"` a numpy array).
 
         `dtype` casts floating tensors as consolidate's `--dtype` does (`tensor.to(dtype)`
         block by block; integer and bool tensors keep theirs): a torch dtype, a numpy one or
         a name (`"bf16"`). `device` moves a torch result after it is read on the CPU.
+        `dequantize` returns a quantised weight (FP8 codes, MXFP4 `_blocks`, or the name they
+        dequantise to) dequantised with its scales as `export --dtype` writes it, in `dtype`
+        (default: the config's torch_dtype, else bfloat16, the references' default); a
+        quantised weight is never cast without it.
 
         Example:
             >>> f.get_tensor("layers.0.attn.weight", dtype=torch.bfloat16).dtype
             torch.bfloat16
+            >>> f.get_tensor("model.layers.0.mlp.experts.down_proj", dequantize=True).shape
+            torch.Size([4, 64, 64])
         """
+        weight = self._quantized(key) if dequantize else None
+        if weight is not None:
+            return self._to_device(self._dequantized(weight, dtype), device)
         tensor = self.metadata(key)
         wanted = target_dtype(tensor.dtype, _dtype_name(dtype))
+        if wanted != tensor.dtype and self.quantization is not None and tensor.fqn in self.quantization.entries | set(
+                self.quantization.unscaled):
+            raise UsageError(f"{self.checkpoint.path}: {tensor.fqn} holds quantised codes or scales; casting them "
+                             "alone is not the weight: pass dequantize=True")
         result, view = self._allocate(wanted, tensor.shape)
         self._fill(tensor, wanted, view)
         return self._to_device(result, device)
+
+    @functools.cached_property
+    def quantization(self) -> Quantization | None:
+        """The checkpoint's quantised weights (FP8, MXFP4; `quantization.find`), or None."""
+        return quantization.find(self.checkpoint, quantization.config_beside(self.checkpoint.path))
+
+    def _quantized(self, key: str) -> QuantizedWeight | None:
+        """Return the quantised weight `key` names (its codes' or its dequantised name), or None."""
+        found = self.quantization
+        if found is None:
+            return None
+        fqn = self._resolve(key, raising=False)
+        weight = found.weights.get(fqn) if fqn is not None else None
+        if weight is None:
+            weight = next((w for w in found.weights.values() if key in (w.name, w.name.removeprefix(self._prefix()))), None)
+        if weight is None and (fqn in found.unscaled or any(f == fqn for f, _ in found.problems)):
+            quantization.require_dequantizable(found, self.checkpoint.path)
+        return weight
+
+    def _prefix(self) -> str:
+        prefix = self._view.prefix if self._view.prefix else ""
+        return prefix + "." if prefix else ""
+
+    def _dequantized(self, weight: QuantizedWeight, dtype: Any) -> Any:
+        """Return `weight` dequantised to `dtype` (default: the config's torch_dtype, else bfloat16)."""
+        config_dtype = quantization.config_dtype(quantization.config_beside(self.checkpoint.path))
+        wanted = _dtype_name(dtype) or config_dtype
+        if wanted not in dtypes.FLOATING or wanted in FLOAT8:
+            raise UsageError(f"{self.checkpoint.path}: {weight.name}: dequantise to bfloat16, float16 or float32, "
+                             f"not {wanted}")
+        codes, scale = self.checkpoint.tensors[weight.codes], self.checkpoint.tensors[weight.scale]
+        self._check_open()
+        self._locate([codes, scale])
+        result, view = self._allocate(wanted, weight.shape)
+        self._run(plan_dequantize(weight, codes, self._located[codes.fqn], scale, self._located[scale.fqn], wanted,
+                                  OUTPUT, 0), view)
+        return result
 
     def get_slice(self, key: str) -> "TensorSlice":
         """Return a lazy slice of tensor `key`: indexing it (`[i:j]`, `[:, 3]`, `[..., ::2]`)
@@ -460,7 +520,8 @@ def _bytes_of(array: Any) -> memoryview:
 
 def open(path: str | os.PathLike, *, framework: str = "pt", model_prefix: str | None = None,
          storage_options: Mapping[str, Any] | None = None, follow_symlinks: bool = False,
-         threads: int = DEFAULT_THREADS, max_memory: int | str = DEFAULT_MAX_MEMORY) -> CheckpointFile:
+         threads: int = DEFAULT_THREADS, max_memory: int | str = DEFAULT_MAX_MEMORY,
+         assets: str | os.PathLike | None = None) -> CheckpointFile:
     """Return an open handle on the checkpoint at `path` (any layout ckpttool reads: DCP and
     the frameworks on it, torch's HF writer, safetensors files, Hub folders, verl, torch.save
     files; local or `s3://...` with `storage_options`), after the integrity gate: a damaged
@@ -469,28 +530,33 @@ def open(path: str | os.PathLike, *, framework: str = "pt", model_prefix: str | 
     `framework="np"` returns numpy arrays; `model_prefix` names the model's subtree when it
     cannot be found from the structure (`""`: the top level); `threads` and `max_memory`
     bound the reads of one tensor as `--threads` and `--max-memory` bound consolidate's.
+    `assets` (a folder with the model's config.json) reads a checkpoint that uses a framework's
+    names (torchtitan, Megatron-Core) under transformers' names, converted as `export` converts
+    it (each tensor assembled from byte ranges of the source's chunks).
 
     Example:
         >>> with ckpttool.open("s3://bucket/run/step-200", storage_options={"endpoint_url": url}) as f:
         ...     f.get_tensor("model.tok_emb.weight")[:2]
     """
     return CheckpointFile(path, framework=framework, model_prefix=model_prefix, storage_options=storage_options,
-                          follow_symlinks=follow_symlinks, threads=threads, max_memory=max_memory)
+                          follow_symlinks=follow_symlinks, threads=threads, max_memory=max_memory, assets=assets)
 
 
 def load_state_dict(path: str | os.PathLike, *, model_only: bool = True, keys: Collection[str] | None = None,
                     dtype: Any = None, model_prefix: str | None = None, storage_options: Mapping[str, Any] | None = None,
-                    follow_symlinks: bool = False) -> dict[str, Any]:
+                    follow_symlinks: bool = False, assets: str | os.PathLike | None = None) -> dict[str, Any]:
     """Return a flat state dict of the checkpoint at `path`, under consolidate's key names:
     the model's entries (`model.state_dict()` names) unless `model_only` is False (then every
     entry, as `consolidate --all` names it). `keys` loads only those; `dtype` casts floating
-    tensors. Python objects among them (a module's extra state) come decoded.
+    tensors, and dequantises quantised weights (FP8, MXFP4) as `export --dtype` does: their
+    dequantised names, scales left out. Python objects among them (a module's extra state)
+    come decoded.
 
     Example:
         >>> model.load_state_dict(ckpttool.load_state_dict("runs/gpt/step-200"))
     """
     with open(path, model_prefix=model_prefix, storage_options=storage_options,
-              follow_symlinks=follow_symlinks) as handle:
+              follow_symlinks=follow_symlinks, assets=assets) as handle:
         names = handle._model if model_only else handle._everything
         if keys is not None:
             wanted = set(keys)
@@ -499,8 +565,13 @@ def load_state_dict(path: str | os.PathLike, *, model_only: bool = True, keys: C
                 raise MissingEntry(f"{handle.checkpoint.path}: no {'model ' if model_only else ''}entry named "
                                    f"{unknown[0]!r}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}")
             names = {key: fqn for key, fqn in names.items() if key in wanted}
+        quantized: dict[str, QuantizedWeight] = {}
+        if dtype is not None and handle.quantization is not None:  # a cast of a quantised model dequantises it
+            quantization.require_dequantizable(handle.quantization, handle.checkpoint.path)
+            names, quantized = quantization.dequantized_names(names, handle.quantization)
         handle._locate(handle.checkpoint.tensors[fqn] for fqn in names.values() if fqn in handle.checkpoint.tensors)
-        return {key: handle.get_tensor(fqn, dtype=dtype) if fqn in handle.checkpoint.tensors else handle.get_object(fqn)
+        return {key: handle._dequantized(quantized[key], dtype) if key in quantized
+                else handle.get_tensor(fqn, dtype=dtype) if fqn in handle.checkpoint.tensors else handle.get_object(fqn)
                 for key, fqn in names.items()}
 
 
@@ -513,14 +584,15 @@ class LoadResult(NamedTuple):
 
 def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: bool = True,
               model_prefix: str | None = None, storage_options: Mapping[str, Any] | None = None,
-              follow_symlinks: bool = False) -> LoadResult:
+              follow_symlinks: bool = False, assets: str | os.PathLike | None = None) -> LoadResult:
     """Copy the checkpoint's model weights into `module`'s parameters and buffers, one tensor
     at a time, and return the keys that did not match; peak memory is the module plus one
     tensor (a CPU tensor of the stored dtype is read straight into its memory).
 
     With `strict`, a module key the checkpoint lacks (or the reverse) raises UsageError
     before any byte is read; a shape that differs always does. Floating tensors are cast to
-    the module's dtype as `Tensor.copy_` casts.
+    the module's dtype as `Tensor.copy_` casts. `assets` (the model's config.json folder) loads a
+    transformers model straight from a torchtitan or Megatron-Core checkpoint (see `open`).
 
     Example:
         >>> model = transformers.AutoModelForCausalLM.from_config(config)
@@ -530,10 +602,12 @@ def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: boo
     import torch
 
     with open(path, model_prefix=model_prefix, storage_options=storage_options,
-              follow_symlinks=follow_symlinks) as handle:
+              follow_symlinks=follow_symlinks, assets=assets) as handle:
         sources = handle._model
         state = module.state_dict(keep_vars=True)
-        missing = [key for key in state if key not in sources]
+        loaded = {id(value) for key, value in state.items() if key in sources}
+        # a tied parameter (lm_head sharing the embedding's) is loaded through its other name
+        missing = [key for key in state if key not in sources and id(state[key]) not in loaded]
         unexpected = [key for key in sources if key not in state]
         where = handle.checkpoint.path
         if strict and (missing or unexpected):

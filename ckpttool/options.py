@@ -98,7 +98,8 @@ class ConvertOptions:
     """What consolidate (and export) write from a checkpoint: every entry or the model's
     weights (`everything`), `filters` globs, wrapper names kept (`keep_keys`), `--rename`
     rules, a `dtype` for floating tensors and per-key `dtype_map` (`GLOB=DTYPE`), one copy of
-    tied weights (`drop_tied`), the largest shard of a directory output (`max_shard_size`)."""
+    tied weights (`drop_tied`), the largest shard of a directory output (`max_shard_size`),
+    and `quantize="fp8"` to write the linear weights as fine-grained FP8 in `block`s."""
 
     everything: bool = False
     filters: tuple[str, ...] = ()
@@ -108,6 +109,8 @@ class ConvertOptions:
     dtype_map: tuple[str, ...] = ()
     drop_tied: bool = False
     max_shard_size: str | int | None = None
+    quantize: str | None = None  # "fp8": write fine-grained FP8 (formats.fp8) from a bf16/fp32 source
+    block: tuple[int, int] = (128, 128)  # --quantize fp8's block (rows, cols)
     # derived, checked when built
     rules: KeyRules = field(init=False, repr=False, compare=False)
     cast: str | None = field(init=False, repr=False, compare=False)  # the torch dtype name of `dtype`
@@ -122,6 +125,14 @@ class ConvertOptions:
         object.__setattr__(self, "cast", parse_dtype(self.dtype) if self.dtype else None)
         object.__setattr__(self, "cast_map", parse_dtype_map(self.dtype_map))
         object.__setattr__(self, "shard_bytes", None if self.max_shard_size is None else parse_size(self.max_shard_size))
+        if self.quantize not in (None, "fp8"):
+            raise UsageError(f"--quantize {self.quantize!r}: choose fp8")
+        block = tuple(self.block)
+        if len(block) != 2 or not all(type(b) is int and b > 0 for b in block):
+            raise UsageError(f"--block {self.block!r}: two positive integers, e.g. 128x128")
+        object.__setattr__(self, "block", block)
+        if self.quantize and (self.dtype or self.dtype_map):
+            raise UsageError("--quantize fp8 writes float8 weights with float32 scales: --dtype and --dtype-map do not apply")
 
 
 @dataclass(frozen=True)

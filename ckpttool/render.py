@@ -11,13 +11,14 @@ import os
 import re
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, TextIO
 
 from ckpttool import render_lora
 from ckpttool.checkpoint import paused_gc
 from ckpttool.commands.consolidate import ConsolidateReport
-from ckpttool.commands.inspect import GROUPS, ChunkInfos, InspectReport, TensorInfo
+from ckpttool.commands.inspect import GROUPS, ChunkInfos, InspectReport, QuantizationInfo, TensorInfo
 from ckpttool.commands.reshard import ReshardReport
 from ckpttool.commands.validate import ValidationReport
 from ckpttool.integrity import Problem
@@ -195,12 +196,14 @@ def inspect_document(report: InspectReport) -> dict[str, Any]:
             },
             "model_view": model_view_document(report.model_view),
             "adapters": render_lora.adapters_document(report),
+            "quantization": quantization_document(report.quantization),
+            "family": {"name": report.family, "architectures": list(report.architectures)} if report.family else None,
             "groups": {
                 name: {"tensors": g.tensors, "objects": g.objects, "numel": g.numel, "bytes": g.nbytes}
                 for name, g in report.groups.items()
             },
             "filters": list(report.filters),
-            "tensors": [_tensor_document(t) for t in report.tensors],
+            "tensors": [_tensor_document(t, report.hf_names) for t in report.tensors],
             "objects": [{"fqn": o.fqn, "group": o.group, "file": o.file, "length": o.length} for o in report.objects],
             "files": [
                 {"file": f.file, "rank": f.rank, "size": f.size, "referenced_bytes": f.referenced_bytes,
@@ -210,8 +213,33 @@ def inspect_document(report: InspectReport) -> dict[str, Any]:
         }
 
 
-def _tensor_document(tensor: TensorInfo) -> dict[str, Any]:
-    return {
+def quantization_document(info: QuantizationInfo | None) -> dict[str, Any] | None:
+    """Return inspect's `quantization` object (None: the model holds no quantised weights)."""
+    if info is None:
+        return None
+    return {"scheme": info.scheme, "layouts": list(info.layouts), "block_size": list(info.block) if info.block else None,
+            "quantized_tensors": info.weights, "packed_bytes": info.packed_bytes, "scale_bytes": info.scale_bytes,
+            "dequantized_parameters": info.parameters, "problems": list(info.problems)}
+
+
+def quantization_lines(info: QuantizationInfo | None) -> list[str]:
+    """Return inspect's lines on the model's quantised weights."""
+    if info is None:
+        return []
+    kinds = {"fp8-block": f"{info.block[0]}x{info.block[1]} blocks" if info.block else "blocks",
+             "fp8-tensor": "per-tensor scales", "fp8-channel": "per-channel scales", "mxfp4": "groups of 32"}
+    how = ", ".join(kinds.get(layout, layout) for layout in info.layouts) or "no weights recognised"
+    count = f"{info.weights} weight{'s' if info.weights != 1 else ''}"
+    lines = [f"  quantized: {info.scheme}, {how}: {count} in {human_bytes(info.packed_bytes)} "
+             f"({human_bytes(info.scale_bytes)} of scales); `--dtype bf16` dequantizes them"]
+    lines += [f"  quantization problem: {shown(problem)}" for problem in info.problems[:5]]
+    if len(info.problems) > 5:
+        lines.append(f"  ... and {len(info.problems) - 5} more (`ckpttool validate` lists them)")
+    return lines
+
+
+def _tensor_document(tensor: TensorInfo, hf_names: dict[str, tuple[str, ...]] | None = None) -> dict[str, Any]:
+    document = {
         "fqn": tensor.fqn, "group": tensor.group, "dtype": tensor.dtype, "shape": list(tensor.shape),
         "numel": tensor.numel, "bytes": tensor.nbytes,
         "sharding": tensor.sharding.kind, "uneven": tensor.sharding.uneven,
@@ -222,6 +250,9 @@ def _tensor_document(tensor: TensorInfo) -> dict[str, Any]:
             for c in tensor.chunks
         ],
     }
+    if hf_names is not None:
+        document["hf_names"] = list(hf_names.get(tensor.fqn, ()))
+    return document
 
 
 def _format_name(layout: str, version: str | None) -> str:
@@ -244,6 +275,10 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
     if report.model_view is not None:
         lines.append(f"  model: {report.model_view.describe()}")
     lines += render_lora.adapter_lines(report)
+    lines += quantization_lines(report.quantization)
+    if report.family:
+        lines.append(f"  names: {report.family}'s, not transformers'; `ckpttool export --assets DIR` writes them as "
+                     f"{' or '.join(report.architectures)} names (`--json`: each tensor's `hf_names`)")
     if report.filters:
         lines.append(f"  showing entries matching {', '.join(report.filters)}")
     for group in GROUPS:
@@ -371,6 +406,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "seconds": round(report.seconds, 3),
         "requests": report.requests,
         "merged_adapter": report.merged or None,
+        "quantization": report.quantization or None,
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }
@@ -425,7 +461,7 @@ def consolidate_notes(report: ConsolidateReport) -> list[str]:
     for tie in report.ties:
         action = "dropped" if tie.dropped in report.dropped else "both written (--drop-tied keeps one)"
         lines.append(f"tied: {shown(tie.dropped)} is the same tensor as {shown(tie.kept)}: {shown(tie.dropped)} {action}")
-    return lines + ([report.merged] if report.merged else [])
+    return lines + ([report.merged] if report.merged else []) + ([report.quantization] if report.quantization else [])
 
 
 def _consolidate_plan_text(report: ConsolidateReport) -> str:
@@ -739,7 +775,8 @@ def export_text(report: "ExportReport") -> str:
 
 def export_notes(report: "ExportReport") -> list[str]:
     """Return the lines for stderr: consolidate's (gate warnings, ties), then export's notes."""
-    return consolidate_notes(report.weights) + [shown(note) for note in report.notes]
+    weights = consolidate_notes(replace(report.weights, quantization=""))  # export says it in its own words
+    return weights + [shown(note) for note in report.notes]
 
 
 def import_document(report: "ImportReport") -> dict[str, Any]:

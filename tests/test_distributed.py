@@ -5,9 +5,10 @@ exactly what one process writes; a failure on any rank commits nothing.
 torch.distributed.run`, gloo on CPU). Each worker spends seconds importing torch, so there is
 one job per process count (1, 2 as two "hosts", 3, 4) in which every process runs every case
 in turn (`tests/torchrun_cases.py`: consolidate to .safetensors, a Hub directory and a bf16
-.pt, reshard to world 3; of a fixture and of a checkpoint our trainer writes), and all the
-jobs, the trainer and the failing runs start at once in one session fixture (`runs`). Each
-output is compared by sha256 with what one process (no torchrun) writes at the same path.
+.pt, reshard to world 3, an FP8 Hub folder dequantised to bf16; of a fixture and of a
+checkpoint our trainer writes), and all the jobs, the trainer and the failing runs start at
+once in one session fixture (`runs`). Each output is compared by sha256 with what one process
+(no torchrun) writes at the same path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ckpttool.plan.operations import Convert, Copy, Gather
 from ckpttool.testpoints import FAIL_ENV, PAUSE_ENV
 
 SOURCE = FIXTURES / "fsdp2_world2_adamw"
+FP8 = FIXTURES / "quantized" / "deepseek_v3_fp8"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,6 +135,10 @@ KINDS = {  # kind: (OUT name, ckpttool args, one-process call); bf16 splits Conv
            lambda src, out: consolidate(src, out, convert=ConvertOptions(everything=True, dtype="bf16"))),
     "reshard": ("world3", ["reshard", "{src}", "{out}", "--world", "3", "--json", "--verify"],
                 lambda src, out: reshard(src, out, world_size=3)),
+    # a quantised Hub folder (whatever the source), dequantised: its rows shared out by rank
+    "fp8": ("fp8-bf16", ["consolidate", str(FP8), "{out}", "--dtype", "bf16", "--max-shard-size", "100KB", "--json",
+                         "--verify"],
+            lambda src, out: consolidate(FP8, out, convert=ConvertOptions(dtype="bf16", max_shard_size="100KB"))),
 }
 SOURCES = ("fixture", "trainer")  # SOURCE; a checkpoint `python -m train_minimal` writes (world 2)
 CASES = [f"{source}-{kind}" for source in SOURCES for kind in KINDS]

@@ -21,7 +21,8 @@ from conftest import FIXTURES
 
 ALL_METADATA = sorted(FIXTURES.glob("**/" + METADATA_FILENAME))
 # Megatron keeps its SavePlans on the Metadata (all_local_plans): only the Python loader reads it
-DECLINED = {"frameworks/megatron/checkpoints/iter_0000002"}
+DECLINED = {"frameworks/megatron/checkpoints/iter_0000002", "frameworks/megatron_families/llama_tp2/checkpoints/iter_0000002",
+            "frameworks/megatron_families/moe/checkpoints/iter_0000003"}
 
 
 def _columns(path: Path, raw: bytes) -> Checkpoint | None:

@@ -17,9 +17,9 @@ import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Mapping
 
-from ckpttool import distributed, execute, integrity, io, locating, readers
+from ckpttool import distributed, execute, integrity, io, locating, naming, quantization, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
 from ckpttool.distributed import ProcessStats
@@ -31,7 +31,10 @@ from ckpttool.keys import KeyRules
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.outputs import atomic_directory, atomic_output, check_destination, refuse_overlap
-from ckpttool.plan.consolidate import ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, select
+from ckpttool.naming import Family
+from ckpttool.quantization import Quantization, QuantizedWeight
+from ckpttool.plan.consolidate import (ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, quantizable,
+                                       select)
 from ckpttool.readers.detect import LIGHTNING, LIGHTNING_METADATA
 from ckpttool.torchsave import ptfile
 
@@ -65,6 +68,7 @@ class ConsolidateReport:
     processes: tuple[ProcessStats, ...] = ()  # what each process wrote (several under torchrun)
     requests: int = 0  # ranged GETs of the source's data files (object storage; 0 for local files)
     merged: str = ""  # --merge-adapter: what was merged
+    quantization: str = ""  # quantised weights dequantised (--dtype) or written (--quantize): what was done
 
     @property
     def throughput(self) -> float:
@@ -102,6 +106,10 @@ class Planned:
     kind: OutputFormat
     plan: ConsolidatePlan
     problems: tuple[Problem, ...]  # the integrity gate's warnings
+    quantization: Quantization | None = None  # the source's quantised weights (quantization.find)
+    dequantized: bool = False  # written dequantised (a --dtype was asked for), not passed through
+    quantized_keys: tuple[str, ...] = ()  # --quantize fp8: the keys written as FP8
+    family: Family | None = None  # the naming table that converted a framework's names to transformers'
 
 
 class SourceFiles:
@@ -186,30 +194,106 @@ def consolidate(
 
 def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: ConvertOptions,
                 source: SourceOptions, threads: int, shared: SourceFiles | None = None,
-                adapt: Callable[[Checkpoint, ModelView], tuple[Checkpoint, ModelView]] | None = None) -> Planned:
+                adapt: Callable[[Checkpoint, ModelView], tuple[Checkpoint, ModelView]] | None = None,
+                config: Mapping[str, Any] | None = None, families: tuple[Family, ...] = ()) -> Planned:
     """Return consolidate's plan of `src` written as `kind` (`name`: the output's file name):
     read the source once, gate it, choose the entries, locate their bytes, find ties, plan.
     `shared` keeps the source's data files open for `write_output`; `adapt` may re-key the
     model view and stand in tensors (--merge-adapter: the base model's keys, the adapter left
-    out, a 4-bit weight as its dequantised shape; the merge writes those)."""
+    out, a 4-bit weight as its dequantised shape; the merge writes those). `config` is the
+    model's config.json (default: the one beside the source): with a `--dtype`, quantised
+    weights (FP8, MXFP4) are written dequantised and their scales left out; a float8 or packed
+    tensor whose scale is missing or misshapen is refused, never cast. `families` (naming
+    tables) convert a framework's model names to transformers' when the model is one of them."""
     detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix)
     if adapt is not None:
         checkpoint, view = adapt(checkpoint, view.require())
     selection = select(checkpoint, view, convert.rules, kind)
+    family = None
+    if families and not convert.everything:
+        family = naming.find_family(selection.tensors, families, config, str(checkpoint.path))
     opened = shared.open(checkpoint.path) if shared is not None else DataFiles(checkpoint.path, source.follow_symlinks)
     with opened as files:
+        if family is not None:  # from here on, the checkpoint as transformers names it
+            checkpoint, selection = converted(checkpoint, selection, family, config, files, threads)
+        found = quantization.find(checkpoint,
+                                  config if config is not None else quantization.config_beside(checkpoint.path))
+        dequantize = found is not None and (convert.cast is not None or bool(convert.cast_map))
+        quantized: dict[str, QuantizedWeight] = {}
+        if dequantize:
+            quantization.require_dequantizable(found, checkpoint.path)
+            selection, quantized = quantization.dequantized_selection(selection, found)
+        quantize = _to_quantize(checkpoint, selection, convert, found)
         tensors = {key: checkpoint.tensors[fqn] for key, fqn in selection.tensors.items()}
-        located = locating.locate_chunks(files, tensors.values(), threads)
+        scales = [checkpoint.tensors[weight.scale] for weight in quantized.values()]
+        located = locating.locate_chunks(files, [*tensors.values(), *scales], threads)
         objects = load_objects(checkpoint, files, selection.objects) if kind.kind == "torch" else {}
         if convert.everything and kind.kind == "torch" and detection.layout == LIGHTNING:
             selection, objects = with_lightning_metadata(selection, objects, files, checkpoint.path)
+        plain = {key: tensor for key, tensor in tensors.items() if key not in quantized}
         plan = plan_consolidate(
             checkpoint, selection, located, name=name, kind=kind, dtype=convert.cast, dtype_map=convert.cast_map,
-            ties=find_ties(files, tensors, located), drop_tied=convert.drop_tied, objects=objects,
+            ties=find_ties(files, plain, located), drop_tied=convert.drop_tied, objects=objects, quantized=quantized,
+            quantize=quantize,
         )
-    return Planned(checkpoint, detection.describe(), view, convert.rules, kind, plan, warnings)
+    return Planned(checkpoint, detection.describe(), view, convert.rules, kind, plan, warnings, found, dequantize,
+                   tuple(quantize), family)
+
+
+def as_transformers(checkpoint: Checkpoint, config: Mapping[str, Any] | None, follow_symlinks: bool = False,
+                    model_prefix: str | None = None) -> Checkpoint | None:
+    """Return `checkpoint`'s model as transformers names it (`converted`), or None when its names
+    are no framework family's (they are transformers' own already): what `diff --assets` and
+    `ckpttool.open(assets=...)` read."""
+    view = find_model(checkpoint, model_prefix if checkpoint.model_prefix is None else None)
+    if view.prefix is None:
+        return None
+    selection = select(checkpoint, view, KeyRules(), OutputFormat("torch", False, None))
+    family = naming.find_family(selection.tensors, naming.FAMILIES, config, str(checkpoint.path))
+    if family is None:
+        return None
+    with DataFiles(checkpoint.path, follow_symlinks) as files:
+        return converted(checkpoint, selection, family, config, files, model_only=True)[0]
+
+
+def converted(checkpoint: Checkpoint, selection: Selection, family: Family, config: Mapping[str, Any] | None,
+              files: DataFiles, threads: int = 4, model_only: bool = False) -> tuple[Checkpoint, Selection]:
+    """Return the checkpoint as transformers names it (naming.converted_checkpoint: the
+    family's table applied, each tensor's chunks raw byte ranges of the source's) and the
+    selection of its model. Its python objects are kept (the trainer's step and config), or with
+    `model_only` the model's alone. Reads only record headers (to locate the source chunks)."""
+    where = str(checkpoint.path)
+    settings = {**(config or {}), **naming.required_settings(family, config, where)}
+    shapes = {key: checkpoint.tensors[fqn].shape for key, fqn in selection.tensors.items()}
+    fqns = selection.tensors
+    targets = {key: replace(target, pieces=tuple(replace(p, source=fqns[p.source]) for p in target.pieces))
+               for key, target in naming.convert(family, shapes, settings, where).items()}
+    sources = {piece.source for target in targets.values() for piece in target.pieces}
+    located = locating.locate_chunks(files, [checkpoint.tensors[fqn] for fqn in sorted(sources)], threads)
+    kept = dict(selection.objects) if model_only else {fqn: fqn for fqn in checkpoint.objects}
+    view = naming.converted_checkpoint(checkpoint, targets, located, kept)
+    paths = {key: (key,) for key in targets}
+    paths.update({key: selection.paths.get(key, (key,)) for key in selection.objects})
+    return view, Selection({key: key for key in targets}, dict(selection.objects), paths)
+
+
+def _to_quantize(checkpoint: Checkpoint, selection: Selection, convert: ConvertOptions,
+                 found: Quantization | None) -> dict[str, tuple[int, int]]:
+    """Return the keys `--quantize fp8` writes as FP8 (key -> block): the projections'
+    weights (plan.consolidate.quantizable); UsageError when there are none, or the source is
+    quantised already."""
+    if convert.quantize is None:
+        return {}
+    if found is not None:
+        raise UsageError(f"{checkpoint.path}: already quantised ({found.scheme}); --quantize takes a bf16, fp16 or "
+                         "fp32 source (dequantise it first with --dtype)")
+    keys = {key: convert.block for key, fqn in selection.tensors.items()
+            if quantizable(key, checkpoint.tensors[fqn])}
+    if not keys:
+        raise UsageError(f"{checkpoint.path}: --quantize fp8 found no 2-D projection weights (*_proj.weight) to quantise")
+    return keys
 
 
 def write_output(planned: Planned, target: Path, write: WriteOptions, source: SourceOptions,
@@ -237,8 +321,22 @@ def report_of(planned: Planned, target: Path, written: tuple[Path, ...], process
         objects=len(plan.objects), tensor_bytes=plan.tensor_bytes, seconds=seconds, plan=plan, ties=plan.ties,
         dropped=plan.dropped, dry_run=dry_run, verified=verified, layout=planned.layout,
         selected=selection_text(planned.view, planned.rules), model_view=planned.view,
-        problems=planned.problems, processes=processes, requests=requests,
+        problems=planned.problems, processes=processes, requests=requests, quantization=quantization_note(planned),
     )
+
+
+def quantization_note(planned: Planned) -> str:
+    """Say what happened to quantised weights: dequantised, passed through, or written by --quantize."""
+    found = planned.quantization
+    if planned.quantized_keys:
+        return f"quantized {len(planned.quantized_keys)} projection weights to fine-grained FP8"
+    if found is None or not found.weights:
+        return ""
+    block = f" {found.block[0]}x{found.block[1]}" if found.block else ""
+    if planned.dequantized:
+        return f"dequantized {len(found.weights)} {found.scheme}{block} weights (their scales left out)"
+    return (f"{len(found.weights)} {found.scheme}{block} weights written as stored, with their scales "
+            "(--dtype bf16 dequantizes them)")
 
 
 def selection_text(view: ModelView, rules: KeyRules) -> str:

@@ -39,6 +39,7 @@ from ckpttool.geometry import Box, overlapping_boxes, row_major_runs, slabs, vol
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.readers import open_checkpoint
+from ckpttool.safepaths import read_json_object
 from ckpttool.torchsave.archive import tensor_bytes
 
 GROUPS = ("model", "optimizer", "other")  # as `inspect` groups entries
@@ -172,6 +173,7 @@ def diff(
     progress: ProgressFactory | None = None,
     exact_names: bool = False,
     source: SourceOptions = SourceOptions(),
+    assets: str | os.PathLike | None = None,
 ) -> DiffReport:
     """Return what differs between the checkpoints at `a` and `b`, reading every tensor byte
     of the entries both hold (each side passes the integrity gate first).
@@ -183,7 +185,9 @@ def diff(
     these, when the names do not meet but the model views do (a checkpoint against its
     consolidation or Hub export), the model views are compared (`model_views` says so) unless
     `exact_names`. `source.model_prefix` names the model subtree of each side whose layout does not
-    fix it (a weights file's model is its top level).
+    fix it (a weights file's model is its top level). With `assets` (a folder with the model's
+    config.json), a side that uses a framework's names (torchtitan, Megatron-Core) is compared as
+    export converts it to transformers' names (`consolidate.as_transformers`).
 
     Example:
         >>> diff("run/step-100", "run/step-100-world3").verdict
@@ -198,6 +202,12 @@ def diff(
     checkpoint_b = open_checkpoint(source.locate(b), follow_symlinks)
     warnings_a = tuple(integrity.gate(checkpoint_a, follow_symlinks).problems)
     warnings_b = tuple(integrity.gate(checkpoint_b, follow_symlinks).problems)
+    if assets is not None:  # framework names compared as transformers' (what export writes)
+        from ckpttool.commands.consolidate import as_transformers
+
+        config = read_json_object(Path(assets) / "config.json")
+        checkpoint_a = as_transformers(checkpoint_a, config, follow_symlinks, model_prefix) or checkpoint_a
+        checkpoint_b = as_transformers(checkpoint_b, config, follow_symlinks, model_prefix) or checkpoint_b
     view_a, view_b = (find_model(c, model_prefix if c.model_prefix is None else None) for c in (checkpoint_a, checkpoint_b))
     keys_a = entry_keys(checkpoint_a, normalize, rules_a, tuple(only), tuple(filters), view_a)
     keys_b = entry_keys(checkpoint_b, normalize, rules_b, tuple(only), tuple(filters), view_b)

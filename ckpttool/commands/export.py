@@ -31,13 +31,14 @@ from typing import Any, Mapping
 
 from dataclasses import replace
 
-from ckpttool import __version__
+from ckpttool import __version__, naming, quantization, storage
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
                                            plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.execute import write_file
+from ckpttool.expected_keys import transformers_expected
 from ckpttool.safepaths import read_json_object
 from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
@@ -119,6 +120,8 @@ def export(
     """
     started = time.perf_counter()
     target = source.locate(outdir)  # a URL carries the storage options to the upload
+    if assets is None and _has_config(src):
+        assets = src  # a Hub folder carries its own config.json and tokenizer files over
     asset_dir = _check_arguments(target, assets, convert)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
@@ -135,25 +138,27 @@ def export(
         merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks, write.verify)
         check_merge_target(target)
     planned = plan_output(src, target.name, kind, weights_convert, source, write.threads,  # the source is read once, here
-                          adapt=merge.view if merge else None)
+                          adapt=merge.view if merge else None, config=config, families=naming.FAMILIES)
     plan, checkpoint = planned.plan, planned.checkpoint
     if merge is not None:
         merge.plan(plan)
     extras = _trainer_entries(checkpoint, source.follow_symlinks)
-    shapes = {t.key: t.shape for t in plan.tensors}
+    # the config names the model's weights; --quantize's scales sit beside them
+    scale_keys = {key + "_scale_inv" for key in planned.quantized_keys}
+    shapes = {t.key: t.shape for t in plan.tensors if t.key not in scale_keys}
     oversized = [f for f in plan.files if f.size > HUB_MAX_FILE_SIZE]
     if oversized:
         raise UsageError(f"{target / oversized[0].name}: {oversized[0].size} bytes, over the Hub's 50GB per-file limit "
                          f"(one tensor larger than that cannot be uploaded)")
-    config, config_from, checked, notes = _check_config(config, asset_dir, extras, checkpoint, plan, shapes)
+    check_shapes = shapes
+    if planned.quantization is not None and not planned.dequantized:  # codes and scales as stored: checked as
+        check_shapes = quantization.dequantized_shapes(plan.tensors, planned.quantization)  # what they dequantise to
+    config, config_from, checked, notes = _check_config(config, asset_dir, extras, checkpoint, plan, shapes,
+                                                        planned.quantization if planned.dequantized else None,
+                                                        check_shapes)
     if merge is not None:
         notes.append(merge.note())
-    written_dtype = _written_dtype(plan)
-    documents: dict[str, bytes] = {}
-    if config is not None:
-        config = {**config, "torch_dtype": written_dtype, "dtype": written_dtype}
-        # transformers' PretrainedConfig.to_json_string: indent 2, sorted keys, a final newline
-        documents[CONFIG_FILENAME] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    config, written_dtype, documents = _config_document(config, config_from, asset_dir, planned, convert, notes)
     copied = [name for name in ASSET_FILES if asset_dir is not None and (asset_dir / name).exists()]
     step = _step(extras, checkpoint.path)
     weight_files = tuple((f.name, f.size) for f in plan.files) + (
@@ -168,9 +173,72 @@ def export(
                                 merge.patch if merge else None)
     return ExportReport(
         source=checkpoint.path, output=target, files=files, weights=weights, dtype=written_dtype,
-        parameters=sum(_numel(t.shape) for t in plan.tensors), step=step, config=config_from, checked=checked,
+        parameters=sum(_numel(shape) for shape in check_shapes.values()), step=step, config=config_from, checked=checked,
         assets=tuple(copied), dry_run=write.dry_run, seconds=time.perf_counter() - started, notes=tuple(notes),
     )
+
+
+def _config_document(config: dict[str, Any] | None, config_from: str | None, asset_dir: Path | None, planned: Planned,
+                     convert: ConvertOptions, notes: list[str]) -> tuple[dict[str, Any] | None, str, dict[str, bytes]]:
+    """Return (config.json as written, the dtype it names, {CONFIG_FILENAME: bytes} or {}), and
+    add export's notes: torch_dtype is what was written; quantised weights passed through keep
+    their config byte for byte, dequantised ones lose `quantization_config`, --quantize's gain it."""
+    plan = planned.plan
+    written_dtype = _written_dtype(plan)
+    documents: dict[str, bytes] = {}
+    passed_through = planned.quantization is not None and not planned.dequantized
+    if passed_through and config is not None and asset_dir is not None and config_from == str(asset_dir / CONFIG_FILENAME):
+        # quantised weights as they are: their config too, byte for byte (its torch_dtype is
+        # the compute dtype, not the codes')
+        written_dtype = str(config.get("torch_dtype") or config.get("dtype") or written_dtype)
+        documents[CONFIG_FILENAME] = (asset_dir / CONFIG_FILENAME).read_bytes()
+    elif config is not None:
+        config = quantization.dequantized_config(config, written_dtype) if planned.dequantized else \
+            {**config, "torch_dtype": written_dtype, "dtype": written_dtype}
+        # transformers' PretrainedConfig.to_json_string: indent 2, sorted keys, a final newline
+        documents[CONFIG_FILENAME] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    if planned.dequantized and planned.quantization is not None:
+        notes.append(_dequantized_note(planned.quantization, written_dtype))
+    if planned.family is not None:
+        notes.append(f"converted {planned.family.name} names to transformers' ({len(plan.tensors)} tensors)")
+    if planned.quantized_keys:
+        written_dtype = _compute_dtype(plan, planned.quantized_keys)
+        if config is not None:
+            config = {**config, "torch_dtype": written_dtype, "dtype": written_dtype,
+                      quantization.CONFIG_KEY: quantization.fp8_config(convert.block, _not_converted(plan, planned))}
+            documents[CONFIG_FILENAME] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+        notes.append(f"quantized {len(planned.quantized_keys)} projection weights to FP8 in "
+                     f"{convert.block[0]}x{convert.block[1]} blocks (DeepSeek's weight_quant: scale = amax / 448)")
+    return config, written_dtype, documents
+
+
+def _compute_dtype(plan: ConsolidatePlan, quantized: tuple[str, ...]) -> str:
+    """The dtype a model quantised by --quantize computes in: what its other floating tensors hold."""
+    skip = set(quantized) | {key + "_scale_inv" for key in quantized}
+    by_dtype: Counter = Counter()
+    for tensor in plan.tensors:
+        if tensor.key not in skip:
+            by_dtype[tensor.dtype] += tensor.nbytes
+    return by_dtype.most_common(1)[0][0] if by_dtype else "bfloat16"
+
+
+def _not_converted(plan: ConsolidatePlan, planned: Planned) -> list[str]:
+    """The modules of 2-D weights left unquantised (transformers' FP8 integration must leave them
+    as they are: `modules_to_not_convert`)."""
+    quantized = set(planned.quantized_keys)
+    return sorted({t.key[: -len(".weight")] for t in plan.tensors
+                   if t.key.endswith(".weight") and len(t.shape) == 2 and t.key not in quantized})
+
+
+def _has_config(src: str | os.PathLike) -> bool:
+    """True for a local folder holding a config.json (a Hub folder)."""
+    return not storage.is_remote(src) and os.path.isfile(Path(src) / CONFIG_FILENAME)
+
+
+def _dequantized_note(found: quantization.Quantization, dtype: str) -> str:
+    block = f" {found.block[0]}x{found.block[1]}" if found.block else ""
+    return (f"dequantized {len(found.weights)} {found.scheme}{block} weights to {dtype} (scales left out, "
+            "quantization_config removed from config.json)")
 
 
 def _check_arguments(target: Path, assets: str | os.PathLike | None, convert: ConvertOptions) -> Path | None:
@@ -190,15 +258,19 @@ def _check_arguments(target: Path, assets: str | os.PathLike | None, convert: Co
 
 
 def _check_config(config: dict[str, Any] | None, asset_dir: Path | None, extras: Mapping[str, Any],
-                  checkpoint: Checkpoint, plan: ConsolidatePlan,
-                  shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, Any] | None, str | None, str, list[str]]:
+                  checkpoint: Checkpoint, plan: ConsolidatePlan, shapes: Mapping[str, tuple[int, ...]],
+                  dequantized: quantization.Quantization | None = None,
+                  check_shapes: Mapping[str, tuple[int, ...]] | None = None,
+                  ) -> tuple[dict[str, Any] | None, str | None, str, list[str]]:
     """Return (config, where it came from, what was checked, notes): the assets' config, else
-    the trainer's stored one, checked against the planned keys and shapes."""
+    the trainer's stored one, checked against the planned keys and shapes (a reference index
+    of quantised weights names what they dequantise to: `dequantized`)."""
     notes, checked, config_from = [], "nothing (no config)", None
     if config is not None:
         config_from = str(asset_dir / CONFIG_FILENAME)
         _check_tie(config, plan, shapes)
-        checked = check_against_config(config, shapes, asset_dir / CONFIG_FILENAME)
+        checked = check_against_config(config, check_shapes if check_shapes is not None else shapes,
+                                       asset_dir / CONFIG_FILENAME)
     elif TRAINER_CONFIG in extras:
         config = trainer_hf_config(json.loads(extras[TRAINER_CONFIG]), shapes)
         config_from = f"{checkpoint.path}: {TRAINER_CONFIG}"
@@ -206,7 +278,10 @@ def _check_config(config: dict[str, Any] | None, asset_dir: Path | None, extras:
     else:
         notes.append("no config.json written: no --assets given and the checkpoint stores no trainer config")
     if asset_dir is not None and (asset_dir / INDEX_FILENAME).exists():
-        checked += "; " + _check_index_keys(read_index(asset_dir / INDEX_FILENAME), shapes, asset_dir / INDEX_FILENAME)
+        weight_map = read_index(asset_dir / INDEX_FILENAME)
+        if dequantized is not None:
+            weight_map = quantization.dequantized_keys(weight_map, dequantized)
+        checked += "; " + _check_index_keys(weight_map, shapes, asset_dir / INDEX_FILENAME)
     return config, config_from, checked, notes
 
 
@@ -303,13 +378,20 @@ def check_against_config(config: Mapping[str, Any], shapes: Mapping[str, tuple[i
     """Return what was checked; raise InvalidCheckpoint (`config-mismatch`) on the first key
     the architecture expects that is missing, has another shape, or is not expected."""
     architectures = config.get("architectures") or []
-    causal_lm = not architectures or any(a.endswith("ForCausalLM") for a in architectures)
-    if config.get("model_type") not in _ATTENTION_BIAS or not causal_lm:
-        return f"nothing (model_type {config.get('model_type')!r} of {where.name} is not one export knows the shapes of)"
     lora = next((key for key in shapes if ".lora_A." in key or ".lora_embedding_A" in key), None)
     if lora is not None:
         raise InvalidCheckpoint(f"{where}: the weights are a LoRA model ({lora}); export the adapter with --adapter, "
                                 "or the base model with it merged in with --merge-adapter", code="config-mismatch")
+    expected = transformers_expected(config)  # what transformers itself builds from the config, where importable
+    if expected is not None:
+        problems = expected.problems(shapes)
+        if problems:
+            more = f" ({len(problems)} such problems)" if len(problems) > 1 else ""
+            raise InvalidCheckpoint(f"{where}: {problems[0][1]}{more}", code="config-mismatch")
+        return f"every key and shape transformers builds for {expected.model} ({len(expected.shapes)} tensors)"
+    causal_lm = not architectures or any(a.endswith("ForCausalLM") for a in architectures)
+    if config.get("model_type") not in _ATTENTION_BIAS or not causal_lm:
+        return f"nothing (model_type {config.get('model_type')!r} of {where.name} is not one export knows the shapes of)"
     try:
         expected = expected_shapes(config)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:

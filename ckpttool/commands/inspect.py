@@ -12,11 +12,11 @@ import fnmatch
 import os
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
 
-from ckpttool import readers
+from ckpttool import naming, quantization, readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
 from ckpttool.errors import InvalidCheckpoint
@@ -24,6 +24,8 @@ from ckpttool.lora import find_lora, model_shapes
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
+from ckpttool.formats.fp8 import FLOAT8
+from ckpttool.formats.mxfp4 import BLOCKS
 from ckpttool.safepaths import is_safe_relative_path
 
 if TYPE_CHECKING:
@@ -171,6 +173,24 @@ class InspectReport:
     model_view: ModelView | None = None  # where the model was found, and why
     adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters found in the model (lora.find_lora)
     adapter_problem: str | None = None  # why the model's LoRA keys do not form adapters
+    quantization: QuantizationInfo | None = None  # the model's quantised weights (FP8, MXFP4)
+    family: str | None = None  # the framework family whose names the model uses (naming tables)
+    architectures: tuple[str, ...] = ()  # the transformers architectures that family converts to
+    hf_names: dict[str, tuple[str, ...]] | None = None  # fqn -> its transformers names, when a family is found
+
+
+@dataclass(frozen=True)
+class QuantizationInfo:
+    """The model's quantised weights as inspect reports them (`quantization.find`)."""
+
+    scheme: str  # fp8 | compressed-tensors | mxfp4 (the config's quant_method where it names one)
+    layouts: tuple[str, ...]  # fp8-block, fp8-tensor, fp8-channel, mxfp4
+    block: tuple[int, int] | None  # FP8 blocks; MXFP4's groups are 32 values
+    weights: int  # quantised weights
+    packed_bytes: int  # their codes and scales as stored
+    scale_bytes: int
+    parameters: int  # the model's elements with each quantised weight counted dequantised
+    problems: tuple[str, ...]  # missing or misshapen scales (validate fails on them)
 
 
 def matches(fqn: str, patterns: Sequence[str]) -> bool:
@@ -281,13 +301,15 @@ def inspect(src: str | os.PathLike, filters: Sequence[str] = (), source: SourceO
     structure (`model_view.find_model`) unless `source.model_prefix` names it.
     """
     detection, checkpoint = readers.read(source.locate(src))
+    config = quantization.config_beside(checkpoint.path)
     with paused_gc():
-        return build_report(checkpoint, tuple(filters), detection.layout, source.model_prefix)
+        return build_report(checkpoint, tuple(filters), detection.layout, source.model_prefix, config)
 
 
 def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: str = "dcp",
-                 model_prefix: str | None = None) -> InspectReport:
-    """Return the inspect report of already-read metadata."""
+                 model_prefix: str | None = None, config: dict | None = None) -> InspectReport:
+    """Return the inspect report of already-read metadata (`config`: the model's config.json,
+    which names its quantisation)."""
     view = find_model(checkpoint, model_prefix)
     tensors = [_tensor_info(t, view.group(t.fqn)) for t in checkpoint.tensors.values()]
     objects = [
@@ -324,11 +346,42 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
         ranks=tuple(sorted({f.rank for f in files if f.rank is not None})), parameters=groups["model"].numel,
     )
     adapters, adapter_problem = _adapters(checkpoint, view)
+    quantized = _quantization(checkpoint, config, {t.fqn for t in tensors if t.group == "model"})
+    family, names = _family(checkpoint, view)
+    if quantized is not None:
+        summary = replace(summary, parameters=quantized.parameters)
     return InspectReport(
         checkpoint.path, summary, groups, tensors=tuple(t for t in tensors if matches(t.fqn, filters)),
         objects=tuple(o for o in objects if matches(o.fqn, filters)), files=tuple(files), filters=filters,
-        layout=layout, model_view=view, adapters=adapters, adapter_problem=adapter_problem,
+        layout=layout, model_view=view, adapters=adapters, adapter_problem=adapter_problem, quantization=quantized,
+        family=family.name if family else None, architectures=family.architectures if family else (), hf_names=names,
     )
+
+
+def _family(checkpoint: Checkpoint, view: ModelView) -> tuple[naming.Family | None, dict[str, tuple[str, ...]] | None]:
+    """Return the framework family the model's names belong to, and fqn -> transformers names."""
+    if view.prefix is None:
+        return None, None
+    keys = {key: fqn for fqn, key in view.keys.items() if fqn in checkpoint.tensors}
+    family = naming.find_family(keys, naming.FAMILIES)
+    if family is None:
+        return None, None
+    main_layers = naming.main_layer_count(keys)
+    return family, {fqn: naming.hf_names(family, key, checkpoint.tensors[fqn].shape, main_layers)
+                    for key, fqn in keys.items()}
+
+
+def _quantization(checkpoint: Checkpoint, config: dict | None, model: set[str]) -> QuantizationInfo | None:
+    """Return the model's quantised weights, counted (None when it has none)."""
+    if config is None and not any(t.dtype in FLOAT8 or t.fqn.endswith(BLOCKS) for t in checkpoint.tensors.values()):
+        return None  # the common case, checked cheaply
+    found = quantization.find(checkpoint, config)
+    if found is None:
+        return None
+    return QuantizationInfo(
+        found.scheme, tuple(sorted({w.layout for w in found.weights.values()})), found.block, len(found.weights),
+        found.packed_bytes, found.scale_bytes, found.dequantized_parameters(checkpoint.tensors, model),
+        tuple(message for _, message in found.problems))
 
 
 def _adapters(checkpoint: Checkpoint, view: ModelView) -> tuple[tuple[AdapterInfo, ...], str | None]:

@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool import dtypes, integrity, readers
+from ckpttool import dtypes, integrity, quantization, readers
 from ckpttool.checkpoint import Blob, Checkpoint
 from ckpttool.dcp.blobs import (DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk,
                                 record_problems)
@@ -90,10 +90,28 @@ def validate(src: str | os.PathLike, deep: bool = False, source: SourceOptions =
     found = integrity.check(checkpoint, follow_symlinks)
     report.problems.extend(found.problems)
     report.files = found.files
+    _check_quantization(checkpoint, report)
     if deep:
         _check_bytes(checkpoint, found.sizes, report, follow_symlinks)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _check_quantization(checkpoint: Checkpoint, report: ValidationReport) -> None:
+    """Report quantised weights whose scale is missing or does not fit them (`quantization.find`):
+    errors when the config names a quantisation or other weights are quantised, else warnings
+    (a float8 tensor alone may be a plain float8 tensor)."""
+    try:
+        config = quantization.config_beside(checkpoint.path)
+        found = quantization.find(checkpoint, config)
+    except CheckpointError as error:
+        report.add(ERROR, error.code, str(error), file=quantization.CONFIG_FILENAME)
+        return
+    if found is None:
+        return
+    severity = ERROR if found.config is not None or found.weights else WARNING
+    for fqn, message in found.problems:
+        report.add(severity, "quantization", f"{checkpoint.path}: {message}", fqn=fqn)
 
 
 def _check_record_entries(files: DataFiles, blob: Blob, where: str, fqn: str, report: ValidationReport,

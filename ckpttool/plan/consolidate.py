@@ -22,12 +22,14 @@ from ckpttool import dtypes
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
 from ckpttool.dcp.blobs import RawData
 from ckpttool.errors import KeyCollision, UsageError
-from ckpttool.formats import hub, safetensors
+from ckpttool.formats import fp8, hub, safetensors
 from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys
 from ckpttool.geometry import row_major_runs, slab_runs
 from ckpttool.model_view import ModelView
 from ckpttool.plan import unique_chunks
-from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather, Operation
+from ckpttool.plan.operations import (CONVERT_BLOCK, DEQUANTIZE_ELEMENTS, Convert, Copy, Dequantize, Gather, Operation,
+                                      Quantize, Rows)
+from ckpttool.quantization import QuantizedWeight
 from ckpttool.torchsave import ptfile
 
 
@@ -182,15 +184,38 @@ def _paths(checkpoint: Checkpoint, chosen: dict[str, str], rules: KeyRules, kind
 def plan_consolidate(checkpoint: Checkpoint, selection: Selection, located: Mapping[str, Mapping[int, RawData | None]],
                      *, name: str, kind: OutputFormat, dtype: str | None = None,
                      dtype_map: tuple[tuple[str, str], ...] = (), ties: tuple[Tie, ...] = (), drop_tied: bool = False,
-                     objects: Mapping[str, Any] | None = None) -> ConsolidatePlan:
+                     objects: Mapping[str, Any] | None = None,
+                     quantized: Mapping[str, QuantizedWeight] | None = None,
+                     quantize: Mapping[str, tuple[int, int]] | None = None) -> ConsolidatePlan:
     """Return the plan that writes `selection` as one state dict named `name` (pure: reads
     nothing). `located` says where each chunk's raw bytes are (None: decode), `objects` holds
-    the decoded python values of the selected objects (for a .pt)."""
+    the decoded python values of the selected objects (for a .pt). `quantized` names the keys
+    written dequantised (key -> its quantised weight, whose codes the selection names): each
+    is written in its key's dtype (`dtype` or `dtype_map`), which must be given. `quantize`
+    names the keys written as fine-grained FP8 (key -> block): float8 codes under the key,
+    float32 `<key>_scale_inv` right after it."""
     dropped = tuple(sorted(t.dropped for t in ties)) if drop_tied else ()
+    quantized = quantized or {}
     tensor_keys = {key: fqn for key, fqn in selection.tensors.items() if key not in dropped}
     source_tensors = {key: checkpoint.tensors[fqn] for key, fqn in tensor_keys.items()}
     wanted = {key: target_dtype(t.dtype, match_dtype(key, dtype_map, dtype)) for key, t in source_tensors.items()}
-    sizes = {key: dtypes.ITEMSIZE[wanted[key]] * t.numel for key, t in source_tensors.items()}
+    shapes = {key: t.shape for key, t in source_tensors.items()}
+    for key, weight in quantized.items():
+        cast = match_dtype(key, dtype_map, dtype)
+        if cast is None:
+            raise UsageError(f"{checkpoint.path}: {weight.codes}: dequantising needs a dtype for {key} "
+                             "(--dtype bf16|fp16|fp32, or a --dtype-map glob that matches it)")
+        wanted[key], shapes[key] = cast, weight.shape
+    paths = dict(selection.paths)
+    scale_of: dict[str, str] = {}  # --quantize: scale key -> its weight's key
+    if quantize:
+        tensor_keys, source_tensors = _with_scale_keys(tensor_keys, source_tensors, quantize, scale_of, checkpoint)
+        for key, block in quantize.items():
+            scale_key = key + fp8.BLOCK_SCALE
+            wanted[key], wanted[scale_key] = fp8.FLOAT8[0], "float32"
+            shapes[scale_key] = fp8.scale_shape(shapes[key], block)
+            paths[scale_key] = (*paths[key][:-1], f"{paths[key][-1]}{fp8.BLOCK_SCALE}")
+    sizes = {key: dtypes.ITEMSIZE[wanted[key]] * math.prod(shapes[key]) for key in source_tensors}
 
     output_files: list[OutputFile] = []
     offsets: dict[str, tuple[str, int]] = {}
@@ -202,13 +227,13 @@ def plan_consolidate(checkpoint: Checkpoint, selection: Selection, located: Mapp
             split = hub.plan_shards(sizes, kind.max_shard_size)
             groups, index_name, index = split.files, split.index_name, split.index
         for file_name, keys in groups.items():
-            layout = safetensors.layout_file([(k, wanted[k], source_tensors[k].shape) for k in keys])
+            layout = safetensors.layout_file([(k, wanted[k], shapes[k]) for k in keys])
             output_files.append(OutputFile(file_name, layout.size, layout.header, tuple(keys)))
             offsets.update({k: (file_name, layout.offsets[k]) for k in keys})
     else:
         values = objects or {}
         pickled = ptfile.pickle_state(
-            [(selection.paths[k], wanted[k], source_tensors[k].shape) for k in tensor_keys],
+            [(paths[k], wanted[k], shapes[k]) for k in tensor_keys],
             [(selection.paths[k], values[k]) for k in selection.objects],
         )
         layout = ptfile.lay_out(pickled, [sizes[k] for k in tensor_keys])
@@ -219,8 +244,18 @@ def plan_consolidate(checkpoint: Checkpoint, selection: Selection, located: Mapp
     tensors = []
     for key, tensor in source_tensors.items():
         file_name, offset = offsets[key]
-        operations = plan_tensor(tensor, located[tensor.fqn], wanted[key], file_name, offset)
-        tensors.append(OutputTensor(key, tensor.fqn, selection.paths[key], tensor.dtype, wanted[key], tensor.shape,
+        if key in quantized:
+            weight = quantized[key]
+            scale = checkpoint.tensors[weight.scale]
+            operations = plan_dequantize(weight, tensor, located[tensor.fqn], scale, located[scale.fqn], wanted[key],
+                                         file_name, offset)
+        elif quantize and (key in quantize or key in scale_of):
+            weight_key = scale_of.get(key, key)
+            operations = plan_quantize(weight_key, "scales" if key in scale_of else "codes", quantize[weight_key],
+                                       tensor, located[tensor.fqn], file_name, offset)
+        else:
+            operations = plan_tensor(tensor, located[tensor.fqn], wanted[key], file_name, offset)
+        tensors.append(OutputTensor(key, tensor.fqn, paths[key], tensor.dtype, wanted[key], shapes[key],
                                     file_name, offset, operations))
     output_objects = tuple(OutputObject(key, fqn, selection.paths[key]) for key, fqn in selection.objects.items())
     return ConsolidatePlan(
@@ -263,6 +298,87 @@ def plan_tensor(tensor: Tensor, located: Mapping[int, RawData | None], dtype: st
             at += length
         operations.append(Gather(tensor, index, raw, dtype, file, tuple(pieces)))
     return tuple(operations)
+
+
+def plan_dequantize(weight: QuantizedWeight, codes: Tensor, codes_located: Mapping[int, RawData | None], scale: Tensor,
+                    scale_located: Mapping[int, RawData | None], dtype: str, file: str,
+                    offset: int) -> tuple[Operation, ...]:
+    """Return the operations that write `weight` dequantised to `dtype` at `offset` of `file`:
+    about DEQUANTIZE_ELEMENTS output elements each, FP8 in whole blocks of rows (a 2-D
+    weight) or whole matrices (grouped experts), MXFP4 in whole experts."""
+    shape = weight.shape
+    row_elements = math.prod(shape[1:])
+    step = max(1, DEQUANTIZE_ELEMENTS // max(1, row_elements))
+    blocked = weight.layout == fp8.BLOCK and len(shape) == 2
+    if blocked:
+        step = max(1, step // weight.block[0]) * weight.block[0]
+    itemsize = dtypes.ITEMSIZE[dtype]
+    operations: list[Operation] = []
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        if weight.layout == fp8.TENSOR or not scale.shape:
+            scale_rows = (0, scale.shape[0] if scale.shape else 1)
+        elif blocked:
+            scale_rows = (start // weight.block[0], -(-stop // weight.block[0]))
+        else:
+            scale_rows = (start, stop)
+        operations.append(Dequantize(
+            weight.name, weight.layout, weight.block, _rows(codes, codes_located, start, stop),
+            _rows(scale, scale_located, *scale_rows), shape, dtype, file, offset + start * row_elements * itemsize,
+        ))
+    return tuple(operations)
+
+
+def _with_scale_keys(tensor_keys: dict[str, str], source_tensors: dict[str, Tensor], quantize: Mapping[str, Any],
+                     scale_of: dict[str, str], checkpoint: Checkpoint) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """Return the keys and source tensors with each quantised weight's scale key right after it."""
+    keys: dict[str, str] = {}
+    sources: dict[str, Tensor] = {}
+    for key, fqn in tensor_keys.items():
+        keys[key], sources[key] = fqn, source_tensors[key]
+        if key in quantize:
+            scale_key = key + fp8.BLOCK_SCALE
+            if scale_key in tensor_keys:
+                raise KeyCollision(f"{checkpoint.path}: {key} is quantised, but {scale_key} is already a key")
+            keys[scale_key], sources[scale_key] = fqn, source_tensors[key]
+            scale_of[scale_key] = key
+    return keys, sources
+
+
+def plan_quantize(key: str, part: str, block: tuple[int, int], tensor: Tensor, located: Mapping[int, RawData | None],
+                  file: str, offset: int) -> tuple[Operation, ...]:
+    """Return the operations that write `part` ("codes" or "scales") of `tensor` [rows, cols]
+    quantised to fine-grained FP8 in `block`s at `offset` of `file`, whole blocks of rows at a
+    time."""
+    rows, cols = tensor.shape
+    step = max(1, DEQUANTIZE_ELEMENTS // max(1, block[0] * cols)) * block[0]
+    scale_row = -(-cols // block[1]) * 4
+    operations: list[Operation] = []
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        at = offset + (start * cols if part == "codes" else start // block[0] * scale_row)
+        operations.append(Quantize(key, part, block, _rows(tensor, located, start, stop), file, at))
+    return tuple(operations)
+
+
+def quantizable(key: str, tensor: Tensor) -> bool:
+    """True for a weight `--quantize fp8` writes as FP8: a 2-D bf16/fp16/fp32 `*.weight` of a
+    projection (`*_proj`, `kv_a_proj_with_mqa`: the nn.Linear layers transformers' FP8
+    integration replaces); embeddings, norms, routers and lm_head stay as they are."""
+    if len(tensor.shape) != 2 or tensor.dtype not in ("bfloat16", "float16", "float32") or not key.endswith(".weight"):
+        return False
+    module = key[: -len(".weight")].rsplit(".", 1)[-1]
+    return "proj" in module
+
+
+def _rows(tensor: Tensor, located: Mapping[int, RawData | None], start: int, stop: int) -> Rows:
+    """Return rows [start, stop) of `tensor` with its distinct chunks that hold part of them."""
+    chunks = tensor.chunks
+    if not tensor.shape:
+        return Rows(tensor, tuple((index, located[index]) for index in unique_chunks(tensor)), 0, 1)
+    crossing = tuple((index, located[index]) for index in unique_chunks(tensor)
+                     if chunks[index].offsets[0] < stop and chunks[index].offsets[0] + chunks[index].sizes[0] > start)
+    return Rows(tensor, crossing, start, stop)
 
 
 def _chunk_runs(tensor: Tensor, indices: list[int], itemsize: int) -> list[list[tuple[int, int]]]:

@@ -1,6 +1,6 @@
 """The operations a plan is made of: which source bytes go where, as pure data.
 
-Both planners (`plan.consolidate`, `plan.reshard`) describe their output with these four
+Both planners (`plan.consolidate`, `plan.reshard`) describe their output with these
 kinds, and `execute` runs any list of them (with one memory budget) and verifies them:
 
 - `Copy`: a byte range moves as it is from a data file to an output file (FSDP's dim-0
@@ -12,7 +12,9 @@ kinds, and `execute` runs any list of them (with one memory budget) and verifies
   (each a Copy or Gather), and the tail that carries the CRC-32 of that data;
 - `Records`: many such records laid end to end in one output, each filled by one run of
   raw source bytes (reshard's common case: 300k+ small records, one operation per few
-  hundred, held as columns instead of a Record and a Copy each).
+  hundred, held as columns instead of a Record and a Copy each);
+- `Dequantize`: rows of a quantised weight (FP8 codes, MXFP4 blocks) and of its scale read,
+  dequantised as the references compute it, and written in the output dtype.
 
 Example:
     >>> Copy("__0_0.distcp", 1216, "m.safetensors", 96, 208).memory
@@ -21,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ckpttool import dtypes
@@ -29,6 +32,7 @@ from ckpttool.dcp.blobs import RawData
 from ckpttool.torchsave.record import record_layout
 
 CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
+DEQUANTIZE_ELEMENTS = 4 << 20  # output elements dequantised per operation (16 MiB of float32 working copy)
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a record's data
 RECORDS_WRITE_BLOCK = 4 << 20  # a Records operation's output is built and written this much at a time
 # the bytes between its runs a Records operation may read through (at least its own length):
@@ -186,4 +190,73 @@ class Records:
         return out
 
 
-Operation = Copy | Convert | Gather | Record | Records
+@dataclass(frozen=True)
+class Rows:
+    """Rows [start, stop) of dim 0 of a checkpoint tensor, and where its chunks' raw bytes are
+    (chunk index -> RawData, None: decoded): what a Dequantize reads."""
+
+    tensor: Tensor
+    located: tuple[tuple[int, RawData | None], ...]
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        shape = self.tensor.shape
+        return (self.stop - self.start) * math.prod(shape[1:]) * self.tensor.itemsize if shape else self.tensor.nbytes
+
+
+@dataclass(frozen=True)
+class Dequantize:
+    """Dequantise rows of a quantised weight (`quantization.QuantizedWeight`: its `layout` and
+    `block`) from its `codes` and `scale` rows, and write them as `dtype` at `dst_offset`:
+    FP8 a block-row at a time, MXFP4 whole experts (formats.fp8, formats.mxfp4)."""
+
+    name: str  # the dequantised tensor's fqn: for messages
+    layout: str
+    block: tuple[int, int]
+    codes: Rows
+    scale: Rows
+    shape: tuple[int, ...]  # the dequantised tensor's shape
+    dtype: str
+    dst: str
+    dst_offset: int
+
+    @property
+    def output_length(self) -> int:
+        return (self.codes.stop - self.codes.start) * math.prod(self.shape[1:]) * dtypes.ITEMSIZE[self.dtype]
+
+    @property
+    def memory(self) -> int:
+        # the rows read, a float32 (FP8) or int32 (MXFP4 nibbles) working copy, the output
+        # and, for MXFP4, its transposed copy
+        return self.codes.nbytes + self.scale.nbytes + 8 * self.codes.nbytes + 2 * self.output_length
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """Quantise rows of a weight to fine-grained FP8 (formats.fp8.quantize_rows: DeepSeek's
+    weight_quant) and write one `part` of the result: its float8 `codes` or its float32
+    `scales` (the scale rows of those blocks). Both parts read the same rows."""
+
+    name: str  # the weight's output key: for messages
+    part: str  # "codes" | "scales"
+    block: tuple[int, int]
+    source: Rows
+    dst: str
+    dst_offset: int
+
+    @property
+    def output_length(self) -> int:
+        rows, (b0, b1) = self.source.stop - self.source.start, self.block
+        shape = self.source.tensor.shape
+        if self.part == "codes":
+            return rows * math.prod(shape[1:])
+        return -(-rows // b0) * -(-shape[-1] // b1) * 4
+
+    @property
+    def memory(self) -> int:
+        return self.source.nbytes + 4 * self.source.nbytes // max(1, self.source.tensor.itemsize) + self.output_length
+
+
+Operation = Copy | Convert | Gather | Record | Records | Dequantize | Quantize

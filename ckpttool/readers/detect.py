@@ -60,6 +60,7 @@ VERL_MODEL_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_SUBDIRS = ("", "actor")
 TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's single-file checkpoints
 HUB_TORCH_FILE = "pytorch_model.bin"  # transformers WEIGHTS_NAME
+HUB_CONFIG = "config.json"  # transformers CONFIG_NAME: a model folder's config beside its weights
 
 RUN_ENTRY_PATTERN = re.compile(r"^(step-|step|iter_|global_step_|checkpoint-|checkpoint_|ep\d+-ba)(\d+)$")
 LATEST_POINTER = "latest"  # train_minimal, DeepSpeed, many trainers: a link or a small text file
@@ -229,9 +230,11 @@ def _safetensors_layout(path: Path) -> str | None:
             header = read_header(path, files[0], None)
         except CheckpointError:  # unreadable: the reader reports it
             return HUB_FOLDER
-        if dcp_hf.SHARDING_INFO_KEY in header.metadata or not header.metadata:
+        if dcp_hf.SHARDING_INFO_KEY in header.metadata:
             return DCP_HF
-        return HUB_FOLDER
+        # no __metadata__ at all: torch's consolidator, or a Hub repo written by other tools
+        # (gpt-oss's shards have none); a model's config.json beside them makes it a Hub folder
+        return DCP_HF if not header.metadata and not (path / HUB_CONFIG).is_file() else HUB_FOLDER
     if hub_folder.index_files(path) or len(files) == 1 or hub_folder.SINGLE_FILENAME in files:
         return HUB_FOLDER
     return None
