@@ -23,11 +23,11 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from paired import alternate, table
 
 DIM, HEADS, KV_HEADS, FFN, VOCAB = 2048, 16, 4, 5632, 32000
 
@@ -84,16 +84,6 @@ def make_checkpoint(root: Path, layers: int) -> tuple[Path, Path]:
     return source, config_dir
 
 
-def timed(command: list[str]) -> tuple[float, int]:
-    """Run `command` (then `sync`); return (wall seconds, peak RSS bytes of the child)."""
-    code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-            "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); subprocess.run('sync'); "
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
-    out = subprocess.run([sys.executable, "-c", code, *command], check=True, capture_output=True, text=True).stdout
-    seconds, rss = out.split()
-    return float(seconds), int(rss)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
@@ -117,18 +107,12 @@ def main() -> None:
             script.write_text(TORCHTITAN)
             commands["torchtitan to_hf + save_file"] = [args.torchtitan_python, str(script), str(source),
                                                          str(root / "out.safetensors")]
-        results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
-        for run in range(args.runs):
-            for name in (list(commands) if run % 2 == 0 else list(reversed(commands))):
-                results[name].append(timed(commands[name]))
-                shutil.rmtree(root / "out", ignore_errors=True)
-                (root / "out.safetensors").unlink(missing_ok=True)
-        floor = statistics.median(s for s, _ in results["consolidate (names kept)"])
-        print("\n| what | median wall (s) | runs (s) | peak RSS (MB) | vs consolidate |\n|---|---|---|---|---|")
-        for name, runs in results.items():
-            wall = statistics.median(s for s, _ in runs)
-            print(f"| {name} | {wall:.2f} | {', '.join(f'{s:.2f}' for s, _ in runs)} | "
-                  f"{max(r for _, r in runs) / 1e6:.0f} | {wall / floor:.2f}x |")
+
+        def clean() -> None:
+            shutil.rmtree(root / "out", ignore_errors=True)
+            (root / "out.safetensors").unlink(missing_ok=True)
+
+        print("\n" + table(alternate(commands, args.runs, clean), "consolidate (names kept)"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -25,12 +25,11 @@ import json
 import os
 import platform
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from paired import alternate, table
 
 HIDDEN = 7168
 SHAPES = {  # a DeepSeek-V3 layer's attention and a few experts' projections: (rows, cols)
@@ -90,17 +89,6 @@ def make_folder(path: Path, layers: int) -> int:
     return out_bytes
 
 
-def timed(command: str) -> tuple[float, int]:
-    """Run `command` in a shell (then `sync`); return (wall seconds, peak RSS bytes of its children)."""
-    code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-            "subprocess.run(sys.argv[1], shell=True, check=True, stdout=subprocess.DEVNULL); "
-            "subprocess.run('sync', shell=True, check=True); "
-            "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
-    out = subprocess.run([sys.executable, "-c", code, command], check=True, capture_output=True, text=True).stdout
-    seconds, rss = out.split()
-    return float(seconds), int(rss)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
@@ -127,23 +115,16 @@ def main() -> None:
                 handle.write(block[: out_bytes - offset])
         ckpttool = shutil.which("ckpttool") or "ckpttool"
         commands = {
-            "cat (floor)": f"cat {floor_file} > {root / 'cat.out'}",
-            "dequantise": f"{ckpttool} consolidate {source} {root / 'out'} --dtype bf16 --max-memory 256MB -q",
+            "cat (floor)": ["sh", "-c", f"cat {floor_file} > {root / 'cat.out'}"],
+            "dequantise": [ckpttool, "consolidate", str(source), str(root / "out"), "--dtype", "bf16",
+                           "--max-memory", "256MB", "-q"],
         }
-        results: dict[str, list[tuple[float, int]]] = {name: [] for name in commands}
-        for run in range(args.runs):
-            order = list(commands) if run % 2 == 0 else list(reversed(commands))
-            for name in order:
-                results[name].append(timed(commands[name]))
-                for leftover in (root / "cat.out", root / "out"):
-                    shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
-                subprocess.run("sync", shell=True, check=True)
-        floor = statistics.median(s for s, _ in results["cat (floor)"])
-        print("\n| what | median wall (s) | runs (s) | peak RSS (MB) | vs cat |\n|---|---|---|---|---|")
-        for name, runs in results.items():
-            wall = statistics.median(s for s, _ in runs)
-            print(f"| {name} | {wall:.2f} | {', '.join(f'{s:.2f}' for s, _ in runs)} | "
-                  f"{max(r for _, r in runs) / 1e6:.0f} | {wall / floor:.2f}x |")
+
+        def clean() -> None:
+            shutil.rmtree(root / "out", ignore_errors=True)
+            (root / "cat.out").unlink(missing_ok=True)
+
+        print("\n" + table(alternate(commands, args.runs, clean), "cat (floor)"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

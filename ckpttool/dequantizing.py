@@ -15,10 +15,10 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterator
 
 from ckpttool import dtypes
-from ckpttool.dcp.blobs import DataFiles, read_chunk
+from ckpttool.dcp.blobs import DataFiles, RawData, read_chunk
 from ckpttool.errors import CorruptBlob
 from ckpttool.io import thread_buffer
 from ckpttool.formats import fp8, mxfp4
@@ -132,6 +132,19 @@ def _tensor(torch: Any, rows: Rows, files: DataFiles, role: str) -> Any:
     return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
+def _crossings(rows: Rows) -> Iterator[tuple[Any, RawData | None, int, int, bool]]:
+    """Yield (chunk, its raw bytes or None, first row, end row, whether it spans whole rows) for
+    each distinct chunk of `rows.tensor` (≥ 1-d) that holds part of rows [start, stop)."""
+    tensor = rows.tensor
+    for index, raw in rows.located:
+        chunk = tensor.chunks[index]
+        first = chunk.offsets[0]
+        begin, end = max(first, rows.start), min(first + chunk.sizes[0], rows.stop)
+        if begin < end:
+            full_width = all(o == 0 for o in chunk.offsets[1:]) and tuple(chunk.sizes[1:]) == tuple(tensor.shape[1:])
+            yield chunk, raw, begin, end, full_width
+
+
 def read_rows(files: DataFiles, rows: Rows, view: memoryview | None = None) -> bytearray | memoryview:
     """Return the row-major bytes of rows [start, stop) of dim 0 of `rows.tensor`, from every
     chunk that holds part of them (into `view` when given)."""
@@ -141,13 +154,8 @@ def read_rows(files: DataFiles, rows: Rows, view: memoryview | None = None) -> b
     out = bytearray((rows.stop - rows.start) * row_bytes) if view is None else view
     view = memoryview(out)
     filled = 0
-    for index, raw in rows.located:  # the distinct chunks holding part of the rows
-        chunk = tensor.chunks[index]
-        first, count = chunk.offsets[0], chunk.sizes[0]
-        begin, end = max(first, rows.start), min(first + count, rows.stop)
-        if begin >= end:
-            continue
-        full_width = all(o == 0 for o in chunk.offsets[1:]) and tuple(chunk.sizes[1:]) == tuple(shape[1:])
+    for chunk, raw, begin, end, full_width in _crossings(rows):
+        first = chunk.offsets[0]
         if raw is not None and full_width:
             files.read_into(raw.file, raw.offset + (begin - first) * row_bytes,
                             view[(begin - rows.start) * row_bytes:(end - rows.start) * row_bytes])
@@ -183,22 +191,16 @@ def _place(data: bytes, chunk: Any, shape: tuple[int, ...], itemsize: int, begin
 def row_ranges(rows: Rows) -> list[tuple[str, int, int]]:
     """Return the (file, start, end) byte ranges of the source that `read_rows` reads."""
     tensor = rows.tensor
-    row_bytes = math.prod(tensor.shape[1:]) * tensor.itemsize if tensor.shape else 0
+    if not tensor.shape:  # a 0-d scale: its one chunk whole
+        return [(raw.file, raw.offset, raw.offset + raw.length) for _, raw in rows.located if raw is not None]
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.itemsize
     ranges = []
-    for index, raw in rows.located:
-        chunk = tensor.chunks[index]
-        if tensor.shape and not max(chunk.offsets[0], rows.start) < min(chunk.offsets[0] + chunk.sizes[0], rows.stop):
-            continue
+    for chunk, raw, begin, end, full_width in _crossings(rows):
         if raw is None:
             if chunk.blob is not None:
                 ranges.append((chunk.blob.file, chunk.blob.offset, chunk.blob.offset + chunk.blob.length))
-            continue
-        if not tensor.shape:
-            ranges.append((raw.file, raw.offset, raw.offset + raw.length))
-            continue
-        first = chunk.offsets[0]
-        begin, end = max(first, rows.start), min(first + chunk.sizes[0], rows.stop)
-        if all(o == 0 for o in chunk.offsets[1:]) and tuple(chunk.sizes[1:]) == tuple(tensor.shape[1:]):
+        elif full_width:
+            first = chunk.offsets[0]
             ranges.append((raw.file, raw.offset + (begin - first) * row_bytes, raw.offset + (end - first) * row_bytes))
         else:
             ranges.append((raw.file, raw.offset, raw.offset + raw.length))

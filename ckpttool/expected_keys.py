@@ -68,7 +68,6 @@ def transformers_expected(config: Mapping[str, Any]) -> Expected | None:
     except ImportError:
         return None
     settings = {key: value for key, value in config.items() if key != QUANTIZATION_KEY}
-    model_type = settings.get("model_type")
     architectures = settings.get("architectures") or []
     try:
         built = transformers.AutoConfig.for_model(**settings)
@@ -87,7 +86,7 @@ def transformers_expected(config: Mapping[str, Any]) -> Expected | None:
     layers = int(settings.get("num_hidden_layers") or 0)
     next_layers = tuple(rf"^model\.layers\.{layer}\." for layer in range(layers, layers + extra))
     return Expected(
-        model=type(model).__name__ if model_type else str(model_type),
+        model=type(model).__name__,
         shapes={key: tuple(value.shape) for key, value in state.items()},
         ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) + next_layers,
         ignore_missing=tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),

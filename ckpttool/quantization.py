@@ -231,9 +231,8 @@ def dequantized_selection(selection: Any, found: Quantization) -> tuple[Any, dic
 def dequantized_keys(weight_map: Mapping[str, str], found: Quantization) -> dict[str, str]:
     """Return a quantised folder's weight map (key -> file) as the dequantised model's keys:
     scales gone, MXFP4's `_blocks` dropped."""
-    leaving = {fqn for w in found.weights.values() for fqn in (w.scale, *w.dropped)}
-    renamed = {w.codes: w.name for w in found.weights.values()}
-    return {renamed.get(key, key): file for key, file in weight_map.items() if key not in leaving}
+    renamed, _ = dequantized_names({key: key for key in weight_map}, found)
+    return {key: weight_map[fqn] for key, fqn in renamed.items()}
 
 
 def config_dtype(config: Mapping[str, Any] | None) -> str:

@@ -40,7 +40,8 @@ from typing import Any, Iterable, Mapping
 
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
 from ckpttool.errors import InvalidCheckpoint, UsageError
-from ckpttool.geometry import Box
+from ckpttool.geometry import Box, intersect, row_major_runs
+from ckpttool.plan import unique_chunks
 
 RENAME, PERMUTE_Q, PERMUTE_K, EXPERTS = "rename", "permute-q", "permute-k", "experts"
 SPLIT_HALVES, SPLIT_QKV = "split-halves", "split-qkv"  # rows split into several targets (`hf` joined by "|")
@@ -345,9 +346,6 @@ def _piece_chunks(checkpoint: Checkpoint, piece: Piece, row: int, ndim: int, loc
                   key: str) -> list[Chunk]:
     """Return the target chunks that hold `piece` (placed from target row `row`): one per run
     of each source chunk it meets."""
-    from ckpttool.geometry import intersect
-    from ckpttool.plan import unique_chunks
-
     tensor = checkpoint.tensors[piece.source]
     itemsize = tensor.itemsize
     box = piece.box
@@ -374,8 +372,6 @@ def _region_runs(box: Box, region: Box, itemsize: int) -> list[tuple[int, int, B
     """Return (byte offset in the chunk, length, sub-region) that make up `region` of a chunk:
     the region whole when its bytes are contiguous in the chunk, else one sub-region per run
     (split on its first dimension, recursively)."""
-    from ckpttool.geometry import row_major_runs
-
     runs = row_major_runs(box, region, itemsize)
     if len(runs) == 1:
         return [(runs[0][0], runs[0][1], region)]
