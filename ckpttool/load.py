@@ -92,7 +92,7 @@ class CheckpointFile:
             from ckpttool.commands.consolidate import as_transformers
             from ckpttool.safepaths import read_json_object
 
-            config = read_json_object(Path(assets) / "config.json")
+            config = read_json_object(Path(assets) / "config.json") if (Path(assets) / "config.json").exists() else None
             checkpoint = as_transformers(checkpoint, config, follow_symlinks, model_prefix) or checkpoint
         self.checkpoint: Checkpoint = checkpoint
         self._files = DataFiles(checkpoint.path, follow_symlinks)

@@ -274,11 +274,6 @@ def test_transformers_loads_the_megatron_export_with_megatrons_logits(megatron_e
     assert float((logits - reference).abs().max()) < 1e-4
 
 
-def test_megatron_without_assets_exits_2_naming_the_settings(tmp_path, cli):
-    result = cli("export", MEGATRON / "llama_tp2" / "checkpoints", tmp_path / "hf")
-    assert result.exit_code == 2 and "num_attention_heads" in result.output and "--assets" in result.output
-
-
 # ---------------------------------------------------------------------------------------------
 # The same view everywhere: diff --assets, ckpttool.open(assets=), load_into
 

@@ -205,7 +205,7 @@ def diff(
     if assets is not None:  # framework names compared as transformers' (what export writes)
         from ckpttool.commands.consolidate import as_transformers
 
-        config = read_json_object(Path(assets) / "config.json")
+        config = read_json_object(Path(assets) / "config.json") if (Path(assets) / "config.json").exists() else None
         checkpoint_a = as_transformers(checkpoint_a, config, follow_symlinks, model_prefix) or checkpoint_a
         checkpoint_b = as_transformers(checkpoint_b, config, follow_symlinks, model_prefix) or checkpoint_b
     view_a, view_b = (find_model(c, model_prefix if c.model_prefix is None else None) for c in (checkpoint_a, checkpoint_b))

@@ -2,7 +2,8 @@
 
 The pipeline: plan the weights once with consolidate's planning step (`plan_output`: the
 source read once, gated, selected, located; no byte written) -> read the assets'
-`config.json` (or the trainer's stored `train.config`) -> check the planned keys and shapes
+`config.json` (or Megatron-LM's arguments in `common.pt`: naming/megatron_config.py, or the
+trainer's stored `train.config`) -> check the planned keys and shapes
 against what the config's architecture expects (and a reference index's key set) -> lay out
 every other file (config.json with the written dtype, generation and tokenizer files, the
 model card) -> in one temporary directory, consolidate's writing step (`write_output`) runs
@@ -39,6 +40,7 @@ from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.execute import write_file
 from ckpttool.expected_keys import transformers_expected
+from ckpttool.naming import megatron_config
 from ckpttool.safepaths import read_json_object
 from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
@@ -82,7 +84,7 @@ class ExportReport:
     dtype: str  # the dtype written (most bytes), as config.json's torch_dtype says
     parameters: int
     step: int | None
-    config: str | None  # where config.json came from: the assets' file, `train.config`, or None
+    config: str | None  # where config.json came from: the assets' file, `train.config`, common.pt's args, or None
     checked: str  # what the weights were checked against
     assets: tuple[str, ...] = ()  # files copied from --assets
     dry_run: bool = False
@@ -126,6 +128,10 @@ def export(
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
     config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
+    config_from = str(asset_dir / CONFIG_FILENAME) if config is not None else None
+    if config is None and (common := megatron_config.common_file(src)) is not None:  # Megatron-LM's own args
+        config = megatron_config.megatron_hf_config(common, source.follow_symlinks)
+        config_from = f"{common}: {megatron_config.ARGS}" if config is not None else None
     tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
     weights_convert = replace(convert, max_shard_size=convert.shard_bytes or parse_size(hub.DEFAULT_MAX_SHARD_SIZE),
                               drop_tied=convert.drop_tied or tied)
@@ -153,8 +159,8 @@ def export(
     check_shapes = shapes
     if planned.quantization is not None and not planned.dequantized:  # codes and scales as stored: checked as
         check_shapes = quantization.dequantized_shapes(plan.tensors, planned.quantization)  # what they dequantise to
-    config, config_from, checked, notes = _check_config(config, asset_dir, extras, checkpoint, plan, shapes,
-                                                        planned.quantization if planned.dequantized else None,
+    config, config_from, checked, notes = _check_config(config, config_from, asset_dir, extras, checkpoint, plan,
+                                                        shapes, planned.quantization if planned.dequantized else None,
                                                         check_shapes)
     if merge is not None:
         notes.append(merge.note())
@@ -257,20 +263,20 @@ def _check_arguments(target: Path, assets: str | os.PathLike | None, convert: Co
     return asset_dir
 
 
-def _check_config(config: dict[str, Any] | None, asset_dir: Path | None, extras: Mapping[str, Any],
-                  checkpoint: Checkpoint, plan: ConsolidatePlan, shapes: Mapping[str, tuple[int, ...]],
+def _check_config(config: dict[str, Any] | None, config_from: str | None, asset_dir: Path | None,
+                  extras: Mapping[str, Any], checkpoint: Checkpoint, plan: ConsolidatePlan,
+                  shapes: Mapping[str, tuple[int, ...]],
                   dequantized: quantization.Quantization | None = None,
                   check_shapes: Mapping[str, tuple[int, ...]] | None = None,
                   ) -> tuple[dict[str, Any] | None, str | None, str, list[str]]:
-    """Return (config, where it came from, what was checked, notes): the assets' config, else
-    the trainer's stored one, checked against the planned keys and shapes (a reference index
-    of quantised weights names what they dequantise to: `dequantized`)."""
-    notes, checked, config_from = [], "nothing (no config)", None
+    """Return (config, where it came from, what was checked, notes): the given config (the
+    assets', or Megatron-LM's args: `config_from` says), else the trainer's stored one, checked
+    against the planned keys and shapes (a reference index of quantised weights names what they
+    dequantise to: `dequantized`)."""
+    notes, checked = [], "nothing (no config)"
     if config is not None:
-        config_from = str(asset_dir / CONFIG_FILENAME)
         _check_tie(config, plan, shapes)
-        checked = check_against_config(config, check_shapes if check_shapes is not None else shapes,
-                                       asset_dir / CONFIG_FILENAME)
+        checked = check_against_config(config, check_shapes if check_shapes is not None else shapes, Path(config_from))
     elif TRAINER_CONFIG in extras:
         config = trainer_hf_config(json.loads(extras[TRAINER_CONFIG]), shapes)
         config_from = f"{checkpoint.path}: {TRAINER_CONFIG}"

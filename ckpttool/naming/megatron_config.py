@@ -1,0 +1,345 @@
+"""config.json for a Megatron-LM checkpoint, from the arguments its `common.pt` stores.
+
+Megatron-LM's `save_checkpoint` puts its parsed command line in the checkpoint: `common.pt`
+(the non-sharded part of a `torch_dist` save, a torch.save file) holds `args`, an
+`argparse.Namespace` (megatron/training/checkpointing.py `generate_state_dict`:
+`state_dict['args'] = args`). Its data.pkl is read through the checking loader with stand-ins
+that record and never run anything (`_ALLOWED`): the Namespace (BUILD fills its `__dict__`),
+the enums its arguments hold (`AttnBackend`, `signal.Signals`: the value recorded) and torch
+dtypes (`params_dtype`). Any other global is refused (UnsafeMetadata naming it).
+
+The arguments become the transformers config Megatron-Bridge's `megatron_to_hf_config` writes
+for the same model (fixtures/frameworks/megatron_families/*/hf/config.json). Which
+architecture: `num_experts` (MoE or dense), then `qk_layernorm` and `add_qkv_bias`:
+
+    dense                     -> LlamaForCausalLM
+    dense, add_qkv_bias       -> Qwen2ForCausalLM
+    dense, qk_layernorm       -> Qwen3ForCausalLM
+    MoE, qk_layernorm         -> Qwen3MoeForCausalLM
+    MoE                       -> MixtralForCausalLM
+
+the tables of naming/megatron.py. A model those architectures cannot represent (another
+activation, position embedding or normalization, linear biases, MLA, sliding windows, rope
+scaling, shared experts, ...: `_REPRESENTABLE`) is refused in one line naming the argument,
+as is a missing argument; --assets with a config.json is then the way.
+
+Example:
+    >>> path = common_file("checkpoints")         # the newest iter_* folder's common.pt
+    >>> megatron_hf_config(path)["architectures"]
+    ['LlamaForCausalLM']
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ckpttool import storage
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.errors import CorruptBlob, CorruptMetadata, UnsupportedFormat
+from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, detect
+from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED
+from ckpttool.torchsave.stored import DTypeName, StateDictUnpickler, load_data_pkl
+from ckpttool.torchsave.zip import read_directory
+
+ARGS = "args"  # megatron/training/checkpointing.py generate_state_dict: state_dict['args']
+_WAY_OUT = "export with --assets DIR holding the model's config.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Stand-ins for what common.pt's data.pkl names (nothing here runs code from the file)
+
+
+class Namespace:
+    """`argparse.Namespace`: made empty by NEWOBJ, its arguments put in `__dict__` by BUILD."""
+
+
+@dataclass(frozen=True)
+class EnumValue:
+    """A member of an Enum an argument holds (`AttnBackend(5)`), recorded by class name and value."""
+
+    enum: str
+    value: Any
+
+
+class _Enum:
+    """An admitted Enum class: calling it (REDUCE) records the value, nothing else."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, value: Any) -> EnumValue:
+        return EnumValue(self.name, value)
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **_TENSOR_PICKLE_ALLOWED,  # a tensor would be an inert record (Megatron-LM's common.pt holds none)
+    ("argparse", "Namespace"): Namespace,
+    # the Enum-valued arguments of megatron-core 0.16.1's Megatron-LM (--attention-backend,
+    # --exit-signal); torch dtypes (--params-dtype) are StateDictUnpickler's own
+    ("megatron.core.transformer.enums", "AttnBackend"): _Enum("AttnBackend"),
+    ("signal", "Signals"): _Enum("Signals"),
+}
+
+
+class _Unpickler(StateDictUnpickler):
+    """The checking loader with common.pt's allowlist: a refused name is named in one line."""
+
+    holds = "Megatron-LM's common.pt (its arguments and counters)"
+
+
+def _as_saved(raw: bytes) -> bytes:
+    return raw  # the Namespace is filled by BUILD: every BUILD is kept
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def common_file(src: str | os.PathLike) -> Path | None:
+    """Return the `common.pt` of the Megatron-Core `torch_dist` checkpoint at `src` (a checkpoint
+    folder, or a run directory: its newest, as every reader picks it), or None for any other
+    source (a remote one too). Looks at file names only unless a common.pt is there."""
+    if storage.is_remote(src) or not os.path.isdir(src):
+        return None
+    path = Path(src)
+    if not (path / MEGATRON_COMMON).is_file() and not any(path.glob(f"*/{MEGATRON_COMMON}")):
+        return None
+    detection = detect(path)
+    return detection.path / MEGATRON_COMMON if detection.layout == MEGATRON else None
+
+
+def config_beside(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
+    """Return `megatron_hf_config` of the `common.pt` in the checkpoint folder `path`, or None
+    when it has none (any other layout, a remote one too) or it stores no arguments."""
+    if storage.is_remote(path) or not (Path(path) / MEGATRON_COMMON).is_file():
+        return None
+    return megatron_hf_config(Path(path) / MEGATRON_COMMON, follow_symlinks)
+
+
+def read_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
+    """Return the Megatron-LM arguments `common.pt` stores (name -> value: numbers, strings,
+    `EnumValue`s, `DTypeName`s), or None when it stores none (a save by megatron-core alone).
+    Raises UnsafeMetadata naming a global outside the allowlist, CorruptMetadata for a damaged file."""
+    path = Path(path)
+    where = str(path)
+    with DataFiles(path.parent, follow_symlinks) as files:
+        size = files.size(path.name)
+
+        def read(offset: int, length: int) -> bytes:
+            return files.read(path.name, offset, length)
+
+        try:
+            entries = read_directory(read, size, where)
+        except CorruptBlob as error:
+            raise CorruptMetadata(f"{where}: truncated or damaged torch.save file: "
+                                  f"{str(error).removeprefix(where + ': ')}") from None
+        state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED, _as_saved)
+    if not isinstance(state, dict):
+        raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not Megatron's common state dict")
+    args = state.get(ARGS)
+    if args is None:
+        return None
+    if not isinstance(args, Namespace):
+        raise CorruptMetadata(f"{where}: `{ARGS}` is a {type(args).__name__}, not Megatron-LM's argparse.Namespace")
+    return dict(vars(args))
+
+
+def megatron_hf_config(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
+    """Return the transformers config.json (a dict) for the model whose `common.pt` is `path`,
+    or None when it stores no Megatron-LM arguments; UnsupportedFormat naming the argument when
+    the model is not one transformers' Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral represents.
+
+    Example:
+        >>> megatron_hf_config("checkpoints/iter_0000003/common.pt")["num_experts"]
+        4
+    """
+    args = read_args(path, follow_symlinks)
+    return None if args is None else hf_config(args, str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments -> config.json
+
+# Megatron-LM argument -> the values transformers' decoders represent (a missing argument reads
+# as None), and what it is. Anything else has no place in a transformers config of these models.
+_REPRESENTABLE: tuple[tuple[str, tuple, str], ...] = (
+    ("position_embedding_type", ("rope",), "the position embedding (transformers' decoders use rotary)"),
+    ("normalization", ("RMSNorm",), "the normalization (transformers' decoders use RMSNorm)"),
+    ("swiglu", (True,), "the MLP activation (transformers' decoders use SwiGLU: --swiglu)"),
+    ("squared_relu", (False, None), "the MLP activation"),
+    ("openai_gelu", (False, None), "the MLP activation"),
+    ("quick_geglu", (False, None), "the MLP activation"),
+    ("glu_linear_offset", (0.0, None), "the GLU's linear offset"),
+    ("activation_func_clamp_value", (None,), "the activation clamp"),
+    ("add_bias_linear", (False,), "biases on every linear layer (--disable-bias-linear is what converts)"),
+    ("layernorm_zero_centered_gamma", (False, None), "zero-centred norm weights"),
+    ("apply_residual_connection_post_layernorm", (False, None), "the residual taken after the norm"),
+    ("multi_latent_attention", (False, None), "multi-latent attention"),
+    ("experimental_attention_variant", (None,), "the attention variant"),
+    ("attention_output_gate", (False, None), "the attention output gate"),
+    ("softmax_type", ("vanilla", None), "the attention softmax"),
+    ("qk_l2_norm", (False, None), "the q/k L2 norm"),
+    ("window_size", (None,), "sliding-window attention"),
+    ("rotary_interleaved", (False, None), "interleaved rotary pairs"),
+    ("rotary_percent", (1.0, None), "partial rotary"),
+    ("use_rope_scaling", (False, None), "rope scaling (Llama 3.1's)"),
+    ("rope_type", (None, "rope"), "the rope type"),
+    ("rotary_seq_len_interpolation_factor", (None,), "rotary interpolation"),
+    ("no_rope_freq", (None,), "layers without rope"),
+    ("mtp_num_layers", (None, 0), "multi-token prediction layers"),
+    ("heterogeneous_layers_config_path", (None,), "heterogeneous layers"),
+    ("heterogeneous_layers_config_encoded_json", (None,), "heterogeneous layers"),
+)
+_MOE_REPRESENTABLE: tuple[tuple[str, tuple, str], ...] = (
+    ("moe_router_score_function", ("softmax",), "the router score function"),
+    ("moe_router_enable_expert_bias", (False, None), "the router's expert bias (transformers' routers have none)"),
+    ("moe_router_topk_scaling_factor", (None, 1.0), "the top-k scaling factor"),
+    ("moe_router_num_groups", (None,), "group-limited routing"),
+    ("moe_router_group_topk", (None,), "group-limited routing"),
+    ("moe_shared_expert_intermediate_size", (None,), "shared experts"),
+    ("moe_latent_size", (None,), "latent MoE"),
+    ("moe_layer_freq", (1,), "dense layers between MoE layers"),
+)
+# dense / MoE x q/k RMSNorm / q,k,v biases -> (architecture, model_type)
+_ARCHITECTURES = {
+    (False, False, False): ("LlamaForCausalLM", "llama"),
+    (False, False, True): ("Qwen2ForCausalLM", "qwen2"),
+    (False, True, False): ("Qwen3ForCausalLM", "qwen3"),
+    (True, True, False): ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    (True, False, False): ("MixtralForCausalLM", "mixtral"),
+}
+_PRECISION_FLAGS = (("bf16", "bfloat16"), ("fp16", "float16"))  # Megatron-LM: params_dtype follows these
+
+
+def hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Return the transformers config.json (a dict, keys sorted) for Megatron-LM's `args`
+    (name -> value, as `read_args` returns them); `where` (common.pt) names them in errors.
+
+    Example:
+        >>> hf_config({"num_layers": 2, "hidden_size": 32, ..., "swiglu": True}, "common.pt")["model_type"]
+        'llama'
+    """
+    experts = _int(args, "num_experts", where, optional=True) or 0
+    _refuse_unrepresentable(args, _REPRESENTABLE + (_MOE_REPRESENTABLE if experts else ()), where)
+    qk_norm = _flag(args, "qk_layernorm", where)
+    qkv_bias = _flag(args, "add_qkv_bias", where)
+    found = _ARCHITECTURES.get((bool(experts), qk_norm, qkv_bias))
+    if found is None:
+        raise UnsupportedFormat(f"{where}: args qk_layernorm={qk_norm}, add_qkv_bias={qkv_bias}"
+                                f"{f', num_experts={experts}' if experts else ''}: no transformers architecture "
+                                f"ckpttool converts to has this; {_WAY_OUT}")
+    architecture, model_type = found
+    hidden = _int(args, "hidden_size", where)
+    heads = _int(args, "num_attention_heads", where)
+    groups = _int(args, "num_query_groups", where) if _flag(args, "group_query_attention", where) else heads
+    rope_theta = _number(args, "rotary_base", where)
+    config: dict[str, Any] = {
+        "architectures": [architecture], "model_type": model_type,
+        "num_hidden_layers": _int(args, "num_layers", where),
+        "hidden_size": hidden,
+        "intermediate_size": _int(args, "ffn_hidden_size", where),
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": _int(args, "kv_channels", where, optional=True) or hidden // heads,
+        "vocab_size": _int(args, "padded_vocab_size", where),
+        "max_position_embeddings": (_int(args, "max_position_embeddings", where, optional=True)
+                                    or _int(args, "seq_length", where)),
+        "rms_norm_eps": _number(args, "norm_epsilon" if "norm_epsilon" in args else "layernorm_epsilon", where),
+        "rope_theta": rope_theta,  # transformers 4's name; 5 reads rope_parameters
+        "rope_parameters": {"partial_rotary_factor": 1.0, "rope_theta": rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": not _flag(args, "untie_embeddings_and_output_weights", where),
+        "hidden_act": "silu",  # --swiglu: silu(gate) * up
+        "initializer_range": _number(args, "init_method_std", where),
+        "attention_dropout": _number(args, "attention_dropout", where),
+        "torch_dtype": _dtype(args, where),
+    }
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
+        config["attention_bias"] = False
+    if model_type == "llama":
+        config["mlp_bias"] = False
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        config["use_sliding_window"] = False
+    if experts:
+        config.update(_moe_fields(args, model_type, experts, where))
+    return dict(sorted(config.items()))
+
+
+def _moe_fields(args: Mapping[str, Any], model_type: str, experts: int, where: str) -> dict[str, Any]:
+    """Megatron's router takes the top k logits and a softmax over those (moe_router_pre_softmax
+    False: renormalised top-k probabilities), or a softmax over all experts, then the top k."""
+    topk = _int(args, "moe_router_topk", where)
+    width = _int(args, "moe_ffn_hidden_size", where, optional=True) or _int(args, "ffn_hidden_size", where)
+    pre_softmax = _flag(args, "moe_router_pre_softmax", where)
+    if model_type == "mixtral":
+        if pre_softmax:  # transformers' Mixtral always renormalises its top k
+            raise UnsupportedFormat(f"{where}: args moe_router_pre_softmax=True: Mixtral renormalises the top-k "
+                                    f"probabilities; {_WAY_OUT}")
+        return {"num_local_experts": experts, "num_experts_per_tok": topk, "intermediate_size": width,
+                "sliding_window": None}
+    return {"num_experts": experts, "num_experts_per_tok": topk, "moe_intermediate_size": width,
+            "norm_topk_prob": not pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _refuse_unrepresentable(args: Mapping[str, Any], table: tuple, where: str) -> None:
+    for name, allowed, what in table:
+        if name not in args and None not in allowed:
+            raise UnsupportedFormat(f"{where}: args has no {name} ({what}); {_WAY_OUT}")
+        value = args.get(name)
+        if name == "moe_layer_freq" and isinstance(value, list) and value and all(v == 1 for v in value):
+            continue  # a pattern of MoE layers only
+        if not any(_same(value, option) for option in allowed):
+            raise UnsupportedFormat(f"{where}: args {name}={_shown(value)}: {what} has no place in a transformers "
+                                    f"config ckpttool writes; {_WAY_OUT}")
+
+
+def _same(value: Any, option: Any) -> bool:
+    if option is None or isinstance(option, bool):
+        return value is option
+    return not isinstance(value, bool) and type(value) in (int, float, str) and value == option
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, EnumValue):
+        return f"{value.enum}({value.value!r})"
+    return f"{value!r:.80}"
+
+
+def _flag(args: Mapping[str, Any], name: str, where: str) -> bool:
+    value = args.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise CorruptMetadata(f"{where}: args {name}={_shown(value)} is not a boolean")
+    return value
+
+
+def _int(args: Mapping[str, Any], name: str, where: str, optional: bool = False) -> int | None:
+    value = args.get(name)
+    if value is None and optional:
+        return None
+    if value is None:
+        raise UnsupportedFormat(f"{where}: args has no {name}; {_WAY_OUT}")
+    if type(value) is not int or value < 0:
+        raise CorruptMetadata(f"{where}: args {name}={_shown(value)} is not a non-negative integer")
+    return value
+
+
+def _number(args: Mapping[str, Any], name: str, where: str) -> int | float:
+    value = args.get(name)
+    if value is None:
+        raise UnsupportedFormat(f"{where}: args has no {name}; {_WAY_OUT}")
+    if type(value) not in (int, float):
+        raise CorruptMetadata(f"{where}: args {name}={_shown(value)} is not a number")
+    return value
+
+
+def _dtype(args: Mapping[str, Any], where: str) -> str:
+    """The dtype the model was trained in: --bf16 / --fp16, else params_dtype (float32)."""
+    for flag, dtype in _PRECISION_FLAGS:
+        if _flag(args, flag, where):
+            return dtype
+    value = args.get("params_dtype")
+    return value.name if isinstance(value, DTypeName) else "float32"
