@@ -13,6 +13,10 @@ process), alternating the order over `--runs`:
 - with `--torchtitan-python PYTHON` (a Python with torchtitan 0.3.0 installed), torchtitan's own
   conversion: `dcp.load` of the model into memory, `Llama3StateDictAdapter.to_hf`, `save_file`
 
+then both ckpttool commands again with `--dry-run`: everything but the copy (reading the
+metadata, converting the names, locating and planning), the part of the wall that conversion
+adds to, without the disk's noise.
+
     python benchmarks/naming.py                       # ~1.2 GB, world 4
     python benchmarks/naming.py --layers 4 --runs 3
 """
@@ -113,6 +117,8 @@ def main() -> None:
             (root / "out.safetensors").unlink(missing_ok=True)
 
         print("\n" + table(alternate(commands, args.runs, clean), "consolidate (names kept)"))
+        planning = {f"{name} --dry-run": commands[name] + ["--dry-run"] for name in list(commands)[:2]}
+        print("\n" + table(alternate(planning, args.runs, clean), "consolidate (names kept) --dry-run"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -36,6 +36,10 @@ VERIFY_BLOCK = 16 << 20  # bytes compared per step of --verify
 SMALL_OPERATION = 1 << 20
 BATCH_BYTES = 4 << 20
 BATCH_OPERATIONS = 256
+# a batch's small copies from one file whose outputs lie end to end are read as one span of at
+# most this many bytes (and at most twice the bytes they copy), then written from memory: a
+# permuted weight's rows (naming's rotary heads) are neighbours in the source, a row apart
+SPAN_BYTES = BATCH_BYTES
 
 def write_file(path: Path, data: bytes) -> None:
     """Write a small file whole and fsync it (inside an atomic output directory)."""
@@ -136,11 +140,19 @@ def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, 
         return Task(run_records, memory)
     if len(batch) == 1:
         return Task(_runner(batch[0], files, outputs, None), memory)
+    groups = _copy_spans(batch, files, outputs)
+    spans = [_span(group) for group in groups if len(group) > 1]
+    span = max((end - start for start, end in spans), default=0)
+
     def run_all() -> int:
         with turns:
             gathered = _GatheredWrites(SMALL_OPERATION)
             written = 0
-            for op in batch:
+            for group in groups:
+                if len(group) > 1:
+                    written += _copy_span(group, files, outputs[group[0].dst], gathered)
+                    continue
+                op = group[0]
                 whole = _small_record(op, record_layout(op.dtype, op.shape), files) if type(op) is Record else None
                 fd = outputs[op.dst]
                 if whole is not None and isinstance(fd, int):  # a small record's bytes, built whole
@@ -151,7 +163,50 @@ def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, 
             gathered.flush()
         return written
 
-    return Task(run_all, memory + SMALL_OPERATION)
+    return Task(run_all, memory + SMALL_OPERATION + span)
+
+
+def _copy_spans(batch: list[Operation], files: DataFiles, outputs: Mapping[str, int]) -> list[list[Operation]]:
+    """Return `batch` in order as groups: neighbouring copies from one local file into one fd
+    whose outputs lie end to end and whose sources fit in one span (SPAN_BYTES, at most twice
+    what they copy) together, every other operation alone."""
+    if not files.local:
+        return [[op] for op in batch]
+    groups: list[list[Operation]] = []
+    group: list[Operation] = []
+    src = dst = None
+    start = end = copied = reached = 0
+    for op in batch:
+        if type(op) is not Copy or not isinstance(outputs[op.dst], int):
+            group, src = [], None
+            groups.append([op])
+            continue
+        at, length = op.src_offset, op.length
+        if op.dst_offset == reached and op.src == src and op.dst == dst:
+            low, high = min(start, at), max(end, at + length)
+            if high - low <= SPAN_BYTES and high - low <= 2 * (copied + length):
+                group.append(op)
+                start, end, copied, reached = low, high, copied + length, reached + length
+                continue
+        group = [op]
+        groups.append(group)
+        src, dst, start, end, copied, reached = op.src, op.dst, at, at + length, length, op.dst_offset + length
+    return groups
+
+
+def _span(group: list[Copy]) -> tuple[int, int]:
+    return min(op.src_offset for op in group), max(op.src_offset + op.length for op in group)
+
+
+def _copy_span(group: list[Copy], files: DataFiles, fd: int, gathered: _GatheredWrites) -> int:
+    """Run copies from one source span (`_copy_spans`): one read of the span into this thread's
+    buffer, each copy's bytes written from there (gathered: they lie end to end)."""
+    start, end = _span(group)
+    buffer = memoryview(thread_buffer(end - start, "span"))[:end - start]
+    files.read_into(group[0].src, start, buffer)
+    for op in group:
+        gathered.write_at(fd, buffer[op.src_offset - start:op.src_offset - start + op.length], op.dst_offset)
+    return sum(op.length for op in group)
 
 
 class _GatheredWrites:

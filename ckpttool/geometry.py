@@ -418,3 +418,19 @@ def classify_columns(sizes: "np.ndarray", shape: Sequence[int], volumes: "np.nda
         extents = nonempty[:, split_dims[0]]
         return Sharding(f"dim{split_dims[0]}", bool((extents != extents[0]).any()), empty)
     return Sharding("block", False, empty)
+
+
+def slab_rows(shape: Sequence[int], box: Box) -> tuple[int, int] | None:
+    """Return (first row, row count) of `box` when it is a dim-0 slab of a tensor of `shape`
+    (all of every dim but the first: FSDP's chunks, whole rows), else None.
+
+    Example:
+        >>> slab_rows((8, 4), ((2, 0), (3, 4))), slab_rows((8, 4), ((2, 0), (3, 2)))
+        ((2, 3), None)
+    """
+    offsets, sizes = box
+    if not shape or len(offsets) != len(shape) or len(sizes) != len(shape):
+        return None
+    if any(offsets[1:]) or tuple(sizes[1:]) != tuple(shape[1:]):
+        return None
+    return offsets[0], sizes[0]

@@ -10,7 +10,8 @@ transform is such a list of boxes, so the planner turns a conversion into byte-r
 - RENAME: the source tensor as it is (one box);
 - PERMUTE_Q / PERMUTE_K: the rows of each head reordered as transformers' rotary layout
   expects (torchtitan llama3 `_permute`: view(heads, head_dim / 2, 2, cols).transpose(1, 2)),
-  one box per row; heads from the config (num_attention_heads / num_key_value_heads);
+  two strided pieces per head (its even rows, then its odd ones: `Piece.step` 2), so one
+  chunk per row of the view; heads from the config (num_attention_heads / num_key_value_heads);
 - EXPERTS: grouped experts [E, ...] split on dim 0 into one key per expert (`{E}`);
 - SPLIT_HALVES: rows split in two (Megatron's `linear_fc1` [gate; up] -> gate_proj, up_proj);
 - EXPERTS_HALVES: both: grouped experts [E, 2F, D] (Megatron's SequentialMLP `linear_fc1`
@@ -32,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -40,7 +42,7 @@ from typing import Any, Iterable, Mapping
 
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
 from ckpttool.errors import InvalidCheckpoint, UsageError
-from ckpttool.geometry import Box, intersect, row_major_runs
+from ckpttool.geometry import Box, intersect, row_major_runs, slab_rows
 from ckpttool.plan import unique_chunks
 
 RENAME, PERMUTE_Q, PERMUTE_K, EXPERTS = "rename", "permute-q", "permute-k", "experts"
@@ -88,10 +90,13 @@ class Family:
 
 @dataclass(frozen=True)
 class Piece:
-    """A box of a source tensor, written row-major into its place in a target tensor."""
+    """A box of a source tensor, written row-major into its place in a target tensor. With a
+    `step` above 1 its rows are every `step`-th row of the source from the box's first one
+    (the box's first size counts the rows taken): a rotary head's even or odd rows."""
 
     source: str
     box: Box
+    step: int = 1
 
     @property
     def numel(self) -> int:
@@ -239,8 +244,9 @@ def _apply(rule: Rule, hf: str, key: str, shape: tuple[int, ...], config: Mappin
             raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} does not split into {heads} heads of "
                                     "even size (the config's head counts disagree with the weights)",
                                     code="config-mismatch")
-        return [Target(hf, shape, tuple(Piece(key, ((row, 0), (1, shape[1]))) for row in rotary_rows(rows, heads)),
-                       rule)]
+        head_dim = rows // heads  # output row (h, a, b) is source row (h, b, a): rotary_rows
+        return [Target(hf, shape, tuple(Piece(key, ((h * head_dim + a, 0), (head_dim // 2, shape[1])), step=2)
+                                        for h in range(heads) for a in range(2)), rule)]
     raise ValueError(f"unknown transform {rule.transform!r}")
 
 
@@ -329,11 +335,15 @@ def converted_checkpoint(checkpoint: Checkpoint, targets: Mapping[str, Target],
     `ckpttool.open` reads them. `located`: where each source chunk's raw bytes are
     (locating.locate_chunks); a chunk that must be decoded (zstd) is refused (UsageError)."""
     tensors: dict[str, Tensor] = {}
+    sources: dict[str, _Source] = {}
     for key, target in targets.items():
         chunks: list[Chunk] = []
         row = 0
         for piece in target.pieces:
-            chunks.extend(_piece_chunks(checkpoint, piece, row, len(target.shape), located, key))
+            source = sources.get(piece.source)
+            if source is None:
+                source = sources[piece.source] = _Source(checkpoint, piece.source, located[piece.source])
+            chunks.extend(source.chunks(piece, row, target.shape, key))
             row += piece.box[1][len(piece.box[1]) - len(target.shape)] if target.shape else 1
         dtype = checkpoint.tensors[target.pieces[0].source].dtype
         tensors[key] = Tensor(key, dtype, target.shape, tuple(sorted(chunks, key=lambda c: c.offsets)))
@@ -342,30 +352,99 @@ def converted_checkpoint(checkpoint: Checkpoint, targets: Mapping[str, Target],
                    nesting={}, orphan_blobs=(), model_prefix="")
 
 
-def _piece_chunks(checkpoint: Checkpoint, piece: Piece, row: int, ndim: int, located: Mapping[str, Mapping[int, Any]],
-                  key: str) -> list[Chunk]:
-    """Return the target chunks that hold `piece` (placed from target row `row`): one per run
-    of each source chunk it meets."""
-    tensor = checkpoint.tensors[piece.source]
-    itemsize = tensor.itemsize
-    box = piece.box
-    drop = len(box[1]) - ndim  # leading dims of the source box that the target squeezes (an expert's index)
-    chunks = []
-    for index in unique_chunks(tensor):
-        chunk = tensor.chunks[index]
-        region = intersect(box, (chunk.offsets, chunk.sizes))
-        if region is None or not math.prod(region[1]):
-            continue
-        raw = located[piece.source][index]
+class _Source:
+    """A source tensor's distinct chunks and where their raw bytes are, looked up once for all
+    the pieces cut from it. When its chunks are dim-0 slabs tiling it (FSDP's), a piece of
+    whole rows is found by bisecting the slabs' first rows, one chunk per slab it meets (per
+    row of a strided piece), without intersecting boxes."""
+
+    def __init__(self, checkpoint: Checkpoint, fqn: str, located: Mapping[int, Any]):
+        self.checkpoint, self.fqn, self.located = checkpoint, fqn, located
+        self.tensor = tensor = checkpoint.tensors[fqn]
+        self.indices = unique_chunks(tensor)
+        boxes = [(tensor.chunks[index].offsets, tensor.chunks[index].sizes) for index in self.indices]
+        slabs = [slab_rows(tensor.shape, box) for box in boxes]
+        self.row_bytes = math.prod(tensor.shape[1:]) * tensor.itemsize if tensor.shape else 0
+        self.slabs: list[tuple[int, int, int]] | None = None  # (first row, rows, chunk index), by first row
+        if self.row_bytes and slabs and all(slab is not None for slab in slabs):
+            ordered = sorted((first, count, index) for (first, count), index in zip(slabs, self.indices))
+            starts = [first for first, _, _ in ordered]
+            if starts == [0] + [first + count for first, count, _ in ordered[:-1]] and \
+                    ordered[-1][0] + ordered[-1][1] == tensor.shape[0]:
+                self.slabs, self.firsts = ordered, starts
+
+    def chunks(self, piece: Piece, row: int, shape: tuple[int, ...], key: str) -> list[Chunk]:
+        """Return the target chunks that hold `piece` (placed from target row `row` of a target of `shape`)."""
+        rows = slab_rows(self.tensor.shape, piece.box) if len(piece.box[1]) == len(shape) else None
+        if self.slabs is None or rows is None:
+            if piece.step == 1:
+                return self._chunks_of_box(piece.box, row, len(shape), key)
+            return [chunk for number, box in enumerate(_strided_rows(piece))
+                    for chunk in self._chunks_of_box(box, row + number, len(shape), key)]
+        first, count = rows
+        rest = self.tensor.shape[1:]
+        zeros = (0,) * len(rest)
+        row_bytes, step = self.row_bytes, piece.step
+        found = []
+        if step == 1:
+            stop = first + count
+            at = first
+            while at < stop:
+                slab_first, slab_stop, raw = self._slab(at, key)
+                take = min(stop, slab_stop) - at
+                blob = Blob(raw.file, raw.offset + (at - slab_first) * row_bytes, take * row_bytes, _RAW)
+                found.append(Chunk((row + at - first, *zeros), (take, *rest), blob))
+                at += take
+            return found
+        sizes = (1, *rest)
+        slab_first = slab_stop = -1
+        for number in range(count):
+            at = first + number * step
+            if not slab_first <= at < slab_stop:
+                slab_first, slab_stop, raw = self._slab(at, key)
+                file, offset = raw.file, raw.offset - slab_first * row_bytes
+            found.append(Chunk((row + number, *zeros), sizes, Blob(file, offset + at * row_bytes, row_bytes, _RAW)))
+        return found
+
+    def _slab(self, at: int, key: str) -> tuple[int, int, Any]:
+        """Return (first row, end row, raw bytes) of the slab holding source row `at`."""
+        first, count, index = self.slabs[bisect.bisect_right(self.firsts, at) - 1]
+        return first, first + count, self._raw(index, key)
+
+    def _raw(self, index: int, key: str) -> Any:
+        raw = self.located[index]
         if raw is None:
-            raise UsageError(f"{checkpoint.path}: {piece.source} chunk at {list(chunk.offsets)} must be decoded "
+            chunk = self.tensor.chunks[index]
+            raise UsageError(f"{self.checkpoint.path}: {self.fqn} chunk at {list(chunk.offsets)} must be decoded "
                              f"(a compressed blob) to make {key}; consolidate the checkpoint first, then export that")
-        for start, length, sub in _region_runs((chunk.offsets, chunk.sizes), region, itemsize):
-            offsets = (row + sub[0][drop] - box[0][drop], *sub[0][drop + 1:]) if ndim else ()
-            sizes = tuple(sub[1][drop:])
-            blob = Blob(raw.file, raw.offset + start, length, raw_range_transforms())
-            chunks.append(Chunk(offsets, sizes, blob))
-    return chunks
+        return raw
+
+    def _chunks_of_box(self, box: Box, row: int, ndim: int, key: str) -> list[Chunk]:
+        """Return the target chunks that hold the source `box` (placed from target row `row`):
+        one per run of each source chunk it meets."""
+        tensor = self.tensor
+        drop = len(box[1]) - ndim  # leading dims of the source box that the target squeezes (an expert's index)
+        chunks = []
+        for index in self.indices:
+            chunk = tensor.chunks[index]
+            region = intersect(box, (chunk.offsets, chunk.sizes))
+            if region is None or not math.prod(region[1]):
+                continue
+            raw = self._raw(index, key)
+            for start, length, sub in _region_runs((chunk.offsets, chunk.sizes), region, tensor.itemsize):
+                offsets = (row + sub[0][drop] - box[0][drop], *sub[0][drop + 1:]) if ndim else ()
+                sizes = tuple(sub[1][drop:])
+                chunks.append(Chunk(offsets, sizes, Blob(raw.file, raw.offset + start, length, _RAW)))
+        return chunks
+
+
+_RAW = raw_range_transforms()
+
+
+def _strided_rows(piece: Piece) -> list[Box]:
+    """Return the one-row boxes of a strided piece, in its order."""
+    (first, *others), (count, *sizes) = piece.box
+    return [((first + number * piece.step, *others), (1, *sizes)) for number in range(count)]
 
 
 def _region_runs(box: Box, region: Box, itemsize: int) -> list[tuple[int, int, Box]]:

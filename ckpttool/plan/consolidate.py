@@ -24,7 +24,7 @@ from ckpttool.dcp.blobs import RawData
 from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.formats import fp8, hub, safetensors
 from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys
-from ckpttool.geometry import row_major_runs, slab_runs
+from ckpttool.geometry import row_major_runs, slab_rows, slab_runs
 from ckpttool.model_view import ModelView
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import (CONVERT_BLOCK, DEQUANTIZE_ELEMENTS, Convert, Copy, Dequantize, Gather, Operation,
@@ -390,7 +390,16 @@ def _chunk_runs(tensor: Tensor, indices: list[int], itemsize: int) -> list[list[
         if runs is not None:
             return runs
     whole = ((0,) * len(tensor.shape), tensor.shape)
-    return [row_major_runs(whole, (chunks[index].offsets, chunks[index].sizes), itemsize) for index in indices]
+    row = math.prod(tensor.shape[1:]) * itemsize
+    runs = []
+    for index in indices:  # a converted view (naming) has a chunk per row: slabs skip the general walk
+        box = (chunks[index].offsets, chunks[index].sizes)
+        slab = slab_rows(tensor.shape, box)
+        if slab is None:
+            runs.append(row_major_runs(whole, box, itemsize))
+        else:
+            runs.append([(slab[0] * row, slab[1] * row)] if slab[1] * row else [])
+    return runs
 
 
 def target_dtype(source_dtype: str, wanted: str | None) -> str:
