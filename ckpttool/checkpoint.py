@@ -199,6 +199,9 @@ class Object:
 
     fqn: str
     blob: Blob | None
+    # its torch.save bytes when no data file holds them: a value the reader made from the
+    # layout's own records (DeepSpeed's param_groups); then `blob` is None
+    data: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,9 @@ class Checkpoint:
     # where the layout itself keeps the model (dotted prefix; "" the top level: safetensors files,
     # Hub folders, verl), or None: found from the structure (model_view.find_model)
     model_prefix: str | None = None
+    # the model's parameters (fqns), when the layout names them apart from its buffers
+    # (DeepSpeed's param_shapes and frozen parameters): reshard shards each, as fully_shard does
+    parameters: frozenset[str] = frozenset()
 
     def entries(self) -> Iterator[Tensor | Object]:
         """Yield tensors and objects in fqn order."""

@@ -25,7 +25,7 @@ from ckpttool.dequantizing import dequantized_bytes, quantized_bytes, row_ranges
 from ckpttool.dcp.blobs import DataFiles, read_chunk
 from ckpttool.errors import CorruptBlob, VerificationFailed
 from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
-from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Dequantize, Gather, Operation, Quantize, Record, Records
+from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Dequantize, Gather, Operation, Put, Quantize, Record, Records
 from ckpttool.torchsave.ptfile import crc32_combine
 from ckpttool.torchsave.record import RecordLayout, record_layout
 
@@ -94,6 +94,8 @@ def source_ranges(op: Operation) -> list[tuple[str, int, int]]:
         return row_ranges(op.codes) + row_ranges(op.scale)
     if isinstance(op, Quantize):
         return row_ranges(op.source)
+    if isinstance(op, Put):
+        return []
     source = op.source if op.source is not None else op.tensor.chunks[op.chunk].blob
     return [(source.file, source.offset, source.offset + source.length)] if source is not None else []
 
@@ -311,7 +313,7 @@ def _piece_offsets(part: Copy | Gather) -> list[int]:
     return [part.dst_offset] if isinstance(part, Copy) else [offset for _, offset, _ in part.pieces]
 
 
-def output_blocks(op: Convert | Gather | Copy | Dequantize | Quantize, files: DataFiles, decoded: dict,
+def output_blocks(op: Convert | Gather | Copy | Put | Dequantize | Quantize, files: DataFiles, decoded: dict,
                   block: int = STREAM_BLOCK) -> Iterator[tuple[int, bytes | memoryview]]:
     """Yield (output offset, bytes) that `op` writes, in output order; a block is valid only
     until the next is asked for (they share this thread's buffers). `decoded` caches decoded
@@ -332,6 +334,8 @@ def output_blocks(op: Convert | Gather | Copy | Dequantize | Quantize, files: Da
         yield op.dst_offset, dequantized_bytes(op, files)
     elif isinstance(op, Quantize):
         yield op.dst_offset, quantized_bytes(op, files)
+    elif isinstance(op, Put):
+        yield op.dst_offset, op.data
     else:
         key = (op.tensor.fqn, op.chunk, op.dtype)
         data = decoded.get(key)

@@ -420,6 +420,45 @@ def classify_columns(sizes: "np.ndarray", shape: Sequence[int], volumes: "np.nda
     return Sharding("block", False, empty)
 
 
+def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Return the elements `[start, stop)` of a row-major tensor of `shape` as boxes
+    `(offsets, sizes, flat_start)`, each contiguous in row-major order (so each is one byte
+    range of a flat buffer holding those elements): at most 2 * ndim - 1 of them.
+
+    A flat partition (DeepSpeed ZeRO's, FSDP1's) cuts a tensor mid-row; its piece of the
+    tensor is then a partial row, whole rows, and a partial row.
+
+    Example:
+        >>> flat_boxes((3, 4), 2, 9)
+        [((0, 2), (1, 2), 2), ((1, 0), (1, 4), 4), ((2, 0), (1, 1), 8)]
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    if len(shape) == 1:
+        return [((start,), (stop - start,), start)]
+    inner = math.prod(shape[1:])  # > 0: a tensor with a zero dimension has no [start, stop)
+    first, head = divmod(start, inner)
+    last, tail = divmod(stop, inner)
+
+    def within(row: int, lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        return [((row, *offsets), (1, *sizes), row * inner + flat)
+                for offsets, sizes, flat in flat_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return within(first, head, tail)
+    boxes = []
+    if head:
+        boxes += within(first, head, inner)
+        first += 1
+    if last > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:]), first * inner))
+    if tail:
+        boxes += within(last, 0, tail)
+    return boxes
+
+
 def slab_rows(shape: Sequence[int], box: Box) -> tuple[int, int] | None:
     """Return (first row, row count) of `box` when it is a dim-0 slab of a tensor of `shape`
     (all of every dim but the first: FSDP's chunks, whole rows), else None.

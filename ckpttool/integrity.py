@@ -212,9 +212,9 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrit
             if blob is not None and is_raw_range(blob):
                 shared.add((blob.file, blob.offset, blob.offset + blob.length))
     for obj in checkpoint.objects.values():
-        if obj.blob is None:
+        if obj.blob is None and obj.data is None:
             report.add(ERROR, "object-without-storage", f"{checkpoint.metadata_file}: {obj.fqn} has no storage entry", fqn=obj.fqn)
-        elif _check_blob_range(obj.blob, obj.fqn, obj.fqn, sizes, report):
+        elif obj.blob is not None and _check_blob_range(obj.blob, obj.fqn, obj.fqn, sizes, report):
             claims.add(obj.blob.file, obj.blob.offset, obj.blob.offset + obj.blob.length, obj.fqn, None)
     _check_claims(checkpoint, claims, sizes, shared, report)
     for fqn, blob in checkpoint.orphan_blobs:

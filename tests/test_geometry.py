@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -72,3 +73,24 @@ def test_row_major_runs_reassemble_any_sub_box():
         runs = row_major_runs((tuple(offsets), tuple(sizes)), (tuple(r_offsets), tuple(r_sizes)), 4)
         assert b"".join(raw[a:a + n] for a, n in runs) == region.tobytes()
     assert row_major_runs(((0, 0), (4, 5)), ((1, 0), (2, 5)), 4) == [(20, 40)]
+
+
+def test_flat_boxes_cover_a_flat_range_with_contiguous_boxes_in_order():
+    """Every element of [start, stop) once, in row-major order, each box one contiguous run
+    starting at its flat_start; at most 2 * ndim - 1 boxes (a flat partition's piece)."""
+    from ckpttool.geometry import flat_boxes
+
+    generator = random.Random(0)
+    for _ in range(2000):
+        shape = tuple(generator.randint(1, 4) for _ in range(generator.randint(0, 4)))
+        numel = math.prod(shape)
+        start = generator.randint(0, numel)
+        stop = generator.randint(start, numel)
+        seen = []
+        boxes = flat_boxes(shape, start, stop)
+        for offsets, sizes, flat in boxes:
+            indices = [sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(point))
+                       for point in itertools.product(*[range(o, o + s) for o, s in zip(offsets, sizes)])]
+            assert indices == list(range(flat, flat + len(indices))), (shape, start, stop)
+            seen += indices
+        assert seen == list(range(start, stop)) and len(boxes) <= max(1, 2 * len(shape) - 1), (shape, start, stop)

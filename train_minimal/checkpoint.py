@@ -20,7 +20,9 @@ A LoRA run (`--lora-rank`) saves its model under the same keys with PEFT's layer
 A checkpoint with `model.*` entries only (what `ckpttool import` writes from Hub weights,
 or `dcp.save({"model": get_model_state_dict(model)})`) also resumes: its weights are
 loaded and the run starts at step 0 with a fresh optimizer and LR schedule; into a LoRA run,
-its plain weights load into the `base_layer`s (so does `--init-from`).
+its plain weights load into the `base_layer`s (so does `--init-from`). One with `model.*` and
+`optim.*` but no `scheduler.*`/`train.*` (`ckpttool reshard` of a DeepSpeed ZeRO save) loads
+both and starts at step 0 on a fresh LR schedule, its optimizer state kept.
 
 Layout on disk: `DIR/step-00000010/` is written as `DIR/step-00000010.tmp/` and renamed
 once every rank has finished and `.metadata` exists; then `DIR/latest` (a one-line text
@@ -65,6 +67,7 @@ LATEST_POINTER = "latest"
 MODEL_PREFIX = "model."  # AppState's top-level entries, as flattened DCP keys
 OPTIMIZER_PREFIX = "optim."
 CONFIG_KEY = "train.config"
+SCHEDULE_GROUPS = ("scheduler", "train")  # AppState's entries that only this trainer writes
 TEMPORARY_SUFFIX = ".tmp"
 # Mixed into the seed when a rank has no stored RNG state (world size changed on resume).
 RNG_RESEED_SALT = 0x5EED
@@ -101,6 +104,7 @@ class AppState(Stateful):
         self.config = config
         self.runtime = runtime
         self.restored_rng = True
+        self.restored_schedule = True
 
     def state_dict(self) -> dict:
         """Return the state to save (tensors stay sharded; nothing is gathered)."""
@@ -121,8 +125,18 @@ class AppState(Stateful):
     def load_target(self, checkpoint: Path) -> dict:
         """Return the state dict to pass to `dcp.load` for `checkpoint`: like `state_dict()`,
         but with this rank's RNG entry only when the checkpoint was written at this world
-        size (a rank of another world has no state of its own to take)."""
+        size (a rank of another world has no state of its own to take), and without the LR
+        schedule and progress when the checkpoint has none: a model and optimizer another
+        trainer saved (`ckpttool reshard` of a DeepSpeed ZeRO save) continue from step 0 on a
+        fresh schedule, with their optimizer state."""
         state = self.state_dict()
+        keys = checkpoint_keys(checkpoint)
+        for group in SCHEDULE_GROUPS:
+            if not any(key.startswith(group + ".") for key in keys):
+                del state[group]
+        for number, settings in enumerate(state["optim"].get("param_groups", [])):
+            for name in [name for name in settings if f"optim.param_groups.{number}.{name}" not in keys]:
+                del settings[name]  # `initial_lr`, which this LR schedule adds and another trainer's lacks
         saved_world_size = count_rng_ranks(checkpoint)
         if saved_world_size != self.runtime.world_size:
             del state["rng"]
@@ -132,9 +146,12 @@ class AppState(Stateful):
         """Apply a loaded state: model and optimizer shards, scheduler, progress, RNG."""
         set_state_dict(self.model, self.optimizer,
                        model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
-        self.scheduler.load_state_dict(state_dict["scheduler"])
-        self.progress.step = int(state_dict["train"]["step"])
-        self.progress.data_position = int(state_dict["train"]["data_position"])
+        self.restored_schedule = "scheduler" in state_dict
+        if self.restored_schedule:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+        if "train" in state_dict:
+            self.progress.step = int(state_dict["train"]["step"])
+            self.progress.data_position = int(state_dict["train"]["data_position"])
         if "rng" in state_dict:
             set_rng_state(state_dict["rng"][f"rank_{self.runtime.rank}"])
             self.restored_rng = True

@@ -102,7 +102,9 @@ def train(config: TrainConfig) -> None:
     elif checkpoint_to_resume is not None:
         load_checkpoint(app, checkpoint_to_resume)
         log(f"resumed from {checkpoint_to_resume} at step {progress.step} (data position "
-            f"{progress.data_position}{'' if app.restored_rng else ', RNG reseeded: world size changed'})")
+            f"{progress.data_position}{'' if app.restored_rng else ', RNG reseeded: world size changed'})"
+            + ("" if app.restored_schedule else "; model and optimizer state only (another trainer's, e.g. `ckpttool reshard` "
+               "of a DeepSpeed save): fresh LR schedule"))
 
     corpus = file_corpus(config.data, config.vocab, config.seq_len) if config.data else synthetic_corpus(config.seed)
     stream = TokenStream(corpus, config.seq_len, config.seed)

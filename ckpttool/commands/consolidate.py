@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager, Iterable, Mapping
 
 from ckpttool import distributed, execute, integrity, io, locating, naming, quantization, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Tensor
-from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, read_chunk
+from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, object_bytes, read_chunk
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
@@ -405,11 +405,9 @@ def load_objects(checkpoint: Checkpoint, files: DataFiles, keys: dict[str, str])
     allowlist without torch, anything else with `torch.load(weights_only=True)`."""
     values = {}
     for key, fqn in keys.items():
-        blob = checkpoint.objects[fqn].blob
-        where = f"{files.path(blob.file) if blob else checkpoint.path}: {fqn}"
-        if blob is None:
-            raise CorruptMetadata(f"{where}: the metadata has no storage entry for this object")
-        values[key] = decode_object(blob_bytes(files, blob, where), where)
+        entry = checkpoint.objects[fqn]
+        where = f"{files.path(entry.blob.file) if entry.blob else checkpoint.path}: {fqn}"
+        values[key] = decode_object(object_bytes(files, entry), where)
     return values
 
 

@@ -30,8 +30,8 @@ import numpy as np
 
 from ckpttool import dtypes, integrity, numerics
 from ckpttool.checkpoint import Checkpoint, Chunk, Object, Tensor
-from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate, read_chunk
-from ckpttool.errors import CorruptMetadata, KeyCollision, UsageError
+from ckpttool.dcp.blobs import DataFiles, RawData, decode_object, locate, object_bytes, read_chunk
+from ckpttool.errors import KeyCollision, UsageError
 from ckpttool.integrity import Problem
 from ckpttool.io import ProgressFactory, no_progress
 from ckpttool.keys import Rename, normalise
@@ -503,11 +503,8 @@ def _compare_objects(key: str, a: Object, b: Object, files_a: DataFiles, files_b
 
 
 def _object_value(files: DataFiles, entry: Object) -> Any:
-    blob = entry.blob
-    where = f"{files.path(blob.file) if blob else files.root}: {entry.fqn}"
-    if blob is None:
-        raise CorruptMetadata(f"{where}: the metadata has no storage entry for this object")
-    return decode_object(blob_bytes(files, blob, where), where)
+    where = f"{files.path(entry.blob.file) if entry.blob else files.root}: {entry.fqn}"
+    return decode_object(object_bytes(files, entry), where)
 
 
 def same_value(x: Any, y: Any) -> bool:

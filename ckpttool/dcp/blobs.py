@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, MutableMapping, Sequence
 
 from ckpttool import dtypes, spans, storage
 from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
-from ckpttool.errors import CheckpointError, CorruptBlob, MissingFile, UnsupportedFormat
+from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
 from ckpttool.formats import safetensors
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.safepickle import PickleRefused
@@ -497,6 +497,18 @@ def read_chunk(files: DataFiles, tensor: Tensor, chunk: Chunk) -> bytes:
     if raw is not None:
         return files.read(raw.file, raw.offset, raw.length)
     return _decode_chunk(files, tensor, chunk)
+
+
+def object_bytes(files: DataFiles, entry: Any) -> bytes:
+    """Return a non-tensor entry's torch.save bytes: made by its reader, or read from its blob;
+    CorruptMetadata when neither holds them."""
+    if entry.data is not None:
+        return entry.data
+    blob = entry.blob
+    where = f"{files.path(blob.file) if blob else files.root}: {entry.fqn}"
+    if blob is None:
+        raise CorruptMetadata(f"{where}: the metadata has no storage entry for this object")
+    return blob_bytes(files, blob, where)
 
 
 def blob_bytes(files: DataFiles, blob: Blob, where: str, max_output: int = MAX_OBJECT_BYTES) -> bytes:

@@ -5,6 +5,7 @@ kinds, and `execute` runs any list of them (with one memory budget) and verifies
 
 - `Copy`: a byte range moves as it is from a data file to an output file (FSDP's dim-0
   chunks are contiguous runs of the full tensor: `copy_file_range`, no buffer);
+- `Put`: bytes the planner made (a reader-made object) written as they are;
 - `Convert`: a contiguous run that is cast (`--dtype`), in blocks of `CONVERT_BLOCK`;
 - `Gather`: a chunk read whole (decoded when its blob is transformed or strided), cast if
   asked, and written as pieces (block / 2-D sharding, or a decoded source);
@@ -58,6 +59,23 @@ class Copy:
     @property
     def output_length(self) -> int:
         return self.length
+
+
+@dataclass(frozen=True)
+class Put:
+    """Write bytes the planner made (a reader-made object's torch.save bytes) as they are."""
+
+    dst: str
+    dst_offset: int
+    data: bytes
+
+    @property
+    def memory(self) -> int:
+        return 0  # held by the plan already
+
+    @property
+    def output_length(self) -> int:
+        return len(self.data)
 
 
 @dataclass(frozen=True)
@@ -259,4 +277,4 @@ class Quantize:
         return self.source.nbytes + 4 * self.source.nbytes // max(1, self.source.tensor.itemsize) + self.output_length
 
 
-Operation = Copy | Convert | Gather | Record | Records | Dequantize | Quantize
+Operation = Copy | Put | Convert | Gather | Record | Records | Dequantize | Quantize

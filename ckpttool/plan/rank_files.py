@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from ckpttool.checkpoint import Checkpoint, Tensor, paused_gc
 from ckpttool.dcp.blobs import RawData, RawDataRows
 from ckpttool.dcp.writer import StoredChunks, StoredObject, StoredTensor, data_file_name
-from ckpttool.plan.operations import Copy, Gather, Operation, Record, Records
+from ckpttool.plan.operations import Copy, Gather, Operation, Put, Record, Records
 from ckpttool.plan.reshard import ReshardPlan, TargetChunk, TargetTable
 from ckpttool.torchsave.record import record_layout
 
@@ -69,6 +69,11 @@ def _plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str
         at, copies = 0, []
         for obj in rank_file.objects:
             source = obj.source
+            if isinstance(source, bytes):  # made by the reader: written as it is
+                objects.append(StoredObject(obj.fqn, rank_file.name, at, len(source)))
+                copies.append(Put(rank_file.name, at, source))
+                at += len(source)
+                continue
             objects.append(StoredObject(obj.fqn, rank_file.name, at, source.length, source.transforms))
             copies.append(Copy(source.file, source.offset, rank_file.name, at, source.length))
             at += source.length

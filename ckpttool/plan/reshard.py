@@ -122,10 +122,11 @@ class TargetChunk:
 
 @dataclass(frozen=True)
 class TargetObject:
-    """A non-tensor entry, copied verbatim from its source blob."""
+    """A non-tensor entry, copied verbatim from its source blob (or written from the bytes
+    its reader made: `checkpoint.Object.data`)."""
 
     fqn: str
-    source: Blob
+    source: Blob | bytes
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,7 @@ def sharded_by_optimizer(checkpoint: Checkpoint, view: ModelView) -> frozenset[s
     state = {fqn for fqn in checkpoint.tensors if any(fqn.startswith(s) for s in states)}
     if state and not view.parameters and view.candidates[1:]:
         view.require()
-    return frozenset(view.parameters | state)
+    return frozenset(view.parameters | state | checkpoint.parameters)
 
 
 SOURCE_RULE, OPTIMIZER_STATE_RULE, EVERY_TENSOR_RULE = "source", "optimizer-state", "every-tensor"
@@ -581,7 +582,8 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
     world = mesh.world_size
     objects: list[list[TargetObject]] = [[] for _ in range(world)]
     for fqn in object_names:
-        source = checkpoint.objects[fqn].blob
+        entry = checkpoint.objects[fqn]
+        source = entry.blob if entry.data is None else entry.data
         if source is None:
             raise CorruptMetadata(f"{checkpoint.path}: {fqn} has no storage entry in the metadata")
         objects[object_owners[fqn]].append(TargetObject(fqn, source))

@@ -25,8 +25,9 @@ from ckpttool.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.dcp_hf import read_dcp_hf
-from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, HUB_FOLDER, LAYOUTS, MEGATRON, SAFETENSORS,
-                                     TORCH_PT, VERL, Detection, _detect, detect)
+from ckpttool.readers.deepspeed import read_deepspeed, read_deepspeed_universal
+from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
+                                     LAYOUTS, MEGATRON, SAFETENSORS, TORCH_PT, VERL, Detection, _detect, detect)
 from ckpttool.readers.hub_folder import read_hub_folder
 from ckpttool.readers.megatron import model_view as megatron_model_view
 from ckpttool.readers.safetensors import read_safetensors
@@ -99,6 +100,10 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
         return read_safetensors(detection.path, follow_symlinks)
     if detection.layout == VERL:
         return read_verl(detection.path, follow_symlinks)
+    if detection.layout == DEEPSPEED:
+        return read_deepspeed(detection.path, follow_symlinks)
+    if detection.layout == DEEPSPEED_UNIVERSAL:
+        return read_deepspeed_universal(detection.path, follow_symlinks)
     if detection.layout == TORCH_PT:
         return read_torch_pt(detection.path, follow_symlinks)
     raise UnsupportedFormat(f"{detection.path}: a {detection.layout} checkpoint, which this build detects but "

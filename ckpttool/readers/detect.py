@@ -13,6 +13,12 @@ Layouts (one name each, as `inspect` shows them):
   olmo_core/train/checkpoint.py `Checkpointer.save`).
 - `megatron-torch-dist`: DCP + `common.pt` + `metadata.json` whose `sharded_backend` is
   `torch_dist` (megatron/core/dist_checkpointing/core.py CONFIG_FNAME).
+- `deepspeed`: a ZeRO tag folder (`global_stepN`): `*_optim_states.pt` per data-parallel
+  rank beside `mp_rank_00_model_states.pt` or (stage 3) `zero_pp_rank_R_mp_rank_00_model_states.pt`
+  (deepspeed/runtime/engine.py `_get_ckpt_name`, `_get_zero_ckpt_name`).
+- `deepspeed-universal`: DeepSpeed's universal checkpoint (deepspeed/checkpoint/ds_to_universal.py):
+  `zero/<fqn>/{fp32,exp_avg,exp_avg_sq,step}.pt` and `zero/optimizer_state.pt` beside copies
+  of the model states files; `latest_universal` names it.
 - `verl`: `model_world_size_W_rank_R.pt` per rank, in the folder or its `actor/`
   (verl/utils/checkpoint/fsdp_checkpoint_manager.py).
 - `dcp-hf`: torch's HuggingFaceStorageWriter (see readers/dcp_hf.py), sharded or consolidated.
@@ -21,7 +27,7 @@ Layouts (one name each, as `inspect` shows them):
   or a folder with `pytorch_model.bin`.
 
 A run directory holds checkpoints (`step-*`, `step*` (OLMo-core), `iter_*`, `global_step_*`,
-`checkpoint-*`, `checkpoint_*`, `ep*-ba*` (Composer, by batch)); the newest is the one a
+`checkpoint-*`, `checkpoint_*`, `ep*-ba*` (Composer, by batch), `global_stepN` (DeepSpeed)); the newest is the one a
 `latest` link or file, Composer's `latest-rank0.pt` link, or `latest_checkpointed_iteration.txt`
 (Megatron `iter_%07d`, verl `global_step_N`), names, else the highest number.
 """
@@ -43,8 +49,9 @@ from ckpttool.readers.safetensors import read_header
 
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
-OLMO_CORE = "olmo-core"
-LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT)
+OLMO_CORE, DEEPSPEED, DEEPSPEED_UNIVERSAL = "olmo-core", "deepspeed", "deepspeed-universal"
+LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE, DEEPSPEED, DEEPSPEED_UNIVERSAL, VERL,
+           SAFETENSORS, HUB_FOLDER, TORCH_PT)
 DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE})  # read as torch DCP
 
 TORCHTITAN_KEYS = frozenset({"lr_scheduler", "dataloader", "train_state"})  # beside "optimizer"
@@ -56,13 +63,19 @@ MEGATRON_CONFIG = "metadata.json"
 MEGATRON_COMMON = "common.pt"
 MEGATRON_BACKEND = "torch_dist"
 MAX_CONFIG_BYTES = 1 << 20  # metadata.json is ~100 bytes
+# deepspeed/runtime/engine.py `_get_ckpt_name` (stage 1/2; stage 3 prefixes zero_pp_rank_R_) and
+# `_get_zero_ckpt_name` (bf16_ when the BF16 optimizer saved it)
+DEEPSPEED_MODEL_PATTERN = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+DEEPSPEED_OPTIM_PATTERN = re.compile(r"^(?:(?:bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+DEEPSPEED_UNIVERSAL_DIR = "zero"  # ds_to_universal: <tag>/zero/<fqn>/fp32.pt ..., zero/optimizer_state.pt
+DEEPSPEED_UNIVERSAL_LATEST = "latest_universal"  # ds_to_universal's pointer beside the tag folder
 VERL_MODEL_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_SUBDIRS = ("", "actor")
 TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's single-file checkpoints
 HUB_TORCH_FILE = "pytorch_model.bin"  # transformers WEIGHTS_NAME
 HUB_CONFIG = "config.json"  # transformers CONFIG_NAME: a model folder's config beside its weights
 
-RUN_ENTRY_PATTERN = re.compile(r"^(step-|step|iter_|global_step_|checkpoint-|checkpoint_|ep\d+-ba)(\d+)$")
+RUN_ENTRY_PATTERN = re.compile(r"^(step-|step|iter_|global_step_|global_step|checkpoint-|checkpoint_|ep\d+-ba)(\d+)$")
 LATEST_POINTER = "latest"  # train_minimal, DeepSpeed, many trainers: a link or a small text file
 COMPOSER_LATEST = "latest-rank0.pt"  # composer/callbacks/checkpoint_saver.py: a link to the newest save
 ITERATION_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, verl
@@ -70,8 +83,8 @@ MAX_POINTER_BYTES = 4096
 LOOKED_FOR = (
     ".metadata (dcp), shard-*.safetensors with DCP_SHARDING_INFO (dcp-hf), model.safetensors or "
     "model.safetensors.index.json (hub-folder), pytorch_model_fsdp_0/ (accelerate), model_and_optim/ "
-    "(olmo-core), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
-    "step-*, step*, iter_*, global_step_*, checkpoint-*, ep*-ba* (run directory)"
+    "(olmo-core), *_optim_states.pt beside *_model_states.pt (deepspeed), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
+    "step-*, step*, iter_*, global_step_*, global_stepN, checkpoint-*, ep*-ba* (run directory)"
 )
 
 
@@ -181,6 +194,10 @@ def _directory_layout(path: Path) -> tuple[str | None, object]:
         return OLMO_CORE, None
     if any(verl_files(path / sub) for sub in VERL_SUBDIRS):
         return VERL, None
+    if is_deepspeed(path):
+        return DEEPSPEED, None
+    if is_deepspeed_universal(path):
+        return DEEPSPEED_UNIVERSAL, None
     layout = _safetensors_layout(path)
     if layout is not None:
         return layout, None
@@ -205,6 +222,27 @@ def _is_megatron(path: Path) -> bool:
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(document, dict) and document.get("sharded_backend") == MEGATRON_BACKEND
+
+
+def is_deepspeed(path: Path) -> bool:
+    """True for a ZeRO tag folder: optim states files beside a model states file."""
+    try:
+        names = _names(path)
+    except OSError:
+        return False
+    return (any(DEEPSPEED_OPTIM_PATTERN.match(name) for name in names)
+            and any(DEEPSPEED_MODEL_PATTERN.match(name) for name in names))
+
+
+def is_deepspeed_universal(path: Path) -> bool:
+    """True for a DeepSpeed universal checkpoint's tag folder: `zero/optimizer_state.pt`
+    beside a model states file."""
+    try:
+        names = _names(path)
+    except OSError:
+        return False
+    return (DEEPSPEED_UNIVERSAL_DIR in names and (path / DEEPSPEED_UNIVERSAL_DIR / "optimizer_state.pt").is_file()
+            and any(DEEPSPEED_MODEL_PATTERN.match(name) for name in names))
 
 
 def verl_files(path: Path) -> list[str]:
@@ -254,6 +292,7 @@ def run_checkpoints(path: Path) -> list[str]:
 
 def _looks_like_checkpoint(path: Path) -> bool:
     return (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR) or any(verl_files(path / s) for s in VERL_SUBDIRS)
+            or is_deepspeed(path) or is_deepspeed_universal(path)
             or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
             or (path / HUB_TORCH_FILE).is_file())  # an index alone: a save whose data went missing, not "no checkpoint"
 
@@ -261,11 +300,11 @@ def _looks_like_checkpoint(path: Path) -> bool:
 def newest_checkpoint(path: Path, found: list[str]) -> tuple[str, str]:
     """Return the newest of `found` and what said so: the `latest` link or file, Megatron's
     and verl's iteration tracker, or else the highest number."""
-    for pointer in (path / LATEST_POINTER, path / COMPOSER_LATEST):
+    for pointer in (path / LATEST_POINTER, path / COMPOSER_LATEST, path / DEEPSPEED_UNIVERSAL_LATEST):
         named = None
         if pointer.is_symlink():
             named = Path(os.readlink(pointer)).name
-        elif pointer.is_file() and pointer.name == LATEST_POINTER:
+        elif pointer.is_file() and pointer.name in (LATEST_POINTER, DEEPSPEED_UNIVERSAL_LATEST):
             named = Path(_small_text(pointer)).name
         if named in found:
             return named, pointer.name

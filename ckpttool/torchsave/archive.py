@@ -144,3 +144,18 @@ def tensor_bytes(value: Any) -> bytes:
 
     flat = value.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def saved_value(pickled: bytes) -> bytes:
+    """Return the bytes `torch.save(value, stream)` writes for a value without tensors, given
+    its pickle (`torchsave.pickle.dumps(value)`): what DCP stores for a non-tensor entry.
+
+    Example:
+        >>> torch.load(io.BytesIO(saved_value(dumps(0.001))), weights_only=True)
+        0.001
+    """
+    layout = lay_out(pickled, [])
+    out = bytearray(layout.length)
+    for offset, data in writes(layout, []):
+        out[offset:offset + len(data)] = data
+    return bytes(out)

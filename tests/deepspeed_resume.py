@@ -1,0 +1,98 @@
+"""Resume DeepSpeed runs as FSDP2: `world` gloo processes, for each (case, migrated DCP dir),
+build the fixture's model (the generator's own `build_model`), `fully_shard` it, make torch's
+AdamW with the run's param groups, `dcp.load` the migrated checkpoint into
+`get_state_dict(model, optimizer)`, `set_state_dict`, and take the training step DeepSpeed took
+from the same save (step_reference.*). Rank 0 writes, per case, the loss and per tensor the
+largest difference from DeepSpeed's step, as JSON.
+
+    python tests/deepspeed_resume.py WORLD OUT.json CASE MIGRATED_DCP_DIR [CASE DIR ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FIXTURE = HERE.parent / "fixtures" / "frameworks"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(FIXTURE))
+
+
+def _rank(rank: int, world: int, port: int, jobs: list[tuple[str, str]], out: str) -> None:
+    import torch.distributed as dist
+
+    from fsdp_loads import exit_spawned_rank
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {case: _resume(case, source) for case, source in jobs}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_spawned_rank()
+
+
+def _resume(case: str, source: str) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    import generate_deepspeed as generator
+
+    model = generator.build_model(seed=1)  # other weights than the save's: loading must replace them all
+    fully_shard(model)
+    groups = [{"params": group["params"], "weight_decay": group["weight_decay"]} for group in generator.param_groups(model)]
+    optimizer = torch.optim.AdamW(groups, lr=generator.LR, betas=generator.BETAS, eps=generator.EPS)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optimizer_state}
+    dcp.load(state, checkpoint_id=source)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    reference = json.loads((FIXTURE / "deepspeed" / case / "step_reference.json").read_text())
+    ids = torch.tensor(reference["input_ids"])
+    loss = generator.loss_of(model(ids), ids)
+    loss.backward()
+    # DeepSpeed clips the gradient norm to its config's gradient_clipping, 1.0 unless set
+    # (deepspeed/runtime/constants.py GRADIENT_CLIPPING_DEFAULT): as torch does, by max / (norm + 1e-6)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    after = load_file(FIXTURE / "deepspeed" / case / "step_reference.safetensors")
+    full = {name: (value.full_tensor() if hasattr(value, "full_tensor") else value)
+            for name, value in model.state_dict().items()}
+    differences = {}
+    for key, expected in after.items():
+        kind, _, name = key.partition(".")
+        if kind == "param":
+            ours = full[name]
+        elif kind in ("exp_avg", "exp_avg_sq"):
+            parameter = model.get_parameter(name)
+            ours = optimizer.state[parameter][kind]
+            ours = ours.full_tensor() if hasattr(ours, "full_tensor") else ours
+        else:
+            continue
+        differences[key] = float((ours.float() - expected.float()).abs().max())
+    steps = {float(s["step"]) for s in optimizer.state.values()}
+    return {"loss": repr(float(loss.detach())), "differences": differences, "steps": sorted(steps)}
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    world, out, rest = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    jobs = list(zip(rest[::2], rest[1::2]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank, args=(world, port, jobs, out), nprocs=world, start_method="fork")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
