@@ -293,3 +293,12 @@ def test_help_runs_without_torch():
     result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "--global-batch" in result.stdout
+
+
+def test_help_says_each_default_once():
+    """`--dim` says "(default: from --size)" and nothing more; no flag says "(default: None)"."""
+    from train_minimal.config import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "(default: None)" not in text and "(default: from --size) (default" not in text
+    assert "embedding width (default: from --size)" in text and "(default: tiny)" in text

@@ -226,13 +226,24 @@ def incompatible_fields(saved: dict, config: TrainConfig) -> list[str]:
     return differences
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Says each flag's default once: argparse's, unless the help already says where the
+    value comes from (`(default: from --size)`) or there is none to say (None, a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argparse parser of `python -m train_minimal`: one flag per TrainConfig field."""
     parser = argparse.ArgumentParser(
         prog="python -m train_minimal",
         description="Train a small GPT (or a Llama-shaped model, --arch llama) with FSDP and save sharded "
                     "torch.distributed.checkpoint (DCP) checkpoints.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     annotations = typing.get_type_hints(TrainConfig)
     section = parser
