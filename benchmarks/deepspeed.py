@@ -2,7 +2,8 @@
 
 Writes a real ZeRO-3 fp32 checkpoint of about 268M parameters (16 Linear(4096, 4096) layers, one
 AdamW step) with DeepSpeed's own `engine.save_checkpoint`, 2 gloo ranks on CPU, in a Python that
-has DeepSpeed (`--deepspeed-python`; DeepSpeed 0.19.8 runs on CPU with DS_ACCELERATOR=cpu). Then,
+has DeepSpeed (`--deepspeed-python`; DeepSpeed 0.19.8 runs on CPU with DS_ACCELERATOR=cpu, and its
+`--safe_serialization` needs huggingface_hub installed beside it). Then,
 one after another in this run, each as its own subprocess (wall, peak RSS), alternating the order
 over `--runs`:
 
@@ -44,6 +45,7 @@ os._exit(0)
 
 
 def make_checkpoint(root: Path, python: str, layers: int, width: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     script = root / "save.py"
     script.write_text(SAVE)
     torchrun = str(Path(python).parent / "torchrun")
@@ -60,10 +62,16 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--keep", default=None, help="keep the checkpoint in this folder, and reuse it when it is there")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ckpttool-deepspeed-", dir=args.dir))
     try:
-        source = make_checkpoint(root, args.deepspeed_python, args.layers, args.width)
+        kept = Path(args.keep) / "run" / "global_step1" if args.keep else None
+        if kept is not None and kept.is_dir():
+            source = kept
+        else:
+            source = make_checkpoint(Path(args.keep) if args.keep else root, args.deepspeed_python, args.layers,
+                                     args.width)
         size = sum(p.stat().st_size for p in source.iterdir())
         parameters = args.layers * (args.width * args.width + args.width)
         print(f"ZeRO-3 fp32 checkpoint: {parameters / 1e6:.0f}M parameters, {size / 1e9:.2f} GB on disk, 2 ranks, "
@@ -72,8 +80,9 @@ def main() -> None:
         optim = sorted(str(p) for p in source.glob("*_optim_states.pt"))
         commands = {
             "cat optim files": ["sh", "-c", f"mkdir -p {out} && cat {' '.join(optim)} > {out}/all"],
-            "zero_to_fp32 --safe_serialization": [args.deepspeed_python, "-m", "deepspeed.utils.zero_to_fp32",
-                                                  str(source.parent), str(out), "--safe_serialization"],
+            # from another folder: this file's name would shadow the deepspeed package on sys.path
+            "zero_to_fp32 --safe_serialization": ["sh", "-c", f"cd {root} && exec {args.deepspeed_python} -m "
+                                                  f"deepspeed.utils.zero_to_fp32 {source.parent} {out} --safe_serialization"],
             "ckpttool consolidate": [shutil.which("ckpttool") or "ckpttool", "consolidate", str(source),
                                      str(out / "model.safetensors"), "-q"],
         }
