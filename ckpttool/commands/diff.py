@@ -40,6 +40,7 @@ from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.readers import open_checkpoint
 from ckpttool.safepaths import read_json_object
+from ckpttool.storage import RemotePath
 from ckpttool.torchsave.archive import tensor_bytes
 
 GROUPS = ("model", "optimizer", "other")  # as `inspect` groups entries
@@ -112,8 +113,8 @@ class ObjectDiff:
 class DiffReport:
     """What differs between checkpoints A and B; entries sorted by key."""
 
-    a: Path  # as given (a file, a directory, a run directory)
-    b: Path
+    a: Path | RemotePath  # as given (a file, a directory, a run directory, a URL)
+    b: Path | RemotePath
     normalize: bool
     only: tuple[str, ...]
     filters: tuple[str, ...]
@@ -198,8 +199,9 @@ def diff(
     shared = tuple(Rename.parse(r) for r in renames)
     rules_a, rules_b = shared + tuple(Rename.parse(r) for r in renames_a), shared + tuple(Rename.parse(r) for r in renames_b)
     follow_symlinks, model_prefix = source.follow_symlinks, source.model_prefix
-    checkpoint_a = open_checkpoint(source.locate(a), follow_symlinks)
-    checkpoint_b = open_checkpoint(source.locate(b), follow_symlinks)
+    path_a, path_b = source.locate(a), source.locate(b)  # a URL stays one (Path("gs://b/k") prints gs:/b/k)
+    checkpoint_a = open_checkpoint(path_a, follow_symlinks)
+    checkpoint_b = open_checkpoint(path_b, follow_symlinks)
     warnings_a = tuple(integrity.gate(checkpoint_a, follow_symlinks).problems)
     warnings_b = tuple(integrity.gate(checkpoint_b, follow_symlinks).problems)
     if assets is not None:  # framework names compared as transformers' (what export writes)
@@ -235,7 +237,7 @@ def diff(
             )
         objects = tuple(_compare_objects(key, oa, ob, files_a, files_b) for key, oa, ob in object_pairs)
     return DiffReport(
-        a=Path(a), b=Path(b), normalize=normalize, only=tuple(only), filters=tuple(filters),
+        a=path_a, b=path_b, normalize=normalize, only=tuple(only), filters=tuple(filters),
         atol=atol, rtol=rtol, only_a=only_a, only_b=only_b, mismatches=tuple(mismatches), tensors=tensors,
         objects=objects, bytes_compared=counter.compared, bytes_shared=counter.shared,
         seconds=time.perf_counter() - started, problems_a=warnings_a, problems_b=warnings_b, hint=hint,
@@ -526,6 +528,8 @@ def same_value(x: Any, y: Any) -> bool:
         return struct.pack("<d", x) == struct.pack("<d", y)
     if type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "shape"):
         return x.dtype == y.dtype and tuple(x.shape) == tuple(y.shape) and tensor_bytes(x) == tensor_bytes(y)
+    if type(x).__module__ == "numpy" and hasattr(x, "tobytes"):  # arrays and scalars (an RNG state's)
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
     try:
         return bool(x == y)
     except Exception:  # a type whose == is elementwise or refuses: not provably equal

@@ -41,6 +41,7 @@ from ckpttool.plan.reshard import Mesh, ReshardPlan, parse_mesh, plan_reshard
 from ckpttool.formats import peft
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
+from ckpttool.readers.detect import MEGATRON_COMMON, MEGATRON_CONFIG
 
 _SAVE_ID_NAMESPACE = uuid.UUID("5b1c1e0e-8a4f-4f37-9a55-3b0f9d6f2c11")
 
@@ -174,18 +175,21 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
 
 
 # files beside the data that describe the checkpoint and go with it to its new layout: PEFT's
-# adapter_config.json (the LoRA settings the bundled trainer saves; `export --adapter` reads it)
-CARRIED_FILES = (peft.CONFIG_NAME,)
+# adapter_config.json (the LoRA settings the bundled trainer saves; `export --adapter` reads it),
+# Megatron-Core's common.pt (args, optimizer param groups, scheduler) and metadata.json (which
+# tells Megatron's dist_checkpointing.load, and ckpttool, that the folder is its torch_dist save)
+CARRIED_FILES = (peft.CONFIG_NAME, MEGATRON_COMMON, MEGATRON_CONFIG)
+MAX_CARRIED_BYTES = 64 << 20  # common.pt is tens of kB; a larger file is not one of these
 
 
 def carried_files(checkpoint: Checkpoint) -> list[tuple[str, bytes]]:
     """Return (name, bytes) of the CARRIED_FILES beside `checkpoint` (regular files, not
-    symlinks, up to peft.MAX_CONFIG_BYTES), read before anything is written."""
+    symlinks, up to MAX_CARRIED_BYTES), read before anything is written."""
     carried = []
     for name in CARRIED_FILES:
         path = checkpoint.path / name
         try:
-            if path.is_symlink() or not path.is_file() or path.stat().st_size > peft.MAX_CONFIG_BYTES:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_CARRIED_BYTES:
                 continue
             carried.append((name, path.read_bytes()))
         except OSError:

@@ -591,13 +591,27 @@ def load_torch_bytes(data: bytes, where: str) -> Any:
     import torch
 
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise CorruptBlob(f"{where}: torch.save blob refused by torch.load(weights_only=True): "
                           f"{_torch_reason(str(error))}; ckpttool never runs code from a checkpoint") from None
     except Exception as error:
         raise CorruptBlob(f"{where}: unreadable torch.save blob ({type(error).__name__}: "
                           f"{_torch_reason(str(error))})") from None
+
+
+def _numpy_globals() -> list:
+    """What a numpy array of numbers pickles as (numpy's RNG state in Megatron-LM's and many
+    trainers' `rng_state`): torch's own advice for weights_only loads of such arrays. Object
+    arrays hold values the same checking loader built; nothing else of numpy is admitted."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    reconstruct = getattr(getattr(np, "_core", np.core), "multiarray")._reconstruct
+    numeric = [type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"]
+    return [reconstruct, np.ndarray, np.dtype, *numeric]
 
 
 def _torch_reason(message: str) -> str:

@@ -12,7 +12,8 @@ byte entries; optimizer state (Megatron-LM) as `optimizer.state.<name>.<key>`.
 
 `model_view` takes the layer axis apart: each chunk of a stacked tensor becomes a chunk of the
 layer its dim-0 offset names, pointing at the same stored bytes (the layer axis has size 1 in
-every chunk, so they are the same row-major bytes). Each such chunk's torch.save record is read
+every chunk Megatron writes, so they are the same row-major bytes; a chunk of several layers,
+as reshard writes, is cut into its layers' consecutive byte ranges). Each such chunk's torch.save record is read
 (its data.pkl, never the tensor bytes) and checked to hold that chunk, dtype and shape `(1, ...)`;
 the chunk then refers to the record's storage bytes as a raw range with the record's CRC-32
 (`dcp.blobs.RAW_RANGE_TRANSFORM`), since the record's own shape keeps the layer axis. A tensor
@@ -67,23 +68,31 @@ def stacked_split(fqn: str) -> tuple[str, str] | None:
 
 def unstack(tensor: Tensor, prefix: str, rest: str, files: DataFiles) -> list[Tensor] | None:
     """Return one Tensor per layer of a stacked tensor, its chunks as raw ranges of the stored
-    records, or None to keep it as saved (see the module docstring)."""
-    if not tensor.shape or any(chunk.sizes[0] != 1 or chunk.blob is None or chunk.blob.transforms
-                               or not 0 <= chunk.offsets[0] < tensor.shape[0] for chunk in tensor.chunks):
+    records, or None to keep it as saved (see the module docstring). A chunk spanning several
+    layers (a reshard's dim-0 slab) gives each layer its own contiguous part of the record."""
+    stored = [chunk for chunk in tensor.chunks if chunk.numel]  # a reshard's empty slabs hold nothing
+    if not tensor.shape or any(chunk.blob is None or chunk.blob.transforms
+                               or not 0 <= chunk.offsets[0] <= tensor.shape[0] - chunk.sizes[0] for chunk in stored):
         return None
-    layers: list[list[Chunk]] = [[] for _ in range(tensor.shape[0])]
-    for chunk in tensor.chunks:
-        layers[chunk.offsets[0]].append(chunk)
+    layers: list[list[tuple[Chunk, int]]] = [[] for _ in range(tensor.shape[0])]
+    for chunk in stored:
+        for layer in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]):
+            layers[layer].append((chunk, layer - chunk.offsets[0]))
     layer_numel = math.prod(tensor.shape[1:])
-    if any(sum(chunk.numel for chunk in chunks) != layer_numel for chunks in layers):
+    if any(sum(math.prod(chunk.sizes[1:]) for chunk, _ in pieces) != layer_numel for pieces in layers):
         return None
+    records: dict[int, Blob | None] = {}
     parts = []
-    for layer, chunks in enumerate(layers):
-        blobs = [_raw_range(files, tensor, chunk) for chunk in chunks]
-        if None in blobs:
-            return None
-        parts.append(Tensor(f"{prefix}{layer}.{rest}", tensor.dtype, tensor.shape[1:],
-                            tuple(Chunk(c.offsets[1:], c.sizes[1:], b) for c, b in zip(chunks, blobs))))
+    for layer, pieces in enumerate(layers):
+        chunks = []
+        for chunk, index in pieces:
+            whole = records[id(chunk)] if id(chunk) in records else records.setdefault(id(chunk), _raw_range(files, tensor, chunk))
+            if whole is None:
+                return None
+            step = whole.length // chunk.sizes[0]
+            blob = whole if chunk.sizes[0] == 1 else Blob(whole.file, whole.offset + index * step, step, raw_range_transforms())
+            chunks.append(Chunk(chunk.offsets[1:], chunk.sizes[1:], blob))
+        parts.append(Tensor(f"{prefix}{layer}.{rest}", tensor.dtype, tensor.shape[1:], tuple(sorted(chunks))))
     return parts
 
 

@@ -524,7 +524,67 @@ def find_record_problems(read: Read, length: int, where: str, skip_largest: bool
     return problems
 
 
-_PLAIN_OBJECT_ALLOWED: dict[tuple[str, str], Any] = {("collections", "OrderedDict"): dict}
+@dataclass
+class NumpyDType:
+    """`numpy.dtype(name, align, copy)` + BUILD (version, byte order, ...), recorded."""
+
+    name: str = ""
+    byteorder: str = "="
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) >= 2 and isinstance(state[1], str)):
+            raise ValueError("numpy dtype state is not (version, byte order, ...)")
+        self.byteorder = state[1]
+
+
+@dataclass
+class NumpyArray:
+    """A numpy array inside a pickled value (numpy's RNG state in Megatron-LM's `rng_state`):
+    `numpy._core.multiarray._reconstruct(ndarray, ...)` then BUILD with (version, shape, dtype,
+    fortran order, raw bytes). Recorded as those fields, compared by them; numpy never runs."""
+
+    shape: tuple[int, ...] = ()
+    dtype: NumpyDType | None = None
+    fortran: bool = False
+    data: bytes = b""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[1], tuple)
+                and isinstance(state[2], NumpyDType) and isinstance(state[3], bool) and isinstance(state[4], bytes)):
+            raise ValueError("numpy array state is not (version, shape, dtype, fortran, bytes)")
+        _, self.shape, self.dtype, self.fortran, self.data = state
+
+
+_NDARRAY = NumpyDType("ndarray")  # `numpy.ndarray`: only passed to _reconstruct
+
+
+def _numpy_dtype(name: Any, *flags: Any) -> NumpyDType:
+    if not isinstance(name, str):
+        raise ValueError("numpy dtype named by something other than a string")
+    return NumpyDType(name)
+
+
+def _latin1_bytes(text: Any, encoding: Any = "latin1") -> bytes:
+    """`_codecs.encode(text, "latin1")`: how pickle protocol 2 writes bytes."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise ValueError("_codecs.encode other than of a string to latin1")
+    return text.encode("latin1")
+
+
+def _numpy_reconstruct(subtype: Any, shape: Any, code: Any) -> NumpyArray:
+    if subtype is not _NDARRAY:
+        raise ValueError("numpy _reconstruct of something other than ndarray")
+    return NumpyArray()
+
+
+_PLAIN_OBJECT_ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): dict,
+    # numpy arrays of plain numbers (numpy's RNG state), recorded by the stand-ins above
+    **{(module, "_reconstruct"): _numpy_reconstruct for module in ("numpy._core.multiarray", "numpy.core.multiarray")},
+    ("numpy", "ndarray"): _NDARRAY,
+    ("numpy", "dtype"): _numpy_dtype,
+    ("_codecs", "encode"): _latin1_bytes,
+}
 
 
 def read_plain_object(data: bytes, where: str) -> Any:
