@@ -333,7 +333,8 @@ def test_rank_0_alone_prints_one_document_listing_every_process(runs, count, cas
     document = json.loads(run.stdout)  # one document: a second rank printing would break this
     processes = document["processes"]
     assert [p["rank"] for p in processes] == list(range(count))
-    assert all(p["bytes"] > 0 and p["seconds"] >= 0 for p in processes)
+    assert all(p["bytes"] > 0 for p in processes)
+    assert all(type(p["seconds"]) is float for p in processes)  # reported, not judged: tests assert no timings
     if case.endswith("reshard"):
         assert sum(p["bytes"] for p in processes) >= document["tensor_bytes"]
     else:

@@ -72,15 +72,23 @@ def test_human_output_lists_groups_chunks_and_files(cli):
 
 
 def test_inspect_does_not_import_torch_or_read_tensor_bytes():
+    """Every file the process opens is seen by an audit hook (`open`: builtins.open, os.open,
+    io.open_code): of the checkpoint, inspect opens its .metadata alone, never a .distcp."""
+    root = FIXTURES / "fsdp2_world2"
     code = (
-        "import sys, json, ckpttool.cli as c\n"
+        "import sys\n"
+        "opened = []\n"
+        "sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == 'open' else None)\n"
+        "import ckpttool.cli as c\n"
         "from click.testing import CliRunner\n"
-        f"r = CliRunner().invoke(c.main, ['inspect', '--json', {str(FIXTURES / 'fsdp2_world2')!r}])\n"
+        f"r = CliRunner().invoke(c.main, ['inspect', '--json', {str(root)!r}])\n"
         "assert r.exit_code == 0\n"
         "print('torch' in sys.modules)\n"
+        f"print(sorted({{path.removeprefix({str(root) + '/'!r}) for path in opened if path.startswith({str(root)!r})}}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split("\n")[:2] == ["False", "['.metadata']"]
+    assert sorted(p.name for p in root.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # left unopened
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help"])

@@ -2,10 +2,12 @@
 
 Every tensor of every fixture layout is read through the handle and compared byte for byte
 with what `consolidate` wrote for it (`--all` to a .pt: optimizer state too; model-only to
-.safetensors: the model keys); slices equal slicing the full tensor and read only the chunks
-they meet (every read counted); a damaged checkpoint raises the problem code `validate`
-reports; a transformers Llama filled by `load_into` gives `from_pretrained`'s logits; `s3://`
-through moto's server on loopback.
+.safetensors: the model keys), and every entry of the framework checkpoints (optimizer state
+and objects too) with torch's own read of the same files; slices equal slicing the full
+tensor and read only the chunks they meet, replicas once (every read counted); a damaged
+checkpoint raises the problem code `validate` reports; a transformers Llama filled by
+`load_into` gives `from_pretrained`'s logits; `s3://` through moto's server on loopback,
+`storage_options` alone naming it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,118 @@ def test_every_tensor_equals_consolidates_output_bit_for_bit(consolidated, name)
             assert f.get_object(fqn) == everything[fqn], fqn
 
 
+# --- framework checkpoints against a reader that is not ckpttool --------------------------------
+# Above, `--all` entries are checked against ckpttool's own consolidate. Here every entry of the
+# frameworks' checkpoints (optimizer state and objects too) is checked against torch's own
+# reading of the files: its DCP reader, or torch.load of verl's per-rank files.
+
+
+def olmo_core_reader(directory):
+    """torch's FileSystemReader for OLMo-core's DCP directory: its `.metadata` names OLMo-core's
+    own `_StorageInfo` class (relative_path, offset, length), here unpickled as torch's."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader, filesystem
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"):
+                return filesystem._StorageInfo  # its transform_descriptors keeps the default, None
+            return super().find_class(module, name)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with (directory / ".metadata").open("rb") as stream:
+                metadata = Unpickler(stream).load()
+            metadata.storage_meta = metadata.storage_meta or filesystem.StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(directory)
+
+
+@pytest.fixture(scope="module")
+def torch_read(tmp_path_factory):
+    """`torch_read(name)` -> {fqn as ckpttool names it: tensor or object}: every entry of a
+    framework's checkpoint as torch itself loads it (`dcp_to_torch_save`, or its
+    `_load_state_dict` with the empty-state-dict planner; `torch.load` for verl), once per module."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    root = tmp_path_factory.mktemp("torch_read")
+    cache = {}
+
+    def get(name: str) -> dict:
+        if name in cache:
+            return cache[name]
+        if name == "olmo_core":
+            state: dict = {}
+            directory = FRAMEWORKS / "olmo_core" / "run" / "step2" / "model_and_optim"
+            _load_state_dict(state, storage_reader=olmo_core_reader(directory),
+                             planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+            cache[name] = flatten(state)
+        elif name == "torchtitan":
+            dcp_to_torch_save(LAYOUTS[name][0], root / f"{name}.pt")
+            cache[name] = flatten(torch.load(root / f"{name}.pt", weights_only=True))
+        elif name == "megatron":  # decoder.layers.* are stored stacked: layer L is row L
+            dcp_to_torch_save(FRAMEWORKS / "megatron" / "checkpoints" / "iter_0000002", root / f"{name}.pt")
+            entries = {}
+            for key, value in flatten(torch.load(root / f"{name}.pt", weights_only=True)).items():
+                if not isinstance(value, torch.Tensor):
+                    entries[key] = value  # the TransformerEngine `_extra_state` objects keep their names
+                elif key.startswith("decoder.layers."):
+                    entries.update({f"model.decoder.layers.{layer}.{key.removeprefix('decoder.layers.')}": row
+                                    for layer, row in enumerate(value)})
+                else:
+                    entries[f"model.{key}"] = value
+            cache[name] = entries
+        elif name == "verl":  # verl's per-rank torch.save files: DTensor shards, joined along their Shard dim
+            actor = FRAMEWORKS / "verl" / "checkpoints" / "global_step_2" / "actor"
+            ranks = [torch.load(actor / f"model_world_size_2_rank_{rank}.pt", weights_only=False)  # verl's pickles
+                     for rank in range(2)]
+            entries = {}
+            for key, value in ranks[0].items():
+                (placement,) = value.placements
+                assert placement.is_shard(), key
+                entries[key] = torch.cat([rank[key]._local_tensor for rank in ranks], dim=placement.dim)
+            cache[name] = entries
+        return cache[name]
+
+    return get
+
+
+# what each framework keeps beside its model, all of it compared below (verl: its optimizer
+# shards are separate files ckpttool does not read as entries; every entry is the model's)
+BESIDE_THE_MODEL = {"olmo_core": ("optim.state.", "optim.param_groups."), "torchtitan": (
+    "optimizer.state.", "optimizer.param_groups.", "lr_scheduler.", "dataloader.", "train_state."),
+    "megatron": ("decoder.layers.",), "verl": ()}  # megatron: TransformerEngine's `_extra_state` objects
+
+
+@pytest.mark.parametrize("name", sorted(BESIDE_THE_MODEL))
+def test_every_entry_of_a_framework_checkpoint_equals_torchs_own_read(torch_read, consolidated, name):
+    """Model, optimizer state and objects: `open()` and `consolidate --all` give what torch
+    itself loads from the same files."""
+    import torch
+
+    expected = torch_read(name)
+    everything, _ = consolidated(name)
+    path, prefix = LAYOUTS[name]
+    with ckpttool.open(path, model_prefix=prefix) as f:
+        assert f.keys() == sorted(expected)
+        assert sorted(everything) == sorted(expected)
+        for kind in BESIDE_THE_MODEL[name]:
+            assert any(fqn.startswith(kind) for fqn in expected), kind
+        for fqn, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert_same_bytes(f.get_tensor(fqn), dense(value), fqn)
+                assert_same_bytes(everything[fqn], dense(value), fqn)
+            else:
+                assert type(f.get_object(fqn)) is type(value) and f.get_object(fqn) == value, fqn
+                assert type(everything[fqn]) is type(value) and everything[fqn] == value, fqn
+
+
 def test_a_torch_save_file_reads_as_saved(tmp_path):
     import torch
 
@@ -157,7 +271,7 @@ def test_safetensors_format_and_zstd_blobs_read_as_saved(writer_options, tmp_pat
         assert f.get_object("extra.step") == 3
 
 
-def test_dtype_casts_floating_tensors_as_consolidate_dtype_does(tmp_path):
+def test_dtype_casts_floating_tensors_as_consolidate_dtype_does(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     path = LAYOUTS["fsdp2_world3_uneven"][0]
@@ -169,7 +283,10 @@ def test_dtype_casts_floating_tensors_as_consolidate_dtype_does(tmp_path):
         for key in f.model_keys():
             assert_same_bytes(f.get_tensor(key, dtype=torch.bfloat16), expected[key], key)  # ints keep theirs
     state = ckpttool.load_state_dict(path, dtype="bf16")
-    assert list(state) == list(expected) or sorted(state) == sorted(expected)
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    from generate import TinyModel  # the model the fixture was saved from
+
+    assert list(state) == list(TinyModel().state_dict())  # its keys, in its own order
     for key, value in expected.items():
         assert_same_bytes(state[key], value, key)
 
@@ -481,15 +598,38 @@ def test_s3_damaged_checkpoint_raises_validates_code(s3, tmp_path):
     assert raised.value.code == code == "beyond-eof"
 
 
-def test_storage_options_reach_the_reads(s3):
+def test_storage_options_reach_the_reads(s3, monkeypatch):
+    """The server is named by `storage_options` alone: the environment no longer points at it
+    (the fixture's AWS_ENDPOINT_URL is removed), so an `open()` that dropped the options would
+    send its listing and GETs to AWS itself. Every GET goes to the given endpoint."""
     import os
 
+    from ckpttool import s3 as native
+
     endpoint = os.environ["AWS_ENDPOINT_URL"]
-    with ckpttool.open("s3://ckpts/src", storage_options={"endpoint_url": endpoint}) as f:
-        assert f.get_tensor("embed.weight").shape == f.metadata("embed.weight").shape
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    urls = []
+    real_open = native.S3Client._open
+
+    def logged(client, method, bucket, key, query=None, headers=None):
+        urls.append(client.url(bucket, key) if key else client.url(bucket))
+        return real_open(client, method, bucket, key, query, headers)
+
+    monkeypatch.setattr(native.S3Client, "_open", logged)
+    with ckpttool.open(FIXTURES / "fsdp2_world2") as local, \
+            ckpttool.open("s3://ckpts/src", storage_options={"endpoint_url": endpoint}) as f:
+        for fqn in local.checkpoint.tensors:
+            assert_same_bytes(f.get_tensor(fqn), local.get_tensor(fqn), fqn)
+        assert f._files.requests > 0
+    assert any(url.endswith(".distcp") for url in urls), urls  # the data files were read through the options
+    assert urls and all(url.startswith(endpoint + "/") for url in urls), urls
 
 
 def test_replicated_chunks_are_read_once_and_device_moves_the_result(monkeypatch):
+    """Every box of (20, 8) stored twice (as HSDP stores it): the whole tensor and a slice
+    read each box they need exactly once, counted read by read."""
+    import collections
     import dataclasses
 
     with ckpttool.open(LAYOUTS["fsdp2_world3_uneven"][0]) as f:
@@ -499,9 +639,21 @@ def test_replicated_chunks_are_read_once_and_device_moves_the_result(monkeypatch
         tensors = {**f.checkpoint.tensors, tensor.fqn: dataclasses.replace(tensor, chunks=twice)}
         f.checkpoint = dataclasses.replace(f.checkpoint, tensors=tensors)
         f._located.clear()
-        assert_same_bytes(f.get_tensor(tensor.fqn), full)
+        assert_same_bytes(f.get_tensor(tensor.fqn), full)  # locates every chunk (record headers read here)
         counted = CountedReads(monkeypatch)
+
+        def reads_per_box() -> collections.Counter:
+            boxes = collections.Counter()
+            for relative, start, end in counted.ranges:  # each read lies in one box (its replicas share a blob)
+                owners = {chunk.offsets for chunk in twice if chunk.blob.file == relative
+                          and chunk.blob.offset <= start and end <= chunk.blob.offset + chunk.blob.length}
+                assert len(owners) == 1, (relative, start, end, owners)
+                boxes.update(owners)
+            counted.ranges.clear()
+            return boxes
+
+        assert_same_bytes(f.get_tensor(tensor.fqn), full)
+        assert reads_per_box() == {(0, 0): 1, (7, 0): 1, (14, 0): 1}
         assert_same_bytes(f.get_slice(tensor.fqn)[6:9], full[6:9])
-        # (covering each box twice would fail reshard's geometry: the slice reads each box once)
-        assert {twice[i].offsets for i in counted.chunks_touched(f.metadata(tensor.fqn))} == {(0, 0), (7, 0)}
+        assert reads_per_box() == {(0, 0): 1, (7, 0): 1}
         assert f.get_tensor(tensor.fqn, device="meta").device.type == "meta"

@@ -383,9 +383,34 @@ def test_a_missing_bucket_exits_1_with_one_line(s3, tmp_path):
     assert code == 1 and len(err.strip().splitlines()) == 1 and "no-such-bucket" in err, err
 
 
-def test_a_missing_destination_bucket_fails_before_any_work(s3, tmp_path):
-    code, _, err = run_cli("consolidate", SOURCE, "s3://no-such-bucket/model.safetensors")
+@pytest.mark.parametrize("source", ["local", "s3"])
+def test_a_missing_destination_bucket_fails_before_any_work(s3, get_log, monkeypatch, source):
+    """No data file of the source is opened (a local fd, or a remote reader) and none is
+    requested (a GET of a .distcp); the same command into a bucket that exists does both."""
+    from ckpttool.dcp.blobs import DataFiles
+
+    opened = []
+    real_fd, real_reader = DataFiles.fd, DataFiles._reader
+
+    def fd(files, relative):
+        opened.append(relative)
+        return real_fd(files, relative)
+
+    def remote_reader(files, relative):
+        opened.append(relative)
+        return real_reader(files, relative)
+
+    monkeypatch.setattr(DataFiles, "fd", fd)
+    monkeypatch.setattr(DataFiles, "_reader", remote_reader)
+    src = SOURCE if source == "local" else f"s3://{BUCKET}/src"
+    code, _, err = run_cli("consolidate", src, "s3://no-such-bucket/model.safetensors")
     assert code == 1 and "[no-bucket]" in err and len(err.strip().splitlines()) == 1, err
+    assert opened == []
+    assert [url for url, _ in get_log.requests if url.endswith(".distcp")] == []
+    code, _, err = run_cli("consolidate", src, f"s3://{BUCKET}/before-any-work-{source}/model.safetensors")
+    assert code == 0, err
+    assert sorted(set(opened)) == sorted(p.name for p in SOURCE.glob("*.distcp"))
+    assert bool([url for url, _ in get_log.requests if url.endswith(".distcp")]) == (source == "s3")
 
 
 def test_a_missing_key_exits_1_with_one_line(s3, tmp_path):

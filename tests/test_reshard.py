@@ -12,6 +12,7 @@ trainer's own GPT + AdamW.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -159,11 +160,21 @@ def test_each_rank_reads_its_shards_only_from_its_own_file(loads_at, world_size)
         ckpt = read_checkpoint(root / name)
         for rank in range(world_size):
             own = f"__{rank}_0.distcp"
+            # a lower bound too: every non-empty chunk of the loaded state (model and optimizer;
+            # not the trainer's rng) its own file holds, its shards and the replicated tensors
+            # written to it, is read by it
+            stored = {(fqn, chunk.offsets) for fqn, tensor in ckpt.tensors.items() if fqn.startswith(("model.", "optim."))
+                      for chunk in tensor.chunks if chunk.blob.file == own and chunk.numel}
+            assert stored, f"{name}: rank {rank}'s file holds no tensor bytes"
+            read = set()
             for fqn, offsets, file, _, _ in read_reads(root / "out", name, rank):
                 tensor = ckpt.tensors.get(fqn)
                 sharded = tensor is not None and len(tensor.chunks) > 1
                 if sharded:
                     assert file == own, f"{name}: rank {rank} read {fqn} {offsets} from {file}"
+                if file == own:
+                    read.add((fqn, offsets))
+            assert stored <= read, f"{name}: rank {rank} did not read {sorted(stored - read)[:3]}"
             # replicated tensors and objects are written once (as torch does), so other
             # ranks read those few small entries from the one file that holds them
 
@@ -225,7 +236,10 @@ def test_inspect_shows_new_layout_and_validate_deep_passes(cli, tmp_path, world_
     assert sorted(p.name for p in out.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
     inspected = cli("inspect", out, "--json")
     assert inspected.exit_code == 0
-    assert f"ranks 0..{world_size - 1}" in cli("inspect", out).output or world_size == 1
+    assert [f["rank"] for f in json.loads(inspected.stdout)["files"]] == list(range(world_size))
+    text = cli("inspect", out).output
+    assert f"in {world_size} files" in text
+    assert ("from rank 0" if world_size == 1 else f"from ranks 0..{world_size - 1}") in text
     validated = cli("validate", "--deep", out)
     assert validated.exit_code == 0, validated.output
 
