@@ -34,7 +34,7 @@ def parse_dtype(name: str, option: str = "--dtype") -> str:
         canonical = dtypes.canonical(name.lower())
     except KeyError:
         canonical = None
-    if canonical not in DTYPE_CHOICES.values():
+    if canonical is None or canonical not in DTYPE_CHOICES.values():
         raise UsageError(f"{option} {name!r}: choose one of {', '.join(DTYPE_CHOICES)}")
     return canonical
 
@@ -53,20 +53,20 @@ def parse_dtype_map(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class SourceOptions:
     """How to read a checkpoint: data files that are symlinks out of it, object-storage
-    options (fsspec `storage_options`, e.g. `endpoint_url`; used for every URL the command
+    options (fsspec's `storage_options`, e.g. `endpoint_url`; used for every URL the command
     opens, its output too), and where the model's state dict sits (`None`: found from the
     structure, `""`: the top level)."""
 
     follow_symlinks: bool = False
-    storage: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     model_prefix: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "storage", MappingProxyType(dict(self.storage)))  # read-only, like the rest
+        object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))  # read-only, like the rest
 
     def locate(self, path: str | Any) -> Path | storage.RemotePath:
         """Return `path` as a local Path or a RemotePath carrying these storage options."""
-        return storage.location(path, self.storage)
+        return storage.location(path, self.storage_options)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,12 @@ cost 64 MB before a byte moves); other protocols, and all writes, by fsspec. Out
 storage are `outputs/`'s.
 
 Credentials and endpoints come from the backend's own configuration (for S3: `AWS_*`
-environment variables, `AWS_ENDPOINT_URL`, `~/.aws`, as `s3.py` lists) plus the storage options
-given to `location(url, {"key": value})` (the CLI's `--storage-option key=value`), which the
-location, and every path joined under it, carries.
+environment variables, `AWS_ENDPOINT_URL`, `~/.aws`, as `s3.py` lists; for Google Cloud Storage:
+Application Default Credentials, `STORAGE_EMULATOR_HOST`; for Azure: `AZURE_STORAGE_*`) plus the
+storage options given to `location(url, {"key": value})` (the CLI's `--storage-option key=value`),
+which the location, and every path joined under it, carries. An Azure URL may name its account,
+as the portal writes it (`abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/path`): that account is
+the one read.
 
 Example:
     >>> root = location("s3://bucket/runs/x/step-100")
@@ -30,7 +33,7 @@ import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from ckpttool.errors import StorageError
 
@@ -43,6 +46,15 @@ BACKENDS = {
 # `s3://b/k`, and `s3:/b/k`: what pathlib makes of a URL (`Path("s3://b/k")`) on its way through code that wraps paths
 _URL = re.compile(r"^(?P<protocol>" + "|".join(BACKENDS) + r"):/{1,2}(?P<key>[^/].*)?$")
 S3_PROTOCOLS = frozenset({"s3", "s3a"})  # read by `s3.S3Client`, not s3fs
+GCS_PROTOCOLS = frozenset({"gs", "gcs"})
+AZURE_PROTOCOLS = frozenset({"az", "abfs", "abfss"})
+# `CONTAINER@ACCOUNT.dfs.core.windows.net` (or `.blob.`): the first segment of an Azure URL as the portal
+# copies it; account names are 3-24 lowercase letters and digits (Azure's rule)
+_AZURE_AUTHORITY = re.compile(r"^(?P<container>[^@/]+)@(?P<host>(?P<account>[a-z0-9]{3,24})\.(?:dfs|blob)\.(?P<suffix>[^/]+))$")
+AZURE_CLOUD = "core.windows.net"  # the public cloud's host suffix; others (sovereign clouds) are named as account_host
+CONNECT_ATTEMPTS = 3  # tries of an endpoint that refuses connections or does not resolve (~3 s), not gcsfs's 6 (~35 s)
+AZURE_CONNECT_RETRIES = 0  # the Azure SDK waits 15 s and more before each retry: fail at once instead
+CONNECT_TIMEOUT = 10  # seconds to open a connection to Google Cloud Storage (aiohttp's default waits 300 s)
 _FILE_URL = re.compile(r"^file:(//)?(?P<path>/.*)$")
 PIECE = 1 << 20  # bytes of a streamed GET's body held at once (`RangeReader.pieces`)
 READ_AHEAD = 256 << 10  # a small read (record header, safetensors length) fetches this much, so its neighbours are served from memory
@@ -88,30 +100,194 @@ def location(path: str | os.PathLike, storage_options: Mapping[str, Any] | None 
     if isinstance(path, RemotePath):
         return path
     text = os.fspath(path)
-    match = _URL.match(text)
-    if match:
-        protocol, options = match["protocol"], dict(storage_options or {})
+    parsed = _parse_url(text)
+    if parsed is not None:
+        protocol, host, parts = parsed
+        options = dict(storage_options or {})
         native = _s3_client(options) if protocol in S3_PROTOCOLS else None
-        fs = None if native is not None else open_filesystem(protocol, options)  # s3fs only when something is written
-        cls = type(f"{protocol.upper()}Path", (RemotePath,), {"_fs": fs, "_s3": native, "_protocol": protocol,
+        url = _format_url(protocol, host, parts)
+        # s3fs only when something is written
+        fs = None if native is not None else open_filesystem(protocol, options, host=host, url=url)
+        cls = type(f"{protocol.upper()}Path", (RemotePath,), {"_fs": fs, "_s3": native, "_protocol": protocol, "_host": host,
                                                               "_listing": _Listing(), "_options": options})
-        return cls(f"{match['protocol']}:", *(match["key"] or "").strip("/").split("/"))
+        return cls(f"{protocol}:", *parts)
     match = _FILE_URL.match(text)
     return Path(match["path"]) if match else Path(path)
 
 
-def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """Return the fsspec filesystem for `protocol`, configured by `storage_options`;
-    raise StorageError naming the extra to install when its backend is missing."""
+def _parse_url(text: str) -> tuple[str, str, list[str]] | None:
+    """Return (protocol, Azure account host or "", [bucket, *key parts]) of a storage URL, None
+    for anything else; StorageError for an Azure `CONTAINER@HOST` whose host names no account.
+
+    Example:
+        >>> _parse_url("abfs://ckpts@acct.dfs.core.windows.net/run/step-1")
+        ('abfs', 'acct.dfs.core.windows.net', ['ckpts', 'run', 'step-1'])
+    """
+    match = _URL.match(text)
+    if not match:
+        return None
+    protocol, parts = match["protocol"], (match["key"] or "").strip("/").split("/")
+    host = ""
+    if protocol in AZURE_PROTOCOLS and "@" in parts[0]:
+        authority = _AZURE_AUTHORITY.match(parts[0])
+        if authority is None:
+            raise StorageError(f"{text}: expected {protocol}://CONTAINER@ACCOUNT.dfs.{AZURE_CLOUD}/PATH (the account "
+                               "name is 3-24 lowercase letters and digits)", "bad-url")
+        parts[0], host = authority["container"], authority["host"]
+    return protocol, host, parts
+
+
+def _format_url(protocol: str, host: str, parts: Sequence[str]) -> str:
+    """The URL of `parts` (bucket first), the Azure account host kept where the URL had it."""
+    bucket, rest = (parts[0] if parts else ""), "/".join(parts[1:])
+    return f"{protocol}://{bucket}{'@' + host if host else ''}{'/' + rest if rest else ''}"
+
+
+def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = None, host: str = "",
+                    url: str | None = None) -> Any:
+    """Return the fsspec filesystem for `protocol`, configured by `storage_options` (and for
+    Azure, the account that `host`, the `ACCOUNT.dfs.core.windows.net` of the URL, names); raise
+    StorageError naming the extra to install when its backend is missing, and a one-line
+    StorageError naming `url` when the backend refuses the configuration (no credentials)."""
     import fsspec
 
     package, extra = BACKENDS[protocol]
+    url = url or f"{protocol}://"
     try:
         __import__(package)
     except ImportError:
         raise StorageError(f"{protocol}:// needs the `{package}` package: pip install 'ckpttool[{extra}]'",
                            "backend-missing") from None
-    return fsspec.filesystem(protocol, **(storage_options or {}))
+    options = dict(storage_options or {})
+    if protocol in GCS_PROTOCOLS:
+        options.setdefault("requests_timeout", _gcs_timeout())
+        # gcsfs would try gcloud's old token cache and the metadata server again (14-50 s without a network),
+        # then go on anonymously: Application Default Credentials or a one-line error
+        options.setdefault("token", "google_default")
+        cls = _gcs_filesystem_class()
+    elif protocol in AZURE_PROTOCOLS:
+        options = _azure_options(url, host, options)
+        cls = _azure_filesystem_class()
+    else:
+        cls = fsspec.get_filesystem_class(protocol)
+    try:
+        return cls(**options)
+    except Exception as error:
+        if protocol in GCS_PROTOCOLS and type(error).__name__ == "DefaultCredentialsError":
+            raise StorageError(f"{url}: no Google Cloud credentials found; run `gcloud auth application-default login` "
+                               "or set GOOGLE_APPLICATION_CREDENTIALS (for a public bucket or an emulator: "
+                               "--storage-option token=anon)", "storage-denied") from None
+        if not isinstance(error, ValueError):
+            raise
+        if protocol in AZURE_PROTOCOLS and "connection_string or account_name" in str(error):
+            raise StorageError(f"{url}: no Azure credentials; set AZURE_STORAGE_CONNECTION_STRING (or "
+                               "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY), or pass --storage-option "
+                               "connection_string=... (or account_name=... account_key=...)", "storage-denied") from None
+        raise StorageError(f"{url}: cannot open {protocol}:// ({_first_line(error)})") from None
+
+
+def _azure_options(url: str, host: str, options: dict[str, Any]) -> dict[str, Any]:
+    """adlfs's options for `url`: the account its host names, which a configured account of
+    another name may not silently replace (a connection string names its own account, and adlfs
+    prefers it to `account_name`)."""
+    authority = _AZURE_AUTHORITY.match(f"container@{host}") if host else None
+    if authority is None:
+        return options
+    account = authority["account"]
+    given = options.get("account_name")
+    connection = options.get("connection_string") or os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+    if connection:
+        given, source = _connection_account(connection), ("--storage-option connection_string"
+                                                          if options.get("connection_string") else "AZURE_STORAGE_CONNECTION_STRING")
+    else:
+        source = "--storage-option account_name"
+    if given and given != account:
+        raise StorageError(f"{url}: the URL names the storage account {account!r}, but {source} is for {given!r}; "
+                           f"pass the credentials of {account!r} (--storage-option connection_string=... or account_key=...)",
+                           "storage-denied")
+    if not connection:
+        options["account_name"] = account
+        if authority["suffix"] != AZURE_CLOUD:
+            options.setdefault("account_host", f"{account}.blob.{authority['suffix']}")
+    return options
+
+
+def _connection_account(connection: str) -> str | None:
+    """The AccountName of an Azure connection string."""
+    fields = dict(part.split("=", 1) for part in connection.split(";") if "=" in part)
+    return fields.get("AccountName")
+
+
+def _gcs_timeout() -> Any:
+    """aiohttp's timeout for gcsfs: connecting is bounded, a long transfer is not."""
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT)
+
+
+_classes: dict[str, Any] = {}  # "gcs", "azure" -> the filesystem class built for it, once per process
+
+
+def _azure_filesystem_class() -> Any:
+    """adlfs's filesystem, not retrying a connection it cannot open: the Azure SDK retries it 3
+    times after 15, 18 and 24 s (a stopped Azurite or no network: 3 minutes of silence). Reads
+    cut short and throttled or failed requests (5xx) keep the SDK's retries."""
+    if "azure" in _classes:
+        return _classes["azure"]
+    from adlfs import AzureBlobFileSystem
+
+    class BoundedAzureBlobFileSystem(AzureBlobFileSystem):
+        def do_connect(self) -> None:
+            super().do_connect()
+            # the SDK offers `retry_connect` only when building the client, which adlfs does; the policy
+            # object its pipelines share is the client's configured one
+            policy = getattr(getattr(self.service_client, "_config", None), "retry_policy", None)
+            if policy is not None and hasattr(policy, "connect_retries"):
+                policy.connect_retries = AZURE_CONNECT_RETRIES
+
+    _classes["azure"] = BoundedAzureBlobFileSystem
+    return BoundedAzureBlobFileSystem
+
+
+def _gcs_filesystem_class() -> Any:
+    """gcsfs's JSON-API filesystem, giving up on an endpoint it cannot connect to after
+    CONNECT_ATTEMPTS tries (gcsfs retries every error 6 times, ~35 s: a command with no network or
+    a stopped emulator seemed to hang). Not gcsfs's default `ExtendedGcsFileSystem`: that first asks
+    each bucket's type over gRPC, which an emulator or proxy cannot answer (60 s, and a "Could not
+    determine bucket type" warning on stderr, per bucket); ranged GETs and object writes, all
+    ckpttool sends, are served by the JSON API for every bucket type."""
+    if "gcs" in _classes:
+        return _classes["gcs"]
+    import asyncio
+    import random
+
+    import aiohttp
+    from gcsfs.core import GCSFileSystem
+    from gcsfs.retry import is_retriable
+
+    send_once = GCSFileSystem._request.__wrapped__  # gcsfs's request without its retry decorator
+
+    class BoundedGCSFileSystem(GCSFileSystem):
+        protocol = ("gs", "gcs")
+
+        async def _request(self, *args: Any, **kwargs: Any) -> Any:
+            refused = 0
+            for attempt in range(GCSFileSystem.retries):
+                if attempt:
+                    await asyncio.sleep(min(random.random() + 2 ** (attempt - 1), 32) if not refused else 0.5 * refused)
+                try:
+                    return await send_once(self, *args, **kwargs)
+                except aiohttp.ClientConnectorError:
+                    refused += 1
+                    if refused >= CONNECT_ATTEMPTS:
+                        raise
+                except Exception as error:
+                    if not is_retriable(error) or attempt == GCSFileSystem.retries - 1:  # 404: FileNotFoundError, not retried
+                        raise
+            raise AssertionError("unreachable")
+
+    _classes["gcs"] = BoundedGCSFileSystem
+    return BoundedGCSFileSystem
 
 
 _s3_clients: dict[str, Any] = {}  # storage options and AWS_* environment -> the S3Client made for them
@@ -135,24 +311,43 @@ def _s3_client(options: Mapping[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def request_errors(url: str) -> Iterator[None]:
-    """Turn what a backend raises for refused credentials, permissions or the network into a
-    one-line StorageError; FileNotFoundError passes through (callers say what is missing)."""
+    """Turn what a backend raises for refused credentials, permissions, an unreachable endpoint or
+    the network into a one-line StorageError; FileNotFoundError passes through (callers say what
+    is missing), and so does what no backend raised (a real bug names itself)."""
     try:
         yield
     except FileNotFoundError:
         raise
-    except PermissionError as error:
-        raise StorageError(f"{url}: access denied ({_first_line(error)}); check the credentials (AWS_* environment "
-                           "variables, --storage-option key=... secret=...)", "storage-denied") from None
-    except (OSError, ValueError) as error:
-        raise StorageError(f"{url}: request failed ({type(error).__name__}: {_first_line(error)})") from None
-    except Exception as error:  # botocore/aiohttp errors are not OSErrors; a real bug still names itself
-        if type(error).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
-            raise StorageError(f"{url}: no credentials ({_first_line(error)}); set AWS_ACCESS_KEY_ID and "
-                               "AWS_SECRET_ACCESS_KEY or pass --storage-option key=... secret=...", "storage-denied") from None
-        if type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "google", "azure"):
-            raise StorageError(f"{url}: request failed ({type(error).__name__}: {_first_line(error)})") from None
-        raise
+    except Exception as error:
+        one_line = _one_line(url, error)
+        if one_line is None:
+            raise
+        raise one_line from None
+
+
+_UNREACHABLE = ("ClientConnectorError", "ClientConnectorDNSError", "ServiceRequestError")  # aiohttp's (gcsfs), Azure SDK's
+
+
+def _one_line(url: str, error: Exception) -> StorageError | None:
+    """The StorageError `request_errors` raises for `error`, None for one it lets through."""
+    name, detail = type(error).__name__, _first_line(error)
+    if name in _UNREACHABLE:
+        return StorageError(f"{url}: cannot reach the storage endpoint ({detail}); check the endpoint "
+                            "(--storage-option endpoint_url=..., STORAGE_EMULATOR_HOST, the connection string's "
+                            "BlobEndpoint) and the network", "storage-unreachable")
+    if isinstance(error, PermissionError):
+        return StorageError(f"{url}: access denied ({detail}); check the credentials (AWS_* environment "
+                            "variables, --storage-option key=... secret=...)", "storage-denied")
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return StorageError(f"{url}: no credentials ({detail}); set AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY or pass --storage-option key=... secret=...", "storage-denied")
+    if name == "ClientAuthenticationError":
+        return StorageError(f"{url}: credentials refused ({detail}); set AZURE_STORAGE_CONNECTION_STRING or pass "
+                            "--storage-option connection_string=... (or account_name=... account_key=...)", "storage-denied")
+    if isinstance(error, (OSError, ValueError)) or \
+            type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "google", "azure"):
+        return StorageError(f"{url}: request failed ({name}: {detail})")
+    return None
 
 
 def _first_line(error: BaseException) -> str:
@@ -179,11 +374,12 @@ class RemotePath(PurePosixPath):
     _fs: Any = None
     _s3: Any = None  # s3.S3Client for s3://: listings and reads without s3fs
     _protocol = ""
+    _host = ""  # an Azure URL's `ACCOUNT.dfs.core.windows.net`, kept in its str, not in its key
     _listing: _Listing
     _options: Mapping[str, Any] = {}  # the storage options `location` was given
 
     def __str__(self) -> str:
-        return f"{self._protocol}://{self.key}"
+        return _format_url(self._protocol, self._host, self.parts[1:])
 
     def __fspath__(self) -> str:  # os.* calls on it fail as "no such file" instead of reading a local look-alike
         return str(self)
@@ -201,7 +397,7 @@ class RemotePath(PurePosixPath):
         """The fsspec filesystem, opened on first use (s3:// reads never need it, writes do)."""
         cls = type(self)
         if cls._fs is None:
-            cls._fs = open_filesystem(self._protocol, self._options)
+            cls._fs = open_filesystem(self._protocol, self._options, host=self._host, url=str(self))
         return cls._fs
 
     @property
@@ -238,7 +434,18 @@ class RemotePath(PurePosixPath):
                 parent = parent.rsplit("/", 1)[0]
         if found and key not in listing.entries:
             listing.entries[key] = None
+        if not found and self._s3 is None:
+            self._check_bucket(key.split("/", 1)[0])
         listing.roots.append(key)
+
+    def _check_bucket(self, bucket: str) -> None:
+        """Raise StorageError when `bucket` does not exist (asked only when nothing was found:
+        "no such file" would send the user looking for the wrong mistake)."""
+        kind = "container" if self._protocol in AZURE_PROTOCOLS else "bucket"
+        with request_errors(str(self)), contextlib.suppress(PermissionError):  # may read, not look at buckets
+            if not self._fs.exists(bucket):
+                raise StorageError(f"{self}: the {kind} {_format_url(self._protocol, self._host, [bucket])} does not "
+                                   "exist (check its name and the endpoint)", "no-bucket")
 
     def exists(self) -> bool:
         return self._entry()[0]
@@ -425,8 +632,8 @@ def _url(path: Any) -> str:
     if isinstance(path, RemotePath):
         return str(path)
     text = os.fspath(path)
-    match = _URL.match(text)
-    if match:
-        return f"{match['protocol']}://{(match['key'] or '').strip('/')}"
+    parsed = _parse_url(text)
+    if parsed is not None:
+        return _format_url(*parsed)
     match = _FILE_URL.match(text)
     return str(Path(match["path"]) if match else Path(text))
