@@ -40,6 +40,8 @@ _API = {
     "SourceOptions": ("ckpttool.options", "SourceOptions"),
     "WriteOptions": ("ckpttool.options", "WriteOptions"),
     "AdapterOptions": ("ckpttool.options", "AdapterOptions"),
+    "manifest": ("ckpttool.commands.manifest", "manifest"),  # manifest (issue 34)
+    "check_manifest": ("ckpttool.commands.manifest", "check"),
 }
 
 __all__ = ["__version__", *_API]

@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 from functools import wraps
+from typing import Sequence
 
 import click
 
@@ -128,7 +129,7 @@ def reads_source(command):
         with errors_reported():
             source = SourceOptions(
                 follow_symlinks=kwargs.pop("follow_symlinks", False),
-                storage=dict(storage.parse_option(value) for value in kwargs.pop("storage_options", ())),
+                storage_options=dict(storage.parse_option(value) for value in kwargs.pop("storage_options", ())),
                 model_prefix=kwargs.pop("model_prefix", None),
             )
         return command(*args, source=source, **kwargs)
@@ -164,7 +165,7 @@ def write_options(command):
     return run
 
 
-def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None:
+def show(document: dict | None, text: str | None, notes: Sequence[str] = ()) -> None:
     """Print `document` as JSON (when given) or `text`; `notes` go to stderr either way."""
     from ckpttool import render
 
@@ -176,23 +177,57 @@ def show(document: dict | None, text: str | None, notes: list[str] = ()) -> None
         click.echo(render.terminal_text(text))
 
 
+# --- the shard-map page (issue 34): `--html FILE` on inspect and validate ----------------------
+html_options = (
+    click.option("--html", metavar="FILE", type=click.Path(dir_okay=False),
+                 help="Also write the shard map: one self-contained HTML page (bytes by group, module and file; "
+                      "the boxes each rank and file holds, per tensor)."),
+    click.option("--force", is_flag=True, help="Replace the --html file if it exists."),
+)
+
+
+def with_html_options(command):
+    for option in reversed(html_options):
+        command = option(command)
+    return command
+
+
+def write_shard_map(html: str, force: bool, report, problems=(), validated: bool = False, path=None) -> None:
+    """Write the shard-map page of an inspect report (None: metadata unreadable) and validate's
+    problems to `html`, atomically; say so on stderr."""
+    from ckpttool import render_html, shard_map
+
+    built = shard_map.build(report, problems, path=path, validated=validated)
+    size = render_html.write_page(built, html, force)
+    click.echo(_shown(render_html.written_line(built, html, size)), err=True)
+# --- end of the shard-map page ----------------------------------------------------------------
+
+
 @main.command()
 @click.argument("src", type=checkpoint_dir, required=False, default=".")
 @json_option("ckpttool.inspect/1")
 @click.option("--filter", "filters", multiple=True, metavar="GLOB", help="Only entries whose fqn matches (repeatable), e.g. 'model.layers.0.*'.")
 @click.option("--chunks", is_flag=True, help="List every chunk: offsets, sizes, file, byte offset and length.")
 @click.option("--by-file", is_flag=True, help="Bytes per data file (rank), split into model/optimizer/other.")
+@with_html_options
 @model_prefix_option
 @storage_option
 @reads_source
 @reports_errors
-def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool, source) -> None:
+def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_file: bool, html: str | None,
+            force: bool, source) -> None:
     """Show what is in a checkpoint, reading only its metadata (no tensor bytes). SRC defaults
     to the current directory."""
     from ckpttool import render
     from ckpttool.commands.inspect import inspect as inspect_checkpoint
 
+    if html is not None:
+        from ckpttool.outputs import check_destination
+
+        check_destination(html, force)
     report = inspect_checkpoint(src, filters, source)
+    if html is not None:
+        write_shard_map(html, force, report)
     if as_json:
         show(render.inspect_document(report), None)
     else:
@@ -202,18 +237,33 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
 @main.command()
 @click.argument("src", type=checkpoint_dir, required=False, default=".")
 @click.option("--deep", is_flag=True, help="Also read every byte: decode each blob, check CRC-32, dtype and shape, count NaN/Inf.")
+@click.option("--manifest", "manifest_file", metavar="FILE", help="Also hash every tensor and check it against this manifest (`ckpttool manifest`): exit 1 naming the first differing, missing or extra tensor.")  # manifest (issue 34)
+@with_html_options
 @follow_symlinks_option
 @storage_option
 @json_option("ckpttool.validate/1")
 @reads_source
 @reports_errors
-def validate(src: str, deep: bool, as_json: bool, source) -> None:
+def validate(src: str, deep: bool, manifest_file: str | None, html: str | None, force: bool, as_json: bool,
+             source) -> None:
     """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid. SRC defaults
     to the current directory."""
     from ckpttool import render
     from ckpttool.commands.validate import validate as validate_checkpoint
 
-    report = validate_checkpoint(src, deep=deep, source=source)
+    if html is not None:
+        from ckpttool.outputs import check_destination
+
+        check_destination(html, force)
+    report = validate_checkpoint(src, deep=deep, source=source, manifest=manifest_file)
+    if html is not None:  # the page marks the problems on the tensors the metadata holds, if it can be read
+        from ckpttool.commands.inspect import inspect as inspect_checkpoint
+
+        try:
+            inspected = inspect_checkpoint(src, (), source)
+        except CheckpointError:
+            inspected = None
+        write_shard_map(html, force, inspected, report.problems, validated=True, path=report.path)
     show(render.validate_document(report) if as_json else None, render.validate_text(report))
     if not report.valid:
         sys.exit(EXIT_INVALID)
@@ -372,7 +422,10 @@ def diff(a: str, b: str, normalize: bool, only: tuple[str, ...], filters: tuple[
     Exit 0 identical (or within --atol/--rtol), 1 different, 2 could not compare."""
     from ckpttool import render
     from ckpttool.commands.diff import diff as diff_checkpoints
+    from ckpttool.commands.manifest import is_manifest_file
 
+    if is_manifest_file(a) or is_manifest_file(b):  # manifest (issue 34): `diff SRC FILE.json`
+        compare_with_manifest(a, b, as_json, limit, quiet, source)
     report = diff_checkpoints(a, b, normalize=normalize, only=only, filters=filters, renames=renames,
                               renames_a=renames_a, renames_b=renames_b, atol=atol, rtol=rtol, exact_names=exact_names,
                               progress=byte_progress(quiet), source=source, assets=assets)
@@ -423,6 +476,7 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
 @click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", callback=adapter_name, help=MERGE_HELP)
 @click.option("--quantize", type=click.Choice(["fp8"]), help="Write the projection weights (*_proj) as fine-grained FP8 with float32 weight_scale_inv (DeepSeek's weight_quant), and the matching quantization_config.  [default: keep]")
 @click.option("--block", default="128x128", show_default=True, metavar="RxC", help="--quantize fp8's block size.")
+@click.option("--manifest", "with_manifest", is_flag=True, help="Also write manifest.json: the SHA-256 of every tensor written (`ckpttool manifest` of the folder), in the same atomic commit.")  # manifest (issue 34)
 @lora_options
 @model_prefix_option
 @write_options
@@ -431,7 +485,7 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
 @reports_errors
 def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_shard_size: str | None, drop_tied: bool,
            renames: tuple[str, ...], adapter: str | None, merge_adapter: str | None, quantize: str | None, block: str,
-           lora_alpha, use_rslora, fan_in_fan_out, lora_dropout, base_model_name_or_path, as_json: bool, write,
+           with_manifest: bool, lora_alpha, use_rslora, fan_in_fan_out, lora_dropout, base_model_name_or_path, as_json: bool, write,
            source) -> None:
     """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
     shards (or model.safetensors), config.json, tokenizer files and a README.md model card;
@@ -446,9 +500,9 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
     lora = (adapter_options(adapter if adapter is not None else merge_adapter, lora_alpha, use_rslora, fan_in_fan_out,
                             lora_dropout, base_model_name_or_path))
     if adapter is not None:
-        if dtype or max_shard_size or drop_tied or renames:
-            raise click.UsageError("--adapter writes PEFT's own file: --dtype, --max-shard-size, --drop-tied and "
-                                   "--rename do not apply")
+        if dtype or max_shard_size or drop_tied or renames or with_manifest:
+            raise click.UsageError("--adapter writes PEFT's own file: --dtype, --max-shard-size, --drop-tied, "
+                                   "--rename and --manifest do not apply")
         from ckpttool import render_lora
         from ckpttool.commands.export_adapter import export_adapter
 
@@ -460,7 +514,8 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
         raise click.UsageError(f"--block {block!r}: expected ROWSxCOLS, e.g. 128x128")
     convert = ConvertOptions(renames=renames, dtype=dtype, drop_tied=drop_tied, max_shard_size=max_shard_size,
                              quantize=quantize, block=(int(rows), int(cols)))
-    report = export_checkpoint(src, outdir, assets, convert, write, source, lora if merge_adapter is not None else None)
+    report = export_checkpoint(src, outdir, assets, convert, write, source, lora if merge_adapter is not None else None,
+                               manifest=with_manifest)
     show(render.export_document(report) if as_json else None, render.export_text(report), render.export_notes(report))
 
 
@@ -484,3 +539,52 @@ def import_(src: str, dst: str, world_size: int | None, mesh: str | None, prefix
     report = import_checkpoint(src, dst, world_size, mesh, prefix=prefix, write=write, source=source)
     show(render.import_document(report) if as_json else None, render.import_text(report),
          render.problem_lines(report.problems))
+
+
+# --- manifests (issue 34): `ckpttool manifest`, and `diff SRC FILE.json` --------------------------
+@main.command()
+@click.argument("src", type=checkpoint_dir, required=False, default=".")
+@click.option("-o", "--output", "out", metavar="FILE", help="Write the manifest to FILE (atomically) and print a summary line.  [default: the manifest on stdout]")
+@click.option("--all", "everything", is_flag=True, help="Every tensor entry (optimizer state too) under its full name, not only the model's.")
+@click.option("--files", is_flag=True, help="Also the SHA-256 and size of each data file (these depend on the layout; the tensors' do not).")
+@click.option("--force", is_flag=True, help="Replace FILE if it exists.")
+@click.option("--threads", default=4, type=click.IntRange(1, 64), help="Tensors hashed at once.")
+@click.option("--max-memory", default="512MB", metavar="SIZE", help="Bound on read/assembly buffers in flight.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@model_prefix_option
+@follow_symlinks_option
+@storage_option
+@reads_source
+@reports_errors
+def manifest(src: str, out: str | None, everything: bool, files: bool, force: bool, threads: int, max_memory: str,
+             quiet: bool, source) -> None:
+    """Write the SHA-256 of every tensor's bytes (row-major, as stored), its dtype and shape: the
+    same for a checkpoint at any world size, its reshard, consolidation and Hub export."""
+    from ckpttool import render
+    from ckpttool.commands.manifest import manifest as manifest_of
+    from ckpttool.options import WriteOptions
+
+    write = WriteOptions(force=force, threads=threads, max_memory=max_memory, progress=byte_progress(quiet),
+                         notify=print_notice)
+    report = manifest_of(src, out, everything=everything, files=files, write=write, source=source)
+    if out is None:
+        click.echo(report.manifest.to_json().decode("ascii"), nl=False)
+        for line in render.manifest_text(report).splitlines():
+            click.echo(_shown(line), err=True)
+    else:
+        show(None, render.manifest_text(report), render.problem_lines(report.problems))
+
+
+def compare_with_manifest(a: str, b: str, as_json: bool, limit: int, quiet: bool, source) -> None:
+    """`diff A B` where A or B is a manifest: hash the other side (a checkpoint) and compare, or
+    compare two manifests; exit 0 same, 1 different (naming the first differing tensor)."""
+    from ckpttool import render
+    from ckpttool.commands.manifest import check, is_manifest_file
+    from ckpttool.options import WriteOptions
+
+    src, expected = (b, a) if is_manifest_file(a) and not is_manifest_file(b) else (a, b)
+    result = check(src, expected, write=WriteOptions(progress=byte_progress(quiet)), source=source)
+    show(render.manifest_check_document(result) if as_json else None, render.manifest_check_text(result, limit),
+         render.problem_lines(result.problems))
+    sys.exit(0 if result.same else EXIT_DIFFERENT)
+# --- end of manifests -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import sys
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, TextIO
+from typing import AbstractSet, Any, Iterable, Iterator, TextIO
 
 from ckpttool import render_lora
 from ckpttool.checkpoint import paused_gc
@@ -53,10 +53,11 @@ def terminal_text(text: str) -> str:
 def human_bytes(count: int) -> str:
     """Return `count` bytes as e.g. `1.5 GB` (decimal units, as disks and the Hub count)."""
     value = float(count)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(value) < 1000:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
+    return f"{value:.1f} TB"
 
 
 def human_count(count: int) -> str:
@@ -129,7 +130,7 @@ class ChunkRows(list):
     def __ne__(self, other: object) -> bool:
         return not self == other
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __repr__(self) -> str:
         return f"ChunkRows({self.chunks!r})"
@@ -168,16 +169,16 @@ class ChunkRows(list):
         return "[" + ", ".join(map(row.__mod__, zip(*columns))) + "]"
 
 
-def table(rows: Iterable[tuple], headers: tuple[str, ...], right: set[int] = frozenset()) -> list[str]:
+def table(rows: Iterable[tuple], headers: tuple[str, ...], right: AbstractSet[int] = frozenset()) -> list[str]:
     """Return aligned text lines; columns in `right` are right-aligned."""
-    rows = [tuple(shown(c) for c in row) for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    shown_rows = [tuple(shown(c) for c in row) for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in shown_rows]) for i, h in enumerate(headers)]
 
     def line(cells: tuple[str, ...]) -> str:
         parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
         return "  ".join(parts).rstrip()
 
-    return [line(headers)] + [line(r) for r in rows]
+    return [line(headers)] + [line(r) for r in shown_rows]
 
 
 def inspect_document(report: InspectReport) -> dict[str, Any]:
@@ -303,13 +304,14 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
         if objects:
             lines.append("  other: " + ", ".join(shown(o.fqn) for o in objects[:8]) + (" ..." if len(objects) > 8 else ""))
     if by_file:
-        rows = [
+        file_rows = [
             (f.file, "" if f.rank is None else f.rank, human_bytes(f.size) if f.size is not None else "MISSING",
              human_bytes(f.tensor_bytes.get("model", 0)), human_bytes(f.tensor_bytes.get("optimizer", 0)),
              human_bytes(f.tensor_bytes.get("other", 0)))
             for f in report.files
         ]
-        lines += ["", "files:"] + ["  " + line for line in table(rows, ("FILE", "RANK", "SIZE", "MODEL", "OPTIMIZER", "OTHER"), {1, 2, 3, 4, 5})]
+        headers = ("FILE", "RANK", "SIZE", "MODEL", "OPTIMIZER", "OTHER")
+        lines += ["", "files:"] + ["  " + line for line in table(file_rows, headers, {1, 2, 3, 4, 5})]
     return "\n".join(lines)
 
 
@@ -362,6 +364,7 @@ def validate_document(report: ValidationReport) -> dict[str, Any]:
         "seconds": round(report.seconds, 3),
         "problems": problems_document(report.problems),
         "numerics": [{"fqn": n.fqn, "nan": n.nan, "inf": n.inf} for n in report.numerics],
+        **({"manifest": manifest_check_document(report.manifest)} if getattr(report, "manifest", None) else {}),
     }
 
 
@@ -373,6 +376,9 @@ def validate_text(report: ValidationReport) -> str:
     verdict = "VALID" if report.valid else f"INVALID: {len(report.errors)} error(s)"
     warnings = f", {len(report.warnings)} warning(s)" if report.warnings else ""
     lines.append(f"{verdict}{warnings}: {report.path}: {checked}{depth}, {report.seconds:.2f} s")
+    if getattr(report, "manifest", None) is not None:  # validate --manifest (issue 34)
+        check_lines = manifest_check_text(report.manifest, limit=1).splitlines()
+        lines += ["  " + line.strip() for line in check_lines if line is check_lines[0] or line.lstrip().startswith("tied:")]
     return "\n".join(lines)
 
 
@@ -393,7 +399,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
             {"file": f.name, "path": str(_output_path(report, f.name)), "bytes": f.size, "tensors": len(f.keys)}
             for f in plan.files
         ] + ([{"file": plan.index_name, "path": str(report.output / plan.index_name), "bytes": len(plan.index),
-               "tensors": 0}] if plan.index_name else []),
+               "tensors": 0}] if plan.index_name and plan.index is not None else []),
         "tensors": [
             {"key": t.key, "fqn": t.fqn, "dtype": t.dtype, "source_dtype": t.source_dtype, "shape": list(t.shape),
              "file": t.file, "bytes": t.nbytes}
@@ -793,3 +799,66 @@ def import_text(report: "ImportReport") -> str:
 def push_notes(report: "PushReport") -> list[str]:
     """Return the lines for stderr: what the export of the source said."""
     return [f"export: {shown(note)}" for note in report.notes]
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest (issue 34): `ckpttool manifest`, `validate --manifest`, `diff SRC FILE.json`
+
+MANIFEST_CHECK_SCHEMA = "ckpttool.manifest-check/1"
+
+
+def manifest_text(report: Any) -> str:
+    """Return the summary of `ckpttool manifest`: what was hashed, how fast, the fingerprint."""
+    made = report.manifest
+    where = f"wrote {shown(report.output)}: " if report.output is not None else ""
+    files = f" and {len(made.files)} data files" if made.files is not None else ""
+    speed = f", {human_bytes(int(report.throughput))}/s" if report.seconds > 0 else ""
+    return (f"{where}manifest of {len(made.tensors)} tensors{files} ({made.entries}) of {shown(report.source)}: "
+            f"{human_bytes(report.bytes_hashed)} hashed in {report.seconds:.2f} s{speed}\n  digest {made.digest}")
+
+
+def _difference_line(difference: Any) -> str:
+    if difference.kind == "missing":
+        return f"missing: {shown(difference.key)} (the manifest has {difference.expected})"
+    if difference.kind == "extra":
+        return f"extra: {shown(difference.key)} ({difference.actual}; not in the manifest)"
+    if difference.kind == "sha256":
+        return f"differs: {shown(difference.key)}: sha256 {difference.actual[:16]}..., the manifest says {difference.expected[:16]}..."
+    return f"{difference.kind} differs: {shown(difference.key)}: {difference.actual}, the manifest says {difference.expected}"
+
+
+def manifest_check_text(check: Any, limit: int = 20) -> str:
+    """Return the human view of a manifest check: a verdict naming the first difference, then
+    the differences (at most `limit`, 0 for all) and the tied keys one side leaves out."""
+    sides = f"{shown(check.source)} against the manifest {shown(check.expected_from)}"
+    if check.same:
+        lines = [f"MATCHES: {sides}: {len(check.expected.tensors)} tensors, {check.expected.digest}"]
+    else:
+        lines = [f"DIFFERENT: {sides}: {len(check.differences)} difference(s), first: {_difference_line(check.first)}"]
+    items = [_difference_line(d) for d in check.differences]
+    shown_items = items if not limit else items[:limit]
+    lines += ["  " + item for item in shown_items]
+    if len(items) > len(shown_items):
+        lines.append(f"  ... and {len(items) - len(shown_items)} more (--limit 0 lists all; --json has every entry)")
+    lines += [f"  tied: {shown(t.key)} is not in the {t.absent}; its bytes are {shown(t.same_as)}'s" for t in check.ties]
+    return "\n".join(lines)
+
+
+def manifest_check_document(check: Any) -> dict[str, Any]:
+    """Return the `ckpttool.manifest-check/1` JSON document of a manifest check."""
+    return {
+        "schema": MANIFEST_CHECK_SCHEMA,
+        "source": str(check.source),
+        "manifest": str(check.expected_from),
+        "same": check.same,
+        "expected_digest": check.expected.digest,
+        "actual_digest": check.actual.digest,
+        "tensors": len(check.expected.tensors),
+        "differences": [{"key": d.key, "kind": d.kind, "expected": d.expected, "actual": d.actual}
+                        for d in check.differences],
+        "ties": [{"key": t.key, "same_as": t.same_as, "absent_from": t.absent} for t in check.ties],
+        "bytes_hashed": check.bytes_hashed,
+        "seconds": round(check.seconds, 3),
+        "problems": problems_document(check.problems),
+    }
+# --- end of manifest ----------------------------------------------------------------------------

@@ -28,12 +28,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from dataclasses import replace
 
 from ckpttool import __version__, naming, quantization, storage
-from ckpttool.checkpoint import Checkpoint
+from ckpttool.checkpoint import Checkpoint, as_path
 from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
                                            plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
@@ -46,6 +46,7 @@ from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.io import parse_size
+from ckpttool.manifest import FILENAME as MANIFEST_FILENAME
 from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.plan.consolidate import ConsolidatePlan
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
@@ -104,6 +105,7 @@ def export(
     write: WriteOptions = WriteOptions(),
     source: SourceOptions = SourceOptions(),
     merge_adapter: AdapterOptions | None = None,
+    manifest: bool = False,
 ) -> ExportReport:
     """Return a report after writing `src` as a Hub model folder at `outdir`.
 
@@ -114,21 +116,22 @@ def export(
     tied config writes one copy of the tied pair. Raises InvalidCheckpoint
     (`config-mismatch`) and writes nothing when the weights disagree. `merge_adapter` writes a
     LoRA model as its base model with the adapter merged in (`adapter.AdapterMerge`); the
-    adapter itself is `export_adapter.export_adapter`.
+    adapter itself is `export_adapter.export_adapter`. `manifest` also writes `manifest.json`
+    (`ckpttool manifest` of the weights written, hashed before the folder is committed).
 
     Example:
         >>> export("ckpt/step-00000010", "out/", "config/", ConvertOptions(dtype="bf16")).dtype
         'bfloat16'
     """
     started = time.perf_counter()
-    target = source.locate(outdir)  # a URL carries the storage options to the upload
+    target = as_path(source.locate(outdir))  # a URL carries the storage options to the upload
     if assets is None and _has_config(src):
         assets = src  # a Hub folder carries its own config.json and tokenizer files over
     asset_dir = _check_arguments(target, assets, convert)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
     config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
-    config_from = str(asset_dir / CONFIG_FILENAME) if config is not None else None
+    config_from = str(asset_dir / CONFIG_FILENAME) if config is not None and asset_dir is not None else None
     if config is None and (common := megatron_config.common_file(src)) is not None:  # Megatron-LM's own args
         config = megatron_config.megatron_hf_config(common, source.follow_symlinks)
         config_from = f"{common}: {megatron_config.ARGS}" if config is not None else None
@@ -168,15 +171,17 @@ def export(
     copied = [name for name in ASSET_FILES if asset_dir is not None and (asset_dir / name).exists()]
     step = _step(extras, checkpoint.path)
     weight_files = tuple((f.name, f.size) for f in plan.files) + (
-        ((plan.index_name, len(plan.index)),) if plan.index_name else ())
+        ((plan.index_name, len(cast(bytes, plan.index))),) if plan.index_name else ())  # an index name comes with its index
     documents[CARD_FILENAME] = model_card(_card(src, assets, convert, planned, step, written_dtype, config,
                                                 weight_files, merge.note() if merge else None)).encode()
-    files = weight_files + tuple((name, _size(asset_dir / name)) for name in copied) + tuple(
+    files = weight_files + tuple((name, _size(asset_dir / name)) for name in copied if asset_dir is not None) + tuple(
         (name, len(data)) for name, data in documents.items())
     weights = report_of(planned, target, (), (), False, True, 0.0)
     if not write.dry_run:
         weights = _write_folder(planned, target, write, source, weight_files, asset_dir, copied, documents,
-                                merge.patch if merge else None)
+                                merge.patch if merge else None, manifest)
+        if manifest:  # manifest (issue 34)
+            files += ((MANIFEST_FILENAME, len(documents[MANIFEST_FILENAME])),)
     return ExportReport(
         source=checkpoint.path, output=target, files=files, weights=weights, dtype=written_dtype,
         parameters=sum(_numel(shape) for shape in check_shapes.values()), step=step, config=config_from, checked=checked,
@@ -275,6 +280,7 @@ def _check_config(config: dict[str, Any] | None, config_from: str | None, asset_
     dequantise to: `dequantized`)."""
     notes, checked = [], "nothing (no config)"
     if config is not None:
+        assert config_from is not None  # a config comes with where it came from
         _check_tie(config, plan, shapes)
         checked = check_against_config(config, check_shapes if check_shapes is not None else shapes, Path(config_from))
     elif TRAINER_CONFIG in extras:
@@ -308,9 +314,11 @@ def _card(src: str | os.PathLike, assets: str | os.PathLike | None, convert: Con
 
 def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: SourceOptions,
                   weight_files: tuple[tuple[str, int], ...], asset_dir: Path | None, copied: list[str],
-                  documents: dict[str, bytes], patch: Patch | None = None) -> ConsolidateReport:
+                  documents: dict[str, bytes], patch: Patch | None = None, manifest: bool = False) -> ConsolidateReport:
     """Write the planned weights, the copied assets and the documents into one temporary
-    directory renamed to `target`; return the weights' report."""
+    directory renamed to `target`; return the weights' report. With `manifest`, the weights
+    written are hashed (`ckpttool manifest` of them) into `documents["manifest.json"]`, which
+    is committed with the rest."""
     started = time.perf_counter()
     try:
         with atomic_directory(target, force=write.force, notify=write.notify) as output:
@@ -319,10 +327,15 @@ def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: S
             written, processes = write_output(planned, weights_at, inner, source, patch=patch)
             weights = report_of(planned, weights_at, written, processes, write.verify, False,
                                 time.perf_counter() - started)
+            if manifest:  # manifest (issue 34): what was written, read back before the commit
+                from ckpttool.commands.manifest import compute
+
+                documents[MANIFEST_FILENAME] = compute(weights_at, write=inner)[0].to_json()
             for name, _ in weight_files:
                 os.rename(output.path / _WEIGHTS_DIRECTORY / name, output.path / name)
             os.rmdir(output.path / _WEIGHTS_DIRECTORY)
             for name in copied:
+                assert asset_dir is not None  # `copied` names files of the assets folder
                 _copy_regular(asset_dir / name, output.path / name)
             for name, data in documents.items():
                 write_file(output.path / name, data)
@@ -337,9 +350,9 @@ def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: S
 # model_type -> (q/k/v bias, o_proj bias) when the config does not say (`attention_bias`):
 # transformers' LlamaAttention uses attention_bias for all four, Qwen2Attention has q/k/v
 # biases and none on o_proj, MistralAttention none.
-_ATTENTION_BIAS = {"llama": None, "mistral": (False, False), "qwen2": (True, False)}
+_ATTENTION_BIAS: dict[Any, tuple[bool, bool] | None] = {"llama": None, "mistral": (False, False), "qwen2": (True, False)}
 # PretrainedConfig defaults tie_word_embeddings to True; these model types default to False
-_TIE_DEFAULT = {"llama": False, "mistral": False, "qwen2": False}
+_TIE_DEFAULT: dict[Any, bool] = {"llama": False, "mistral": False, "qwen2": False}
 _HEADS = ("lm_head.weight", "model.embed_tokens.weight")
 
 
@@ -403,23 +416,23 @@ def check_against_config(config: Mapping[str, Any], shapes: Mapping[str, tuple[i
     if not known:
         return f"nothing (model_type {config.get('model_type')!r} of {where.name} is not one export knows the shapes of)"
     try:
-        expected = expected_shapes(config)
+        table = expected_shapes(config)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
         raise InvalidCheckpoint(f"{where}: cannot tell the expected shapes ({type(error).__name__}: {error})",
                                 code="config-mismatch") from None
-    for key, shape in expected.items():
+    for key, shape in table.items():
         if key not in shapes:
             raise InvalidCheckpoint(f"{where}: the config expects {key} of shape {list(shape)}, which the weights "
                                     "do not hold (wrong --assets or --rename?)", code="config-mismatch")
         if tuple(shapes[key]) != shape:
             raise InvalidCheckpoint(f"{where}: {key} has shape {list(shapes[key])} in the weights, the config "
                                     f"expects {list(shape)}", code="config-mismatch")
-    extra = sorted(set(shapes) - set(expected))
+    extra = sorted(set(shapes) - set(table))
     if extra:
         raise InvalidCheckpoint(f"{where}: the weights hold {extra[0]} (shape {list(shapes[extra[0]])}), which "
                                 f"{config.get('model_type')} does not have ({len(extra)} such keys; --rename?)",
                                 code="config-mismatch")
-    return f"every key and shape of {(architectures or [config.get('model_type')])[0]} ({len(expected)} tensors)"
+    return f"every key and shape of {(architectures or [config.get('model_type')])[0]} ({len(table)} tensors)"
 
 
 def _check_index_keys(weight_map: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]], where: Path) -> str:

@@ -16,14 +16,15 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpttool import dtypes, integrity, quantization, readers
-from ckpttool.checkpoint import Blob, Checkpoint
+from ckpttool.checkpoint import Blob, Checkpoint, as_path
 from ckpttool.dcp.blobs import (DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk,
                                 record_problems)
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
-from ckpttool.options import SourceOptions
+from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.formats.dcp import METADATA_FILENAME
 
 DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
@@ -50,6 +51,7 @@ class ValidationReport:
     files: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    manifest: Any = None  # --manifest: the commands.manifest.ManifestCheck, when the check ran
 
     @property
     def errors(self) -> list[Problem]:
@@ -67,14 +69,17 @@ class ValidationReport:
         self.problems.append(Problem(severity, code, message, file, fqn))
 
 
-def validate(src: str | os.PathLike, deep: bool = False, source: SourceOptions = SourceOptions()) -> ValidationReport:
+def validate(src: str | os.PathLike, deep: bool = False, source: SourceOptions = SourceOptions(),
+             manifest: str | os.PathLike | None = None) -> ValidationReport:
     """Return every problem found in the checkpoint at `src` (never raises for a bad one).
     Data files that are symlinks leaving the checkpoint are a problem unless `source.follow_symlinks`.
+    With `manifest` (a `ckpttool manifest` file), a valid checkpoint's tensors are hashed and
+    each one missing, extra or differing from it is an error naming the tensor.
 
     Raises NotACheckpoint only when `src` does not exist (a usage error).
     """
     started = time.perf_counter()
-    root = source.locate(src)
+    root = as_path(source.locate(src))
     follow_symlinks = source.follow_symlinks
     if not root.exists():
         raise NotACheckpoint(f"{root}: no such file or directory")
@@ -93,8 +98,25 @@ def validate(src: str | os.PathLike, deep: bool = False, source: SourceOptions =
     _check_quantization(checkpoint, report)
     if deep:
         _check_bytes(checkpoint, found.sizes, report, follow_symlinks)
+    if manifest is not None:  # manifest (issue 34)
+        _check_manifest(src, manifest, source, report)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _check_manifest(src: str | os.PathLike, manifest: str | os.PathLike, source: SourceOptions,
+                    report: ValidationReport) -> None:
+    """Hash the checkpoint and compare it with `manifest` (commands.manifest.check), unless
+    it is invalid already (its bytes cannot be trusted to be where the metadata says)."""
+    from ckpttool.commands.manifest import check_or_error
+
+    if not report.valid:
+        report.add(INFO, "manifest-skipped", f"{report.path}: not checked against {manifest}: the checkpoint is invalid")
+        return
+    report.manifest, problems = check_or_error(src, manifest, WriteOptions(), source)
+    report.problems.extend(problems)
+    if report.manifest is not None:
+        report.bytes_read += report.manifest.bytes_hashed
 
 
 def _check_quantization(checkpoint: Checkpoint, report: ValidationReport) -> None:
