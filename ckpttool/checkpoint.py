@@ -19,10 +19,12 @@ import gc
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, cast, overload
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ckpttool.storage import RemotePath
 
 from ckpttool import dtypes
 from ckpttool.errors import BadName
@@ -204,11 +206,18 @@ class Object:
     data: bytes | None = None
 
 
+def as_path(path: Path | RemotePath) -> Path:
+    """`path` typed as the readers take it: a `storage.RemotePath` answers the `Path` questions
+    they ask (`exists`, `is_file`, `iterdir`, `stat`, `read_bytes`, `/`), so it travels as a Path
+    (a `Checkpoint.path` is one or the other); `storage.is_remote` tells them apart."""
+    return cast(Path, path)
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """Everything `.metadata` says, in our own types. Entries are sorted by fqn."""
 
-    path: Path
+    path: Path  # a local Path, or a RemotePath (`as_path`)
     metadata_file: str
     version: str | None
     tensors: dict[str, Tensor]

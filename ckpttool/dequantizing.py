@@ -69,7 +69,7 @@ def quantized_bytes(op: Quantize, files: DataFiles) -> memoryview:
     scale = torch.empty((-(-rows // op.block[0]), -(-cols // op.block[1])), dtype=torch.float32)
     fp8.quantize_rows(torch, values, op.block, codes, scale)
     out = codes if op.part == "codes" else scale
-    return memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    return out.reshape(-1).view(torch.uint8).numpy().data
 
 
 _SCALE_DTYPES = ("float32", "bfloat16", "float16")  # scales the numpy path widens to float32 exactly

@@ -36,7 +36,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, NoReturn, Sequence
+from typing import Callable, Iterator, NamedTuple, NoReturn, Sequence, TypeVar, cast
 
 from ckpttool import dtypes, io, storage, testpoints
 from ckpttool.errors import UsageError, WriteFailed
@@ -227,8 +227,11 @@ def broadcast(value: object) -> object:
     return box[0]
 
 
-def gather_stats(row: tuple) -> list[tuple]:
-    """Return every rank's `row` (builtins only), in rank order, on every rank."""
+_Row = TypeVar("_Row")
+
+
+def gather_stats(row: _Row) -> list[_Row]:
+    """Return every rank's `row` (builtins only, the same kind on every rank), in rank order, on every rank."""
     import torch.distributed as dist
 
     rows: list = [None] * dist.get_world_size(_group)
@@ -256,9 +259,10 @@ def all_ok(flag: bool) -> bool:
 # The commit protocol
 
 
-Prepare = Callable[[dict[str, int]], None]  # rank 0, fresh outputs: sizes and heads
-RunShare = Callable[[list[Operation], dict[str, int]], None]  # every rank: its operations
-Finish = Callable[[Path, dict[str, int]], None]  # rank 0, all shares written: index, records, metadata
+# the callbacks' fds: name -> fd, or for an object-storage target name -> MultipartSink (io.Output)
+Prepare = Callable[[dict[str, io.Output]], None]  # rank 0, fresh outputs: sizes and heads
+RunShare = Callable[[list[Operation], dict[str, io.Output]], None]  # every rank: its operations
+Finish = Callable[[Path, dict[str, io.Output]], None]  # rank 0, all shares written: index, records, metadata
 
 
 def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *, directory: bool, force: bool,
@@ -278,12 +282,13 @@ def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *
     .pt file, no --verify).
     """
     if storage.is_remote(target):
-        if not streamed or not hasattr(target.filesystem, "call_s3"):
+        remote = cast(storage.RemotePath, target)  # is_remote: a RemotePath (checkpoint.as_path)
+        if not streamed or not hasattr(remote.filesystem, "call_s3"):
             raise UsageError(f"{target}: under torchrun, object storage takes .safetensors, Hub folders and reshard "
                              "outputs on S3, without --verify; write a .pt or verified output to a shared path, or "
                              "from a single process")
         world = init()
-        return _write_remote(world, split(operations, world.world_size), target, names, directory, force,
+        return _write_remote(world, split(operations, world.world_size), remote, names, directory, force,
                              prepare, run_share, finish, notify)
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(target)):  # a URL (Path("s3://b/k") reads "s3:/b/k")
         raise UsageError(f"{target}: under torchrun the output must be a path every process can open (local disk, "
@@ -295,6 +300,7 @@ def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *
     paths = broadcast(None)
     if isinstance(paths, str):
         raise WriteFailed(f"{target}: rank 0 could not create the output ({paths}); nothing was written")
+    paths = cast(dict[str, str], paths)  # rank 0 broadcasts an error or {name: path} (_lead)
     stats, failure = _run_share(world, shares[world.rank], paths, run_share, target)
     committed = all_ok(failure is None)  # returns once rank 0 has committed or removed the output
     if failure is not None:
@@ -338,8 +344,8 @@ def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], dir
     return stats
 
 
-def _write_remote(world: World, shares: list[list[Operation]], target, names: Sequence[str], directory: bool,
-                  force: bool, prepare: Prepare, run_share: RunShare, finish: Finish,
+def _write_remote(world: World, shares: list[list[Operation]], target: storage.RemotePath, names: Sequence[str],
+                  directory: bool, force: bool, prepare: Prepare, run_share: RunShare, finish: Finish,
                   notify: Notify) -> tuple[ProcessStats, ...]:
     """The commit protocol for an S3 `target`: rank 0 begins one multipart upload per output
     file (heads written into its first parts) and broadcasts the upload ids; every process
@@ -352,6 +358,7 @@ def _write_remote(world: World, shares: list[list[Operation]], target, names: Se
         begun = broadcast(None)
         if isinstance(begun, str):
             raise WriteFailed(f"{target}: rank 0 could not begin the upload ({begun}); nothing was written")
+        begun = cast(dict[str, tuple[str, str, int, int]], begun)  # rank 0 broadcasts an error or its uploads
         sinks = {name: MultipartSink(target.filesystem, key, f"{target}/{name}", upload_id, size, part_size)
                  for name, (key, upload_id, size, part_size) in begun.items()}
         stats, failure = _run_share(world, shares[world.rank], sinks, run_share, target)
@@ -445,7 +452,7 @@ def _opened(paths: dict[str, Path] | dict[str, str]) -> Iterator[dict[str, int]]
 
 
 def _run_share(world: World, share: list[Operation], paths: dict, run_share: RunShare,
-               target: Path) -> tuple[tuple[ProcessStats, ...], BaseException | None]:
+               target: Path | storage.RemotePath) -> tuple[tuple[ProcessStats, ...], BaseException | None]:
     """Write this rank's share, then gather every rank's outcome; return the stats and, when
     any rank failed, what to raise (this rank's own error, or one naming the rank that failed).
     `paths`: name -> file path, or name -> `MultipartSink` of a remote output."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import typing
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -143,7 +144,7 @@ def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, 
     if len(batch) == 1:
         return Task(_runner(batch[0], files, outputs, None), memory)
     groups = _copy_spans(batch, files, outputs)
-    spans = [_span(group) for group in groups if len(group) > 1]
+    spans = [_span(typing.cast(list[Copy], group)) for group in groups if len(group) > 1]  # several: copies
     span = max((end - start for start, end in spans), default=0)
 
     def run_all() -> int:
@@ -152,13 +153,13 @@ def _batch_task(batch: list[Operation], files: DataFiles, outputs: Mapping[str, 
             written = 0
             for group in groups:
                 if len(group) > 1:
-                    written += _copy_span(group, files, outputs[group[0].dst], gathered)
+                    written += _copy_span(typing.cast(list[Copy], group), files, outputs[group[0].dst], gathered)
                     continue
                 op = group[0]
                 whole = _small_record(op, record_layout(op.dtype, op.shape), files) if type(op) is Record else None
                 fd = outputs[op.dst]
                 if whole is not None and isinstance(fd, int):  # a small record's bytes, built whole
-                    gathered.write_at(fd, whole, op.offset)
+                    gathered.write_at(fd, whole, typing.cast(Record, op).offset)  # only a Record is built whole
                     written += op.output_length
                 else:
                     written += _runner(op, files, outputs, gathered)()
@@ -234,7 +235,7 @@ class _GatheredWrites:
 
     def flush(self) -> None:
         if self.data:
-            write_at(self.fd, self.data, self.start)
+            write_at(self.fd, typing.cast(bytes, self.data), self.start)  # any buffer: it writes memoryview(data)
             del self.data[:]
         self.fd = None
 
@@ -267,6 +268,7 @@ def _blocks(op: Operation, files: DataFiles, block: int = STREAM_BLOCK) -> Itera
     """Yield (output offset, bytes) of all that `op` writes: for a record its head, the data
     of its parts in output order (so the CRC-32 runs over the data as it lies), then its tail."""
     if not isinstance(op, Record):
+        assert not isinstance(op, Records)  # run by record_writes, or split into its records (`expanded`, `verify`)
         yield from output_blocks(op, files, {}, block)
         return
     layout = record_layout(op.dtype, op.shape)
@@ -323,13 +325,13 @@ def output_blocks(op: Convert | Gather | Copy | Put | Dequantize | Quantize, fil
         size = block if files.local else min(block, storage.PIECE)
         buffer = memoryview(thread_buffer(size))[:size]
         at = op.dst_offset
-        for block in files.pieces(op.src, op.src_offset, op.length, buffer):
-            yield at, block
-            at += len(block)
+        for piece in files.pieces(op.src, op.src_offset, op.length, buffer):
+            yield at, piece
+            at += len(piece)
     elif isinstance(op, Convert):
-        buffer = thread_buffer(op.length)
-        files.read_into(op.src, op.src_offset, memoryview(buffer)[:op.length])
-        yield op.dst_offset, cast_in_place(buffer, op.length, op.source_dtype, op.dtype)
+        raw = thread_buffer(op.length)
+        files.read_into(op.src, op.src_offset, memoryview(raw)[:op.length])
+        yield op.dst_offset, cast_in_place(raw, op.length, op.source_dtype, op.dtype)
     elif isinstance(op, Dequantize):
         yield op.dst_offset, dequantized_bytes(op, files)
     elif isinstance(op, Quantize):
@@ -417,7 +419,8 @@ def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[s
 
     def check(op: Operation) -> Callable[[], int]:
         def run_check() -> int:
-            if record_writes.runs_fast(op, files, outputs) and record_writes.records_match(op, files, outputs[op.dst]):
+            if (record_writes.runs_fast(op, files, outputs)  # a Records operation
+                    and record_writes.records_match(typing.cast(Records, op), files, outputs[op.dst])):
                 return op.output_length
             for part in op.records() if type(op) is Records else (op,):
                 for offset, block in _blocks(part, files):

@@ -21,7 +21,7 @@ import bisect
 import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool import dtypes
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
@@ -167,9 +167,9 @@ def _check_files(checkpoint: Checkpoint, report: Integrity, follow_symlinks: boo
     referenced: set[str] = set()  # safe relative paths, as the unreferenced-file scan names files
     for name, fqn in sorted(users.items()):
         try:
-            relative = safe_relative_path(name)
-            referenced.add(str(relative))
-            path = checkpoint.path / relative
+            safe = safe_relative_path(name)
+            referenced.add(str(safe))
+            path = checkpoint.path / safe
         except CheckpointError:
             report.add(ERROR, "path-traversal", f"{name}: path of {fqn} leaves the checkpoint directory (absolute or `..`); not read", name, fqn)
             continue
@@ -208,6 +208,7 @@ def _check_blobs(checkpoint: Checkpoint, sizes: dict[str, int], report: Integrit
             where = f"{tensor.fqn} chunk at {list(chunk.offsets)}"
             blob = chunk.blob
             if _check_chunk_blob(checkpoint, tensor, chunk, where, itemsize, sizes, report):
+                assert blob is not None  # a chunk without a blob joins no sweep
                 claims.add(blob.file, blob.offset, blob.offset + blob.length, where, None if blob.transforms else (tensor, chunk))
             if blob is not None and is_raw_range(blob):
                 shared.add((blob.file, blob.offset, blob.offset + blob.length))
@@ -244,7 +245,7 @@ def _check_table_blobs(checkpoint: Checkpoint, tensor: Tensor, sizes: dict[str, 
     large for int64 arithmetic."""
     import numpy as np
 
-    table = tensor.chunks
+    table = cast(ChunkTable, tensor.chunks)  # the caller checked
     itemsize = dtypes.ITEMSIZE.get(tensor.dtype) or 0
     volumes = column_volumes(table.sizes)
     if volumes is None or (len(table) and int(volumes.max()) >= COLUMN_LIMIT // max(itemsize, 1)):
@@ -323,7 +324,7 @@ class _Claims:
 
     def add_table(self, tensor: Tensor, rows: Any) -> None:
         """Add the byte ranges of these rows of a table (None: every row)."""
-        self.parts.append((tensor, rows, self.index.of(tensor.chunks.files)))
+        self.parts.append((tensor, rows, self.index.of(cast(ChunkTable, tensor.chunks).files)))  # a table's tensor
         self.tables.append((self.count, tensor, rows))
         self.count += len(tensor.chunks) if rows is None else len(rows)
 
@@ -332,7 +333,7 @@ class _Claims:
         claim's id is its position)."""
         import numpy as np
 
-        pieces = []
+        pieces: list = []  # (file number, start, end, owned) arrays per part
         for part in self.parts:
             if isinstance(part, list):
                 pieces.append(np.array(part, dtype=np.int64).reshape(len(part), 4).T)

@@ -28,7 +28,7 @@ import functools
 import operator
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, MutableMapping, NamedTuple, Sequence, overload
 
 from ckpttool import dtypes, execute, integrity, locating, quantization, readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
@@ -42,7 +42,7 @@ from ckpttool.options import SourceOptions
 from ckpttool.formats.fp8 import FLOAT8
 from ckpttool.plan.consolidate import OutputFormat, plan_dequantize, plan_tensor, select, target_dtype
 from ckpttool.quantization import Quantization, QuantizedWeight
-from ckpttool.plan.operations import STREAM_BLOCK, Copy, Gather, Operation
+from ckpttool.plan.operations import STREAM_BLOCK, Copy, Gather, Operation, Record, Records
 from ckpttool.plan.reshard import Run, fill_runs
 
 if TYPE_CHECKING:
@@ -96,8 +96,8 @@ class CheckpointFile:
             checkpoint = as_transformers(checkpoint, config, follow_symlinks, model_prefix) or checkpoint
         self.checkpoint: Checkpoint = checkpoint
         self._files = DataFiles(checkpoint.path, follow_symlinks)
-        self._located: dict[str, dict[int, RawData | None]] = {}  # fqn -> every chunk located
-        self._met: dict[str, dict[int, RawData | None]] = {}  # fqn -> the chunks slices met, located
+        self._located: dict[str, MutableMapping[int, RawData | None]] = {}  # fqn -> every chunk located
+        self._met: dict[str, MutableMapping[int, RawData | None]] = {}  # fqn -> the chunks slices met, located
         self._closed = False
 
     # -- names -------------------------------------------------------------------------------
@@ -149,6 +149,12 @@ class CheckpointFile:
         """Return the model's keys as consolidate writes them (`model.state_dict()` names),
         in saved order; raises UsageError when no model (or two) is found: pass `model_prefix`."""
         return list(self._model)
+
+    @overload
+    def _resolve(self, key: str) -> str: ...
+
+    @overload
+    def _resolve(self, key: str, raising: bool) -> str | None: ...
 
     def _resolve(self, key: str, raising: bool = True) -> str | None:
         """Return the fqn `key` names: a stored fqn, else a model key, else an --all key."""
@@ -389,7 +395,10 @@ def parse_index(index: Any, shape: Sequence[int]) -> tuple[Box, tuple, bool]:
     if len(items) > len(shape):
         raise IndexError(f"too many indices for a tensor of {len(shape)} dimensions")
     items = items + (slice(None),) * (len(shape) - len(items))
-    offsets, sizes, selection, strided = [], [], [], False
+    offsets: list[int] = []
+    sizes: list[int] = []
+    selection: list[int | slice] = []
+    strided = False
     for dim, (item, length) in enumerate(zip(items, shape)):
         if isinstance(item, slice):
             start, stop, step = item.indices(length)
@@ -473,6 +482,7 @@ def _apply(op: Operation, files: DataFiles, view: memoryview) -> int:
     if isinstance(op, Copy) and files.local:
         files.read_into(op.src, op.src_offset, view[op.dst_offset:op.dst_offset + op.length])
         return op.length
+    assert not isinstance(op, (Record, Records))  # reads plan no torch.save records
     for offset, block in execute.output_blocks(op, files, {}, STREAM_BLOCK):
         view[offset:offset + len(block)] = block
     return op.output_length
@@ -505,7 +515,7 @@ def _bytes_of(array: Any) -> memoryview:
     if isinstance(array, np.ndarray):
         if not array.flags.c_contiguous or not array.flags.writeable:
             raise UsageError("the destination array must be C-contiguous and writable")
-        return memoryview(array.reshape(-1).view(np.uint8))
+        return array.reshape(-1).view(np.uint8).data
     import torch
 
     if array.device.type != "cpu" or not array.is_contiguous():
@@ -627,9 +637,10 @@ def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: boo
                 raise UsageError(f"{where}: {fqn} has shape {list(tensor.shape)}, the module's {key} "
                                  f"{list(getattr(target, 'shape', ()))}")
             with torch.no_grad():
-                same = _dtype_name(target.dtype) == target_dtype(tensor.dtype, _dtype_name(target.dtype))
-                if same and target.device.type == "cpu" and target.is_contiguous():
-                    handle._fill(tensor, _dtype_name(target.dtype), _bytes_of(target))
+                name = _dtype_name(target.dtype)
+                same = name is not None and name == target_dtype(tensor.dtype, name)
+                if same and name is not None and target.device.type == "cpu" and target.is_contiguous():
+                    handle._fill(tensor, name, _bytes_of(target))
                 else:
                     target.copy_(handle.get_tensor(fqn))
         return LoadResult(missing, unexpected)

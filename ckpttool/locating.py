@@ -20,9 +20,9 @@ import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, MutableMapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, MutableMapping, Sequence, TypeGuard, TypeVar, cast
 
-from ckpttool.checkpoint import Chunk, ChunkTable, Tensor, paused_gc
+from ckpttool.checkpoint import Blob, Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, RawDataRows, ReadAhead, locate
 from ckpttool.errors import CheckpointError, CorruptBlob
 from ckpttool.geometry import positions_in_groups
@@ -54,7 +54,7 @@ def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Loc
     # Job numbers run over both in (tensor, chunk) order: the error raised is the first's.
     columnar = not files.coalesced
     tables = [tensor for tensor in tensors if columnar and isinstance(tensor.chunks, ChunkTable)]
-    table_rows = iter(unique_table_rows([tensor.chunks for tensor in tables]))
+    table_rows = iter(unique_table_rows([cast(ChunkTable, tensor.chunks) for tensor in tables]))
     jobs: dict[int, tuple[Tensor, int]] = {}
     chunks: dict[int, Chunk] = {}
     table_indices: list = []
@@ -113,7 +113,7 @@ def _chunk_tasks(files: DataFiles, jobs: dict[int, tuple[Tensor, int]], chunks: 
             except Exception as error:
                 errors.append((number, error))
 
-        ordered = sorted(numbers, key=lambda n: chunks[n].blob.offset if chunks[n].blob is not None else 0)
+        ordered = sorted(numbers, key=lambda n: blob.offset if (blob := chunks[n].blob) is not None else 0)
         blocks = not files.coalesced  # coalesced spans already serve neighbours from memory
         position = 0
         while position < len(ordered):
@@ -158,6 +158,7 @@ class _TableJobs:
     """
 
     def __init__(self, tensors: list[Tensor], indices: list, first: list[int]):
+        """`tensors`: those whose chunks are ChunkTables (`_locate_chunks` picks them)."""
         import numpy as np
 
         self.tensors = tensors
@@ -169,18 +170,18 @@ class _TableJobs:
         names: dict[str, int] = {}
         mapped: dict[int, tuple] = {}  # id of a files tuple -> (the tuple, its global numbers, then -1)
         dtype_codes: dict[str, int] = {}
-        ndim = max((tensor.chunks.offsets.shape[1] for tensor in tensors), default=0)
+        ndim = max((cast(ChunkTable, tensor.chunks).offsets.shape[1] for tensor in tensors), default=0)
         rows = len(self.index)
         self.file = np.empty(rows, dtype=np.int64)
         self.offset = np.empty(rows, dtype=np.int64)
         self.length = np.empty(rows, dtype=np.int64)
         self.sizes = np.zeros((rows, ndim), dtype=np.int64)
-        self.ndim = np.repeat(np.array([t.chunks.offsets.shape[1] for t in tensors], dtype=np.int64), counts)
+        self.ndim = np.repeat(np.array([cast(ChunkTable, t.chunks).offsets.shape[1] for t in tensors], dtype=np.int64), counts)
         self.dtype = np.repeat(np.array([dtype_codes.setdefault(t.dtype, len(dtype_codes)) for t in tensors],
                                         dtype=np.int64), counts)
         self.dtype_codes = dtype_codes
         for number, (tensor, picked) in enumerate(zip(tensors, indices)):
-            table = tensor.chunks
+            table = cast(ChunkTable, tensor.chunks)
             known = mapped.get(id(table.files))
             if known is None:
                 numbers = [names.setdefault(name, len(names)) for name in table.files]
@@ -260,7 +261,8 @@ class _TableJobs:
                 raise CorruptBlob("past the end")  # each record alone says which
             # this thread's buffer, reused block after block (fresh pages cost more than the copy)
             buffer = np.frombuffer(thread_buffer(end - start + 8, "locate"), np.uint8)
-            ahead.files.read_into(ahead.relative, start, memoryview(buffer)[:end - start])
+            # numpy's stubs give ndarray `__buffer__` for Python 3.12+ only; it has the buffer protocol
+            ahead.files.read_into(ahead.relative, start, memoryview(cast(Any, buffer))[:end - start])
         except CheckpointError:
             for position in block.tolist():
                 self._locate_alone(ahead, position, errors)
@@ -295,10 +297,10 @@ class _TableJobs:
                 break
             # the first miss is parsed alone (a new layout, if it parses); while parsing finds
             # new layouts the rest are compared with them, else located alone
-            layouts = ahead.records.layouts
+            known = ahead.records.layouts
             self._locate_alone(ahead, int(block[misses[0]]), errors)
             pending[misses[0]] = False
-            if ahead.records.layouts == layouts:
+            if ahead.records.layouts == known:
                 refused.append(misses[1:])
                 break
         for position in block[np.sort(np.concatenate(refused))].tolist() if refused else ():
@@ -359,11 +361,11 @@ BLOCK_BYTES = 4 << 20  # most bytes read per block
 BLOCK_MIN = 8  # fewer records than this are located one by one
 
 
-def _blockable(blob) -> bool:
+def _blockable(blob: Blob | None) -> TypeGuard[Blob]:
     return blob is not None and not blob.transforms and 0 < blob.length <= BLOCK_RECORD
 
 
-def _record_block(chunks: list[Chunk], ordered: list[int], position: int) -> int:
+def _record_block(chunks: Mapping[int, Chunk], ordered: list[int], position: int) -> int:
     """Return the end of the block of records starting at `ordered[position]` (or position +
     1): small plain blobs in offset order, none overlapping the one before, with at most
     BLOCK_GAP bytes between two and BLOCK_BYTES from the first's start to the last's end."""
@@ -380,12 +382,12 @@ def _record_block(chunks: list[Chunk], ordered: list[int], position: int) -> int
     return end if end - position >= BLOCK_MIN else position + 1
 
 
-def _reuse_block(ahead: ReadAhead, jobs: list[tuple[Tensor, int]], chunks: list[Chunk],
+def _reuse_block(ahead: ReadAhead, jobs: Mapping[int, tuple[Tensor, int]], chunks: Mapping[int, Chunk],
                  numbers: list[int]) -> list[RawData | None]:
     """Return the raw data of each record in `numbers` (a block after its first record, which
     is located first and so parsed) that `locate` would find through a layout parsed before,
     or None where the record must be located alone (any doubt, and every error)."""
-    blobs = [chunks[number].blob for number in numbers]
+    blobs = cast(list[Blob], [chunks[number].blob for number in numbers])  # a block's are `_blockable`
     start, end = blobs[0].offset, blobs[-1].offset + blobs[-1].length
     try:
         if end > ahead.size(blobs[0].file):

@@ -191,6 +191,7 @@ def _module(module: str, adapter: str, kind: str, pair: Mapping[str, str], extra
         fits = base_shape in (None, (a_shape[1], b_shape[0]))
     quantized = not fits and _packed(base_shape, b_shape[0] * a_shape[1])
     if not fits and not quantized:
+        assert base_shape is not None  # any shape fits when there is no base weight
         raise InvalidCheckpoint(f"{path}: adapter {adapter!r} lora_A {list(a_shape)} and lora_B {list(b_shape)} do not "
                                 f"fit the base weight {list(base_shape)}", code="adapter-invalid")
     return LoraModule(path, adapter, kind, a_shape[0], pair["A"], pair["B"], a_shape, b_shape, base_key, base_shape,

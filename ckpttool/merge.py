@@ -35,7 +35,7 @@ def run_merge(plan: MergePlan, checkpoint: Checkpoint, files: DataFiles, fds: Ma
     and raises VerificationFailed naming the tensor when it differs."""
     import torch
 
-    changed = set()
+    changed: set[str] = set()
     for step in plan.steps:
         _merge_one(torch, step, checkpoint, files, fds, verify)
         changed.update(target.key for target in (step.weight, step.bias) if target is not None)
@@ -49,6 +49,7 @@ def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataF
     if step.a_fqn is None:  # a 4-bit weight outside the adapter: dequantised only
         _write_output(step.weight, _dequantise(torch, step, checkpoint, files), fds, verify=verify)
         return
+    assert step.b_fqn is not None  # a LoRA step names both A and B
     # PeftModel.from_pretrained(autocast_adapter_dtype=True) holds a float16/bfloat16 adapter in
     # float32 (peft.tuners.tuners_utils cast_adapter_dtype); get_delta_weight then computes in it
     a = _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.a_fqn]))
@@ -74,6 +75,7 @@ def _merge_one(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataF
             _write_output(step.weight, weight, fds, rows.start, verify)
     del delta
     if step.bias is not None:
+        assert step.bias_fqn is not None  # plan_merge sets the bias and its fqn together
         bias = _read_output(torch, step.bias, fds)
         bias += _adapter_dtype(torch, read_tensor(torch, files, checkpoint.tensors[step.bias_fqn])) * step.scaling
         _write_output(step.bias, bias, fds, verify=verify)
@@ -109,6 +111,7 @@ def _adapter_dtype(torch: Any, tensor: Any) -> Any:
 def _dequantise(torch: Any, step: MergeStep, checkpoint: Checkpoint, files: DataFiles) -> Any:
     """Return a 4-bit base weight dequantised (formats.bnb4bit), in the dtype the output holds."""
     quant = step.quantised
+    assert quant is not None  # a step without A and B, or with `quantised`, only
     siblings = {suffix: read_tensor(torch, files, checkpoint.tensors[fqn]) for suffix, fqn in quant.siblings.items()}
     return bnb4bit.dequantize(torch, read_tensor(torch, files, quant.packed), siblings, quant.state, step.weight.dtype,
                               f"{checkpoint.path}: {quant.fqn}")

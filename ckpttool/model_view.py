@@ -140,11 +140,11 @@ def _optimizers(entries: Iterable[str]) -> tuple[tuple[str, ...], frozenset[str]
     """
     parts = {fqn: fqn.split(".") for fqn in entries}
     prefixes = set()
-    for fqn, split in parts.items():
+    for split in parts.values():
         if "param_groups" in split[:-1]:
             prefixes.add(".".join(split[: split.index("param_groups")]))
     named = set()
-    for fqn, split in parts.items():
+    for split in parts.values():
         states = [i for i, part in enumerate(split[:-2]) if part == "state"]
         at = next((i for i in states if ".".join(split[:i]) in prefixes), None)
         if at is None and split[-1] in STATE_KEYS:  # no param_groups saved: a known state key

@@ -43,7 +43,7 @@ import re
 import threading
 import time
 import urllib.parse
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # x-amz-content-sha256 of a request without a body
 ATTEMPTS = 5  # tries of one request (connection errors, 5xx, SlowDown), as botocore's standard retry mode
@@ -173,7 +173,9 @@ class S3Client:
         if not len(buffer):
             raise ValueError("pieces: empty buffer")
         done, fill, etag, failures = 0, 0, None, 0
-        conn = response = origin = None
+        conn: http.client.HTTPConnection | None = None
+        response: http.client.HTTPResponse | None = None
+        origin: tuple[str, str] | None = None
         try:
             while done < length:
                 if response is None:
@@ -183,6 +185,7 @@ class S3Client:
                     conn, response, origin = self._open("GET", bucket, key, headers=headers)
                     _check_range(response, bucket, key, offset + done + fill, offset + length)
                     etag = etag or response.getheader("etag")
+                assert conn is not None and origin is not None  # set with `response`, above
                 view = buffer[:min(len(buffer), length - done)]
                 try:
                     while fill < len(view):
@@ -208,7 +211,7 @@ class S3Client:
                     response = None
                 yield view
         finally:
-            if response is not None:  # abandoned mid-body: the connection cannot carry another request
+            if response is not None and conn is not None:  # abandoned mid-body: the connection cannot carry another request
                 conn.close()
 
     def close(self) -> None:
@@ -279,7 +282,8 @@ class S3Client:
         raise AssertionError("unreachable")
 
     def _open(self, method: str, bucket: str, key: str, query: Mapping[str, str] | None = None,
-              headers: Mapping[str, str] | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, tuple]:
+              headers: Mapping[str, str] | None = None
+              ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, tuple[str, str]]:
         """Send one request and return (connection, 2xx response with its body unread, origin):
         retried on connection errors, 5xx and SlowDown, redirected once to the bucket's region,
         other errors raised as the module docstring says."""
@@ -305,7 +309,8 @@ class S3Client:
                                   f"({failures} attempts)") from None
                 _sleep(failures)
                 continue
-            conn.ckpttool_used = True
+            # our mark on http.client's connection (a later request from the pool knows it reused one)
+            conn.ckpttool_used = True  # type: ignore[attr-defined]
             if 200 <= response.status < 300:
                 return conn, response, origin
             body = b"" if method == "HEAD" else _read_bounded(response, MAX_ERROR_BODY)
@@ -426,7 +431,7 @@ class S3Client:
 class _Profile:
     """One profile's settings: the credentials file's section, then the config file's."""
 
-    def __init__(self, sections: list[Mapping[str, str]]):
+    def __init__(self, sections: Sequence[Mapping[str, str]]):
         self.sections = sections
 
     def get(self, name: str) -> str | None:

@@ -76,7 +76,7 @@ def coalesce(ranges: Iterable[Range], gap: int | None = None, limit: int | None 
             runs[-1][2] = max(runs[-1][2], end)
         else:
             runs.append([file, start, end])
-    spans = []
+    spans: list[Span] = []
     for file, start, end in runs:
         count = -(-(end - start) // limit)
         size = -(-(end - start) // count)
@@ -244,7 +244,8 @@ class SpanStore:
                 self._insert(entry)
             for file, start, end in ranges:
                 for entry in self._overlapping(file, start, end):
-                    entry.need += min(end, entry.span.end) - max(start, entry.span.start)
+                    if entry.need is not None:  # None: kept until `expect` anyway
+                        entry.need += min(end, entry.span.end) - max(start, entry.span.start)
             for entry in held:
                 if entry.need == 0:
                     self._remove(entry)
@@ -256,8 +257,9 @@ class SpanStore:
     def read(self, file: str, offset: int, length: int) -> bytes | memoryview | None:
         """Return the `length` bytes at `offset` from the spans that cover them, waiting for
         those in flight and starting those not started; None when a byte is not covered."""
-        parts = list(self.pieces(file, offset, length))
-        if any(part is None for part in parts):
+        found = list(self.pieces(file, offset, length))  # once: serving them moves the read-ahead
+        parts = [part for part in found if part is not None]
+        if len(parts) != len(found):
             return None
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -387,6 +389,7 @@ class SpanStore:
     def _wait(self, entry: _Entry) -> bytes:
         data = entry.data
         if data is None:
+            assert entry.future is not None  # started before anyone waits on it
             data = entry.future.result()  # raises what the GET raised (the fetch names the file)
             entry.data = data
         return data

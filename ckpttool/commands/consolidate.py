@@ -17,10 +17,10 @@ import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Mapping, cast
 
 from ckpttool import distributed, execute, integrity, io, locating, naming, quantization, readers
-from ckpttool.checkpoint import Blob, Checkpoint, Tensor
+from ckpttool.checkpoint import Blob, Checkpoint, Tensor, as_path
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, object_bytes, read_chunk
 from ckpttool.distributed import ProcessStats
 from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
@@ -167,7 +167,7 @@ def consolidate(
         1048576
     """
     started = time.perf_counter()
-    target = source.locate(out)
+    target = as_path(source.locate(out))
     kind = output_format(target, convert.max_shard_size)
     refuse_overlap(target, src)
     if not write.dry_run:
@@ -178,7 +178,7 @@ def consolidate(
 
         merge = AdapterMerge(merge_adapter, None, source.follow_symlinks, write.verify)
         check_merge_target(target)
-    budget = 0 if write.dry_run else write.max_memory // 2  # half of --max-memory for coalesced reads
+    budget = 0 if write.dry_run else _max_memory(write) // 2  # half of --max-memory for coalesced reads
     with SourceFiles(source.follow_symlinks, budget) as files:
         planned = plan_output(src, target.name, kind, convert, source, write.threads, files,
                               merge.view if merge else None)
@@ -223,6 +223,7 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
         dequantize = found is not None and (convert.cast is not None or bool(convert.cast_map))
         quantized: dict[str, QuantizedWeight] = {}
         if dequantize:
+            assert found is not None  # dequantize says there is a quantisation
             quantization.require_dequantizable(found, checkpoint.path)
             selection, quantized = quantization.dequantized_selection(selection, found)
         quantize = _to_quantize(checkpoint, selection, convert, found)
@@ -437,11 +438,17 @@ def _write(plan: ConsolidatePlan, files: DataFiles, target: Path, kind: OutputFo
                 with output.opened(names) as fds:
                     _fill(plan, files, fds, write, patch)
                 if plan.index is not None:
+                    assert plan.index_name is not None  # plan_consolidate names every index it makes
                     execute.write_file(output.path / plan.index_name, plan.index)
         moved = sum(op.output_length for op in plan.operations)
         return (written if kind.sharded else (target,)), (ProcessStats(0, moved, time.perf_counter() - started),)
     except OSError as error:
         raise WriteFailed(f"{target}: writing failed ({error.strerror or error}); nothing was left at the destination") from None
+
+
+def _max_memory(write: WriteOptions) -> int:
+    """--max-memory in bytes: WriteOptions parses a size like "512MB" when it is made."""
+    return cast(int, write.max_memory)
 
 
 def _fill(plan: ConsolidatePlan, files: DataFiles, fds: dict[str, int], write: WriteOptions,
@@ -462,7 +469,7 @@ def _prepare_outputs(plan: ConsolidatePlan, fds: dict[str, int]) -> None:
 def _run(plan: ConsolidatePlan, operations: list, files: DataFiles, fds: dict[str, int], write: WriteOptions) -> None:
     """Write `operations` (all of the plan's, or this process's share) and optionally verify them."""
     total = sum(op.output_length for op in operations)
-    threads, budget = write.threads, write.max_memory
+    threads, budget = write.threads, _max_memory(write)
     with write.progress("consolidate", total) as bar:
         execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update)
     if write.verify:
@@ -491,4 +498,5 @@ def _finish(plan: ConsolidatePlan, fds: dict[str, int], directory: Path | None,
     for fd in fds.values():
         io.sync(fd)
     if directory is not None and plan.index is not None:
+        assert plan.index_name is not None  # plan_consolidate names every index it makes
         execute.write_file(directory / plan.index_name, plan.index)

@@ -357,7 +357,7 @@ def _describe(entry: Tensor | Object) -> str:
 def _mismatch(key: str, a: Tensor | Object, b: Tensor | Object) -> Mismatch | None:
     if isinstance(a, Tensor) != isinstance(b, Tensor):
         return Mismatch(key, a.fqn, b.fqn, "kind", _describe(a), _describe(b))
-    if not isinstance(a, Tensor):
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         return None
     if a.dtype != b.dtype:
         return Mismatch(key, a.fqn, b.fqn, "dtype", a.dtype, b.dtype)

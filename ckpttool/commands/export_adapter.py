@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ckpttool import execute, locating
 from ckpttool.adapter import adapter_config, find_adapter
+from ckpttool.checkpoint import as_path
 from ckpttool.commands.consolidate import Planned, write_output
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import UsageError, WriteFailed
@@ -65,7 +66,7 @@ def export_adapter(src: str | os.PathLike, outdir: str | os.PathLike, assets: st
     writes nothing, when the weights are incomplete or disagree with a given config.
     """
     started = time.perf_counter()
-    target = source.locate(outdir)
+    target = as_path(source.locate(outdir))
     if assets is not None and not Path(assets).is_dir():
         raise UsageError(f"--assets {assets}: not a directory")
     refuse_overlap(target, src)

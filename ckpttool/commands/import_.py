@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import dataclasses
 import os
@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from ckpttool import integrity, locating, readers
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, raw_range_transforms
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms
 from ckpttool.commands.reshard import ReshardReport, write_dcp
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import UsageError
@@ -75,7 +75,7 @@ def nest_under(checkpoint: Checkpoint, prefix: str, located: locating.Located,
     }
     objects = {prefix + key: Object(prefix + key, checkpoint.objects[fqn].blob)
                for fqn, key in keys.items() if fqn in checkpoint.objects}
-    nesting = {prefix + key: (*parts, key) for key in sorted(keys.values())}
+    nesting: dict[str, tuple[str | int, ...]] = {prefix + key: (*parts, key) for key in sorted(keys.values())}
     return dataclasses.replace(checkpoint, tensors=tensors, objects=objects, nesting=nesting,
                                model_prefix=".".join(parts))
 
@@ -104,7 +104,7 @@ def import_checkpoint(
         'every-tensor'
     """
     started = time.perf_counter()
-    origin, destination = source.locate(src), source.locate(dst)  # a URL carries the storage options
+    origin, destination = source.locate(src), as_path(source.locate(dst))  # a URL carries the storage options
     target_mesh = parse_mesh(world_size, mesh)
     if prefix and (not prefix.endswith(".") or any(not part for part in prefix[:-1].split("."))):
         raise UsageError(f"--prefix {prefix!r}: dotted names ending in a dot, e.g. 'model.' (or '' for none)")
@@ -118,8 +118,8 @@ def import_checkpoint(
         located = locating.locate_chunks(files, checkpoint.tensors.values(), write.threads)
         nested = nest_under(checkpoint, prefix, located, find_model(checkpoint, source.model_prefix).require().keys)
         plan = plan_reshard(nested, target_mesh)
-        report = dict(source=checkpoint.path, destination=destination, plan=plan, tensor_bytes=plan.nbytes,
-                      problems=warnings, layout=detection.describe(), prefix=prefix)
+        report: dict[str, Any] = dict(source=checkpoint.path, destination=destination, plan=plan, tensor_bytes=plan.nbytes,
+                                      problems=warnings, layout=detection.describe(), prefix=prefix)
         if write.dry_run:
             return ImportReport(seconds=time.perf_counter() - started, file_bytes=0, dry_run=True, **report)
         check_destination(destination, write.force, write.notify)

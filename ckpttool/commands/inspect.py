@@ -214,6 +214,7 @@ def _tensor_info(tensor: Tensor, group: str) -> TensorInfo:
 def _table_info(tensor: Tensor, group: str) -> TensorInfo | None:
     """`_tensor_info` from a table's columns, or None when its sizes are too large for them."""
     table = tensor.chunks
+    assert isinstance(table, ChunkTable)  # _tensor_info asks for tables only
     volumes = column_volumes(table.sizes)
     sharding = classify_columns(table.sizes, tensor.shape, volumes)
     if volumes is None or sharding is None or (len(table) and int(volumes.max()) >= COLUMN_LIMIT // max(tensor.itemsize, 1)):

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypedDict
 
 from ckpttool import integrity, readers
 from ckpttool.errors import HubError, UsageError
@@ -118,8 +118,8 @@ def push(
         files = folder_files(origin)
     else:  # planned before the repository is created: a checkpoint export refuses creates nothing
         files, notes = _export_preview(origin, source)
-    summary = dict(source=origin, revision=branch, endpoint=api.endpoint, layout=detection.describe(),
-                   exported=not ready, notes=notes)
+    summary = _Summary(source=origin, revision=branch, endpoint=api.endpoint, layout=detection.describe(),
+                       exported=not ready, notes=notes)
     if dry_run:
         return PushReport(repo_id=repo_id, files=files, method=upload_method(api, files), dry_run=True,
                           seconds=time.perf_counter() - started, **summary)
@@ -137,6 +137,17 @@ def push(
             commit_url, commit_oid = _upload(api, method, folder, repo_id, revision, message)
     return PushReport(repo_id=repo_id, files=files, method=method, commit_url=commit_url, commit_oid=commit_oid,
                       repo_url=str(repo_url), seconds=time.perf_counter() - started, **summary)
+
+
+class _Summary(TypedDict):
+    """The PushReport fields known before the upload."""
+
+    source: Path
+    revision: str
+    endpoint: str
+    layout: str
+    exported: bool
+    notes: tuple[str, ...]
 
 
 def folder_files(folder: Path) -> tuple[PushFile, ...]:

@@ -21,10 +21,10 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, MutableMapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, MutableMapping, Protocol, Sequence, cast
 
 from ckpttool import dtypes, spans, storage
-from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, is_raw_range
+from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, as_path, is_raw_range
 from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
 from ckpttool.formats import safetensors
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
@@ -59,7 +59,7 @@ class DataFiles:
 
     def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False, budget: int = 0,
                  whole_records: bool = True):
-        self.root = storage.location(root)
+        self.root = as_path(storage.location(root))
         self.local = not storage.is_remote(self.root)
         self._inside = None if follow_symlinks else containment_root(self.root)
         self._fds: dict[str, int] = {}
@@ -102,10 +102,10 @@ class DataFiles:
         only. Does nothing unless `coalesced`."""
         if self._spans is None:
             return
-        blobs = [blob for blob in blobs if blob is not None]
-        readable = {relative for relative in {blob.file for blob in blobs} if self._opens(relative)}
+        present = [blob for blob in blobs if blob is not None]
+        readable = {relative for relative in {blob.file for blob in present} if self._opens(relative)}
         by_file: dict[str, list[Blob]] = {}
-        for blob in sorted((blob for blob in blobs if blob.file in readable), key=lambda blob: (blob.file, blob.offset)):
+        for blob in sorted((blob for blob in present if blob.file in readable), key=lambda blob: (blob.file, blob.offset)):
             by_file.setdefault(blob.file, []).append(blob)
         small = spans.GAP + HEAD_WINDOW + RECORD_TAIL  # a longer record not kept: its head and its end only
         whole, ends, spent = [], [], 0
@@ -153,7 +153,7 @@ class DataFiles:
             if found is None:
                 path = self.path(relative)
                 try:
-                    found = self._readers[relative] = storage.reader(path)
+                    found = self._readers[relative] = storage.reader(cast(storage.RemotePath, path))  # not local
                 except FileNotFoundError:
                     raise MissingFile(f"{path}: referenced by the metadata but missing (was the upload "
                                       "interrupted or partial? run `ckpttool validate`)") from None
@@ -239,7 +239,7 @@ class DataFiles:
                 yield from self._readers[relative].pieces(offset, length, buffer)
                 return
             yield first
-            yield from served
+            yield from cast(Iterator[memoryview], served)  # the spans' pieces (not `iter([None])`: returned above)
             return
         for done in range(0, length, len(buffer)):
             view = buffer[:min(len(buffer), length - done)]
@@ -266,6 +266,19 @@ class DataFiles:
         if served is None:
             return self._readers[relative].read(offset, length)
         return bytes(served)
+
+
+class FileReads(Protocol):
+    """What locating reads data files through: a DataFiles, or a ReadAhead of one of its files."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def path(self, relative: str) -> Path: ...
+
+    def size(self, relative: str) -> int: ...
+
+    def read(self, relative: str, offset: int, length: int) -> bytes: ...
 
 
 class ReadAhead:
@@ -344,11 +357,11 @@ def _record_ends(blob: Blob, small: int) -> list[tuple[str, int, int]]:
     return [(blob.file, start, start + HEAD_WINDOW), (blob.file, end - RECORD_TAIL, end)]
 
 
-def _blob_reader(files: DataFiles, blob: Blob) -> Callable[[int, int], bytes]:
+def _blob_reader(files: FileReads, blob: Blob) -> Callable[[int, int], bytes]:
     return lambda offset, length: files.read(blob.file, blob.offset + offset, length)
 
 
-def safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict, int]:
+def safetensors_header(files: FileReads, blob: Blob, where: str) -> tuple[dict, int]:
     """Return a safetensors blob's header and where its data section starts in the file."""
     try:
         header, data_start = safetensors.read_header(_blob_reader(files, blob))
@@ -361,7 +374,7 @@ def safetensors_header(files: DataFiles, blob: Blob, where: str) -> tuple[dict, 
     return header, blob.offset + data_start
 
 
-def is_safetensors_blob(files: DataFiles, blob: Blob) -> bool:
+def is_safetensors_blob(files: FileReads, blob: Blob) -> bool:
     """True when the blob starts with a safetensors header rather than a zip record (an
     empty tensor's blob in a safetensors file has length 0 and is one too)."""
     if blob.transforms:
@@ -440,7 +453,7 @@ class RawDataRows(MutableMapping[int, "RawData | None"]):
         return len(self.index) + sum(self._row(key) is None for key in self.overrides)
 
 
-def _where(files: DataFiles, tensor: Tensor, chunk: Chunk) -> str:
+def _where(files: FileReads, tensor: Tensor, chunk: Chunk) -> str:
     blob = chunk.blob
     name = files.path(blob.file) if blob else files.root
     return f"{name}: {tensor.fqn} chunk at {list(chunk.offsets)}"
@@ -471,7 +484,8 @@ def locate(files: DataFiles | ReadAhead, tensor: Tensor, chunk: Chunk) -> RawDat
         info = header.get(tensor.fqn)
         if not isinstance(info, dict):
             raise CorruptBlob(f"{where}: not in the file's safetensors header")
-        dtype = dtypes.FROM_SAFETENSORS_NAME.get(info.get("dtype"), info.get("dtype"))
+        stated: Any = info.get("dtype")  # JSON: anything (a wrong one is reported by _check_record)
+        dtype = dtypes.FROM_SAFETENSORS_NAME.get(stated, stated)
         begin, end = info.get("data_offsets", (0, -1))
         _check_record(where, tensor, chunk, dtype, tuple(info.get("shape", ())))
         if end - begin != expected:
@@ -548,6 +562,7 @@ def _zstd_decompress(data: bytes, where: str, max_output: int) -> bytes:
 def _decode_chunk(files: DataFiles, tensor: Tensor, chunk: Chunk) -> bytes:
     """Slow path: materialise the chunk through torch (transforms, strides, big-endian)."""
     where = _where(files, tensor, chunk)
+    assert chunk.blob is not None  # `locate` refused a chunk without one
     data = blob_bytes(files, chunk.blob, where, chunk.numel * tensor.itemsize + RECORD_SLACK)
     loaded = load_torch_bytes(data, where)
     import torch
@@ -609,7 +624,7 @@ def _numpy_globals() -> list:
         import numpy as np
     except ImportError:
         return []
-    reconstruct = getattr(getattr(np, "_core", np.core), "multiarray")._reconstruct
+    reconstruct = getattr(np, "_core", np.core).multiarray._reconstruct
     numeric = [type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"]
     return [reconstruct, np.ndarray, np.dtype, *numeric]
 

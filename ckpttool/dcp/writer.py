@@ -19,7 +19,7 @@ import pickle
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
 
 from ckpttool.checkpoint import paused_gc
 from ckpttool.formats.dcp import DATA_FILE_SUFFIX
@@ -133,7 +133,7 @@ def _storage_info(file: str, offset: int, length: int, transforms: Sequence[str]
 
 def _path_object(path: PurePath) -> Reduce:
     # a pathlib path reduces to (its class, its parts)
-    cls, args = path.__reduce_ex__(2)
+    cls, args = cast(tuple[type, tuple], path.__reduce_ex__(2))
     return Reduce(Global(cls.__module__, cls.__qualname__), args)
 
 
@@ -183,6 +183,7 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
                 store(tensor.fqn, tuple(chunk.offsets), index, (chunk.file, chunk.offset, chunk.length, ()))
             chunks = LazyList(functools.partial(fragments.chunks, tensor.chunks))
         else:
+            assert rows is not None  # a tensor with a span is one of the rows
             if fqn_counts[tensor.fqn] == 1 and position not in repeated:
                 block = _Block(tensor.fqn, *span)
                 storage_data[block] = block
@@ -199,6 +200,7 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
         state_dict_metadata[obj.fqn] = NewObject(_BYTES_STORAGE_METADATA, None)  # empty __dict__
         store(obj.fqn, None, None, (obj.file, obj.offset, obj.length, obj.transforms))
 
+    checkpoint: str | Reduce | None
     if checkpoint_id is None or isinstance(checkpoint_id, str):
         checkpoint = checkpoint_id
     elif isinstance(checkpoint_id, PurePath) and type(checkpoint_id).__module__ != "pathlib":
@@ -298,7 +300,7 @@ def _rows(tensors: Sequence[StoredTensor]) -> tuple[_Rows | None, list[tuple[int
         file=file,
         offset=np.concatenate([np.asarray(chunks.offset, np.int64) for chunks in columns] or [np.zeros(0, np.int64)]),
         length=np.concatenate([np.asarray(chunks.length, np.int64) for chunks in columns] or [np.zeros(0, np.int64)]),
-        index=positions_in_groups(counts),
+        index=positions_in_groups(np.asarray(counts, np.int64)),
         files=tuple(names),
     ), spans
 
@@ -325,7 +327,7 @@ def _repeated_offsets(rows: _Rows | None, spans: Sequence[tuple[int, int] | None
     repeated = set()
     for first in np.unique(unordered - rows.index[unordered]).tolist():  # the first row of their tensor
         position = positions[first]
-        start, stop = spans[position]
+        start, stop = cast(tuple[int, int], spans[position])  # `positions` are of tensors with rows
         ndim = int(rows.ndim[start])
         if len(set(map(tuple, offsets[start:stop, :ndim].tolist()))) < stop - start:
             repeated.add(position)
@@ -370,6 +372,7 @@ class _Fragments:
     def column_chunks(self, start: int, stop: int, writer: Writer) -> Iterator[NewObject | Fragment]:
         """Yield the chunk entries of rows `start:stop`: in full until the memo holds their
         class and keys, then the rest as one Fragment."""
+        assert self.rows is not None  # column methods are called for rows only
         row = start
         while row < stop and self.chunk_rows is None:
             parts = writer.object_parts(_CHUNK_STORAGE_METADATA, ("offsets", "sizes"))
@@ -384,6 +387,7 @@ class _Fragments:
                                           *_size_segments(size, rows.sizes, rows.ndim), parts[2]], len(rows.ndim))
             self.chunk_rows = data, [0, *lengths.cumsum().tolist()]
         if row < stop:
+            assert self.chunk_rows is not None  # the loop above ended by making them
             data, starts = self.chunk_rows
             yield Fragment(data[starts[row]:starts[stop]])
 
@@ -414,7 +418,8 @@ class _Fragments:
                 if offsets is not None:
                     name, size, path = (self._fetch(writer, fqn, fqn), self._fetch(writer, offsets, _size(offsets)),
                                         self._fetch(writer, file, file))
-            if offsets is None or transforms or None in (self.index_parts, self.info_parts, name, size, path):
+            if (offsets is None or transforms or self.index_parts is None or self.info_parts is None
+                    or name is None or size is None or path is None):
                 self.stale = True
                 yield _metadata_index(fqn, offsets, index), _storage_info(file, offset, length, transforms)
                 continue
@@ -427,6 +432,7 @@ class _Fragments:
     def _block(self, block: _Block, runs: list, writer: Writer) -> Iterator[tuple[NewObject, NewObject] | Fragment]:
         """Add the block's rows to `runs`, but write a row in full (the runs before it first)
         where the memo lacks what it fetches: the first entry's classes and keys, a file's name."""
+        assert self.rows is not None  # a _Block is rows
         row = block.start
         while row < block.stop:
             name = self._ready(writer, block.fqn)
@@ -465,13 +471,16 @@ class _Fragments:
         """Return the first of rows `start:stop` whose file name the memo lacks, or None."""
         import numpy as np
 
+        assert self.rows is not None  # asked for a _Block's rows
         if self.unfetched is None:
             self.unfetched = np.ones(len(self.rows.files), bool)
         if self.stale:  # only what was written in full can have put a file name in the memo
             for file in np.flatnonzero(self.unfetched).tolist():
                 name = self.rows.files[file]
                 if name in writer.memo:
-                    self.file_fetch[file] = writer.fragment(name)
+                    fetch = writer.fragment(name)
+                    assert fetch is not None  # in the memo: only a fetch
+                    self.file_fetch[file] = fetch
                     self.unfetched[file] = False
             self.stale = False
             self.all_fetched = not self.unfetched.any()
@@ -485,6 +494,8 @@ class _Fragments:
         import numpy as np
 
         rows, key, info = self.rows, self.index_parts, self.info_parts
+        # a run is added once `_ready` found the entry parts (and a _Block is rows)
+        assert rows is not None and key is not None and info is not None and self.size_head is not None
         counts = np.array([stop - start for start, stop, _ in runs], np.int64)
         firsts = np.array([start for start, _, _ in runs], np.int64)
         into = np.cumsum(counts) - counts  # where each run starts among the selected rows

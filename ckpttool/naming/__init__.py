@@ -315,9 +315,11 @@ def hf_names(family: Family, key: str, shape: tuple[int, ...], main_layers: int 
     """Return the transformers names `key` becomes under `family` (none: left out or unknown);
     needs no config (what inspect shows). `main_layers`: `main_layer_count` of the source keys."""
     found = family.match(key)
-    if found is None or found[0] is None:
+    if found is None:
         return ()
     rule, values = found
+    if rule is None:
+        return ()
     hf = _target_name(rule.hf, values, main_layers)
     if rule.transform in (EXPERTS, EXPERTS_HALVES):
         return tuple(name.replace("{E}", str(expert)) for expert in range(shape[0] if shape else 0)
@@ -366,8 +368,9 @@ class _Source:
         slabs = [slab_rows(tensor.shape, box) for box in boxes]
         self.row_bytes = math.prod(tensor.shape[1:]) * tensor.itemsize if tensor.shape else 0
         self.slabs: list[tuple[int, int, int]] | None = None  # (first row, rows, chunk index), by first row
-        if self.row_bytes and slabs and all(slab is not None for slab in slabs):
-            ordered = sorted((first, count, index) for (first, count), index in zip(slabs, self.indices))
+        whole = [slab for slab in slabs if slab is not None]
+        if self.row_bytes and slabs and len(whole) == len(slabs):  # every chunk a dim-0 slab
+            ordered = sorted((first, count, index) for (first, count), index in zip(whole, self.indices))
             starts = [first for first, _, _ in ordered]
             if starts == [0] + [first + count for first, count, _ in ordered[:-1]] and \
                     ordered[-1][0] + ordered[-1][1] == tensor.shape[0]:
@@ -408,6 +411,7 @@ class _Source:
 
     def _slab(self, at: int, key: str) -> tuple[int, int, Any]:
         """Return (first row, end row, raw bytes) of the slab holding source row `at`."""
+        assert self.slabs is not None  # chunks bisects only a tensor tiled by slabs
         first, count, index = self.slabs[bisect.bisect_right(self.firsts, at) - 1]
         return first, first + count, self._raw(index, key)
 

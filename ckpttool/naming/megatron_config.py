@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, overload
 
 from ckpttool import storage
 from ckpttool.dcp.blobs import DataFiles
@@ -316,6 +316,10 @@ def _flag(args: Mapping[str, Any], name: str, where: str) -> bool:
     return value
 
 
+@overload
+def _int(args: Mapping[str, Any], name: str, where: str, optional: Literal[False] = False) -> int: ...
+@overload
+def _int(args: Mapping[str, Any], name: str, where: str, optional: bool) -> int | None: ...
 def _int(args: Mapping[str, Any], name: str, where: str, optional: bool = False) -> int | None:
     value = args.get(name)
     if value is None and optional:

@@ -27,6 +27,13 @@ from ckpttool.outputs.local import OutputDirectory
 from ckpttool.outputs.notices import Notify, ignore
 
 
+def _remote(path: str | os.PathLike) -> storage.RemotePath:
+    """`path`, which `storage.is_remote` calls remote, as its RemotePath."""
+    located = storage.location(path)
+    assert isinstance(located, storage.RemotePath)  # location makes a RemotePath of every URL is_remote matches
+    return located
+
+
 def check_destination(path: str | os.PathLike, force: bool, notify: Notify = ignore) -> None:
     """Raise OutputExists when `path` exists and `force` is off (and for object storage,
     StorageError when its bucket does not exist).
@@ -35,7 +42,7 @@ def check_destination(path: str | os.PathLike, force: bool, notify: Notify = ign
     to `notify`): a run about to write `path` calls this.
     """
     if storage.is_remote(path):
-        remote.check(storage.location(path), force, notify)
+        remote.check(_remote(path), force, notify)
     else:
         local.check(Path(path), force, notify)
 
@@ -75,7 +82,7 @@ def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = T
     where an fd goes (`io.writable`) (`remote.remote_output`).
     """
     if storage.is_remote(path):
-        with remote.remote_output(storage.location(path), force, directory=False, streamed=streamed,
+        with remote.remote_output(_remote(path), force, directory=False, streamed=streamed,
                                   notify=notify) as written:
             yield written
     else:
@@ -103,7 +110,7 @@ def atomic_directory(path: str | os.PathLike, force: bool = False, streamed: boo
     uploaded while they are written (`remote.remote_output`).
     """
     if storage.is_remote(path):
-        with remote.remote_output(storage.location(path), force, directory=True, streamed=streamed,
+        with remote.remote_output(_remote(path), force, directory=True, streamed=streamed,
                                   notify=notify) as output:
             yield output
     else:

@@ -20,7 +20,7 @@ import shutil
 import socket
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Iterable, NamedTuple
 
 TEMP_PREFIX = ".ckpttool-"  # every entry ckpttool puts beside an output starts with this
@@ -86,8 +86,8 @@ class StaleTemp:
     """An entry a killed run left beside `target`, now dealt with: removed, or (`restored`) a
     previous output that the run had moved aside just before it died, put back."""
 
-    path: Path
-    target: Path
+    path: PurePath  # a local Path, or an object store's RemotePath
+    target: PurePath
     pid: int
     restored: bool = False
 

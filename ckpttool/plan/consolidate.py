@@ -224,6 +224,7 @@ def plan_consolidate(checkpoint: Checkpoint, selection: Selection, located: Mapp
     if kind.kind == "safetensors":
         groups = {name: tuple(tensor_keys)}
         if kind.sharded:
+            assert kind.max_shard_size is not None  # commands.consolidate.output_format gives every sharded output one
             split = hub.plan_shards(sizes, kind.max_shard_size)
             groups, index_name, index = split.files, split.index_name, split.index
         for file_name, keys in groups.items():
@@ -236,10 +237,10 @@ def plan_consolidate(checkpoint: Checkpoint, selection: Selection, located: Mapp
             [(paths[k], wanted[k], shapes[k]) for k in tensor_keys],
             [(selection.paths[k], values[k]) for k in selection.objects],
         )
-        layout = ptfile.lay_out(pickled, [sizes[k] for k in tensor_keys])
-        output_files.append(OutputFile(name, layout.size, b"", tuple(tensor_keys)))
-        offsets = {k: (name, layout.data_offsets[i]) for i, k in enumerate(tensor_keys)}
-        zip_layouts[name] = layout
+        pt_layout = ptfile.lay_out(pickled, [sizes[k] for k in tensor_keys])
+        output_files.append(OutputFile(name, pt_layout.size, b"", tuple(tensor_keys)))
+        offsets = {k: (name, pt_layout.data_offsets[i]) for i, k in enumerate(tensor_keys)}
+        zip_layouts[name] = pt_layout
 
     tensors = []
     for key, tensor in source_tensors.items():

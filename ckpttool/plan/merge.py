@@ -88,9 +88,9 @@ def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     steps = []
     lora_bases = {fqns[m.base_key] for m in adapter.modules if m.base_key}
-    for fqn, quant in sorted(quantised.items()):
+    for fqn, state in sorted(quantised.items()):
         if fqn not in lora_bases and fqn in by_fqn:
-            steps.append(MergeStep(fqn, "linear", _target(by_fqn[fqn]), None, None, 0.0, False, quantised=quant))
+            steps.append(MergeStep(fqn, "linear", _target(by_fqn[fqn]), None, None, 0.0, False, quantised=state))
     for module in adapter.modules:
         if module.magnitude_key and (module.kind != "linear" or module.quantized):
             raise UnsupportedFormat(f"{module.path}: a DoRA adapter on {'a 4-bit base' if module.quantized else 'an embedding'}"
@@ -107,6 +107,7 @@ def plan_merge(plan: ConsolidatePlan, adapter: Adapter, config: Mapping[str, Any
                                     "only: export the adapter with --adapter")
         bias, bias_fqn = None, None
         if module.bias_key:
+            assert module.base_key is not None  # its base weight was found above
             bias_tensor = by_fqn.get(fqns.get(module.base_key.rsplit(".", 1)[0] + ".bias", ""))
             if bias_tensor is None:
                 raise UsageError(f"{module.path}: lora_bias needs the base layer's bias, which the output lacks")

@@ -63,10 +63,11 @@ def _plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str
     length = np.array([layout.length for layout in layouts], dtype=np.int64)[kind]
 
     objects: list[StoredObject] = []
-    object_copies: list[list[Copy]] = []
+    object_copies: list[list[Copy | Put]] = []
     first = np.zeros(world, dtype=np.int64)  # where each file's records start: after its objects
     for rank_file in plan.files:
-        at, copies = 0, []
+        at = 0
+        copies: list[Copy | Put] = []
         for obj in rank_file.objects:
             source = obj.source
             if isinstance(source, bytes):  # made by the reader: written as it is

@@ -431,8 +431,8 @@ def _slabs(index: int, tensor: Tensor, sharded: bool, mesh: Mesh) -> _Slabs:
 
     weight = volume(tensor.shape) * tensor.itemsize or 1
     if not sharded:
-        rows = tensor.shape[0] if tensor.shape else 1
-        return _Slabs(index, False, 1, np.zeros(1, np.int64), np.array([rows], np.int64), (), weight)
+        whole = tensor.shape[0] if tensor.shape else 1
+        return _Slabs(index, False, 1, np.zeros(1, np.int64), np.array([whole], np.int64), (), weight)
     # geometry.split_dim0 for every shard at once
     length = tensor.shape[0]
     step, count = torch_chunk(length, mesh.shards)
@@ -486,15 +486,15 @@ def _owners(slabs: dict[str, _Slabs], objects: list[str], order: list[str], mesh
             continue
         shard = rank % shards
         for fqn in order:
-            slab = slabs.get(fqn)
-            if slab is None:
+            item = slabs.get(fqn)
+            if item is None:
                 key, holders, weight = (fqn, -1), everyone, 1
-            elif not slab.sharded:
-                key, holders, weight = (fqn, 0), everyone, slab.weight
-            elif shard < slab.count:
-                key, holders, weight = (fqn, shard), mesh.holders(shard), slab.weight
+            elif not item.sharded:
+                key, holders, weight = (fqn, 0), everyone, item.weight
+            elif shard < item.count:
+                key, holders, weight = (fqn, shard), mesh.holders(shard), item.weight
             else:
-                key, holders, weight = (fqn, slab.count), slab.empty, slab.weight
+                key, holders, weight = (fqn, item.count), item.empty, item.weight
             if len(holders) == 1:
                 load[rank] += weight
             elif key not in assigned:
@@ -570,12 +570,14 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
     run_bounds = np.concatenate(([0], np.cumsum(run_counts)))
     picked_counts = run_counts[order_in_files]
     picked = np.repeat(run_bounds[:-1][order_in_files], picked_counts) + positions_in_groups(picked_counts)
+    run_source, run_source_offset, run_target_offset, run_length = (join([columns[k] for columns in runs])[picked]
+                                                                    for k in range(1, 5))
     table = TargetTable(
         tuple(layouts), tensor_of[order_in_files], positions_in_groups(counts)[order_in_files],
         starts[order_in_files], rows[order_in_files], owner[order_in_files],
         (rows * row_bytes[tensor_of])[order_in_files],
         np.concatenate(([0], np.cumsum(picked_counts))),
-        *(join([columns[k] for columns in runs])[picked] for k in range(1, 5)),
+        run_source, run_source_offset, run_target_offset, run_length,
         by_tensor, np.concatenate(([0], np.cumsum(counts))),
     )
 

@@ -20,7 +20,7 @@ import dataclasses
 import os
 
 from ckpttool import storage
-from ckpttool.checkpoint import Checkpoint
+from ckpttool.checkpoint import Blob, Checkpoint, Object, Tensor, as_path
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
@@ -48,9 +48,8 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool 
     Raises NotACheckpoint (listing what was looked for) when nothing matches, and
     UnsupportedFormat for what this build detects but cannot read.
     """
-    detection, checkpoint = _detect(storage.location(path))
-    if checkpoint is None:
-        checkpoint = _read(detection, follow_symlinks)
+    detection, found = _detect(as_path(storage.location(path)))
+    checkpoint = found if found is not None else _read(detection, follow_symlinks)
     if detection.layout == ACCELERATE:
         checkpoint = _with_accelerate_optimizer(checkpoint)
     if detection.layout == MEGATRON and not as_saved:  # layers taken apart, model tensors under `model.`
@@ -69,24 +68,30 @@ def _with_accelerate_optimizer(model: Checkpoint) -> Checkpoint:
     if not (optimizer_dir / METADATA_FILENAME).is_file():
         return model
     parts = [(model, model.path.name), (read_checkpoint(optimizer_dir), optimizer_dir.name)]
-    tensors, objects, nesting, orphans, notes = {}, {}, {}, [], []
+    tensors: dict[str, Tensor] = {}
+    objects: dict[str, Object] = {}
+    nesting: dict[str, tuple[str | int, ...]] = {}
+    orphans: list[tuple[str, Blob]] = []
+    notes: list[str] = []
     for part, sub in parts:
-        def moved(blob):
-            return blob._replace(file=f"{sub}/{blob.file}") if blob is not None else None
-
         for fqn, tensor in part.tensors.items():
-            chunks = tuple(chunk._replace(blob=moved(chunk.blob)) for chunk in tensor.chunks)
+            chunks = tuple(chunk._replace(blob=_moved(chunk.blob, sub)) for chunk in tensor.chunks)
             tensors[fqn] = dataclasses.replace(tensor, chunks=chunks)
         for fqn, entry in part.objects.items():
-            objects[fqn] = dataclasses.replace(entry, blob=moved(entry.blob))
+            objects[fqn] = dataclasses.replace(entry, blob=_moved(entry.blob, sub))
         nesting.update(part.nesting)
-        orphans += [(fqn, moved(blob)) for fqn, blob in part.orphan_blobs]
+        orphans += [(fqn, blob._replace(file=f"{sub}/{blob.file}")) for fqn, blob in part.orphan_blobs]
         notes += part.notes
     if len(tensors) + len(objects) != sum(len(p.tensors) + len(p.objects) for p, _ in parts):
         raise CorruptMetadata(f"{folder}: {model.path.name} and {optimizer_dir.name} name the same entries")
     return Checkpoint(path=folder, metadata_file=f"{model.path.name}/{model.metadata_file}", version=model.version,
                       tensors=dict(sorted(tensors.items())), objects=dict(sorted(objects.items())), nesting=nesting,
                       orphan_blobs=tuple(orphans), save_id=model.save_id, notes=tuple(notes))
+
+
+def _moved(blob: Blob | None, sub: str) -> Blob | None:
+    """`blob` with its file under the folder's `sub` directory."""
+    return blob._replace(file=f"{sub}/{blob.file}") if blob is not None else None
 
 
 def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:

@@ -21,12 +21,12 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ckpttool import dtypes, storage
 from ckpttool.readers import columns
 from ckpttool.readers.columns import latest, match_storage
-from ckpttool.checkpoint import OUR_TRANSFORMS, Blob, Checkpoint, Chunk, Object, Tensor, paused_gc, refuse_bad_names
+from ckpttool.checkpoint import OUR_TRANSFORMS, Blob, Checkpoint, Chunk, Object, Tensor, as_path, paused_gc, refuse_bad_names
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 from ckpttool.safepaths import file_kind
 from ckpttool.errors import CorruptMetadata, NotACheckpoint, clip
@@ -101,7 +101,7 @@ def read_metadata_bytes(path: Path) -> bytearray:
     read in pieces of READ_CHUNK_BYTES into one buffer (a FIFO or device is refused without
     blocking on it)."""
     if storage.is_remote(path):
-        return _read_remote_metadata(path)
+        return _read_remote_metadata(cast(storage.RemotePath, path))  # is_remote: a RemotePath (as_path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
@@ -158,7 +158,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     file); never runs code from the file, and refuses a pickle over the budgets of
     `scan_pickle` before building anything.
     """
-    root = storage.location(path)
+    root = as_path(storage.location(path))
     metadata_path = find_metadata_file(root)
     with paused_gc():
         raw = None
@@ -418,7 +418,7 @@ _new_chunk = functools.partial(tuple.__new__, Chunk)
 
 def _boxes(fqn: str, raw_chunks: list | tuple, source: Path) -> list:
     """Return a tensor's chunks as (offsets, sizes) sorted by offsets, checking each."""
-    boxes = []
+    boxes: list[tuple[Any, ...]] = []  # _ChunkBox (offsets, sizes, depth, size) or (offsets, sizes)
     for position, raw in enumerate(raw_chunks):
         if type(raw) is _ChunkBox:
             boxes.append(raw)

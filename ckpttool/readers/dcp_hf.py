@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 from ckpttool import storage
+from ckpttool.checkpoint import as_path
 from ckpttool.safepaths import containment_root
 from ckpttool.errors import CorruptMetadata, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
@@ -77,7 +78,7 @@ def read_dcp_hf(path: str | os.PathLike, follow_symlinks: bool = False):
     """Return the Checkpoint of a HuggingFaceStorageWriter directory: the files its
     `model.safetensors.index.json` maps if there is one, else every `*.safetensors` in it
     (torch's reader takes them all), each shard placed by `DCP_SHARDING_INFO`."""
-    root = storage.location(path)
+    root = as_path(storage.location(path))
     inside = None if follow_symlinks else containment_root(root)
     index = root / INDEX_FILENAME
     if index.is_file():

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, raw_range_transforms, refuse_bad_names
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CheckpointError, CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.geometry import flat_boxes
@@ -147,8 +147,8 @@ class _Files:
 
 def _files(folder: Path) -> _Files:
     names = sorted(entry.name for entry in folder.iterdir()) if storage.is_remote(folder) else sorted(os.listdir(folder))
-    models = {name: MODEL_STATES.match(name) for name in names if MODEL_STATES.match(name)}
-    optims = {name: OPTIM_STATES.match(name) for name in names if OPTIM_STATES.match(name)}
+    models = {name: m for name in names if (m := MODEL_STATES.match(name))}
+    optims = {name: m for name in names if (m := OPTIM_STATES.match(name))}
     if not optims:
         raise NotACheckpoint(f"{folder}: no *_optim_states.pt files; not a DeepSpeed ZeRO save")
     mp_ranks = {int(m.group(2)) for m in (*models.values(), *optims.values())}
@@ -332,7 +332,7 @@ def read_deepspeed(path: str | os.PathLike, follow_symlinks: bool = False) -> Ch
     naming anything outside the allowlist, UnsupportedFormat for tensor or pipeline
     parallel saves.
     """
-    folder = storage.location(path)
+    folder = as_path(storage.location(path))
     found = _files(folder)
     with DataFiles(folder, follow_symlinks) as files:
         reader = _Reader(files, folder)
@@ -501,6 +501,9 @@ def _untrained(tensors: _Tensors, reader: _Reader, found: _Files, model_state: d
     where = str(folder / found.model)
     frozen = _shapes(model_state, "frozen_param_shapes", where)
     frozen_shapes = frozen[0] if frozen else {}
+    shared: object
+    buffer_names: object
+    module: object
     shared, buffer_names, module = (model_state.get(key) or default for key, default in
                                     (("shared_params", {}), ("buffer_names", []), ("module", {})))
     if not isinstance(shared, dict) or not isinstance(buffer_names, list) or not isinstance(module, dict):
@@ -543,7 +546,8 @@ def _param_groups(layout: _Layout) -> tuple[dict[str, Object], dict[str, tuple[s
     """The optimizer's param groups as get_state_dict gives them (`params` by name), each
     setting a DCP object of its own: (objects, nesting). A setting that is not a plain value
     (none of torch's optimizers keeps one) is left out."""
-    objects, nesting = {}, {}
+    objects: dict[str, Object] = {}
+    nesting: dict[str, tuple[str | int, ...]] = {}
     members: dict[int, list[str]] = {}
     for param in layout.params:
         members.setdefault(param.group, []).append(param.name)
@@ -626,7 +630,7 @@ def _frozen_stage3(reader: _Reader, found: _Files, folder: Path, name: str, shap
 def read_deepspeed_universal(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
     """Return a universal checkpoint's tag folder as `read_deepspeed` gives a ZeRO save: the
     same names, each state one chunk (the whole tensor's bytes in its own file)."""
-    folder = storage.location(path)
+    folder = as_path(storage.location(path))
     names = sorted(entry.name for entry in folder.iterdir()) if storage.is_remote(folder) else sorted(os.listdir(folder))
     per_rank = {int(m.group(1)): name for name in names if (m := MODEL_STATES.match(name)) and m.group(1) is not None}
     plain = [name for name in names if (m := MODEL_STATES.match(name)) and m.group(1) is None]
@@ -686,7 +690,7 @@ def _universal_param(tensors: _Tensors, reader: _Reader, folder: Path, name: str
             reader.files.size(file)
         except MissingFile:
             if key == "fp32":
-                raise MissingFile(f"{folder / file}: missing (the universal checkpoint names {name} in param_shapes)")
+                raise MissingFile(f"{folder / file}: missing (the universal checkpoint names {name} in param_shapes)") from None
             if key == "step" and step is not None:
                 tensors.add((*OPTIM_STATE, name, key), step[1], (), (Chunk((), (), step[0]),))
             continue

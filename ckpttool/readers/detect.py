@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool import storage
+from ckpttool.checkpoint import Checkpoint, as_path
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.readers import dcp_hf, hub_folder
@@ -118,10 +119,10 @@ def detect(path: str | os.PathLike) -> Detection:
     DCP directories are told apart (torchtitan vs plain dcp) by their top-level keys, which
     reads `.metadata`; `readers.open_checkpoint` reuses that read.
     """
-    return _detect(storage.location(path))[0]
+    return _detect(as_path(storage.location(path)))[0]
 
 
-def _detect(requested: Path) -> tuple[Detection, object]:
+def _detect(requested: Path) -> tuple[Detection, Checkpoint | None]:
     """Return the detection and, when deciding needed it, the already-read Checkpoint."""
     if not _lexists(requested):
         raise NotACheckpoint(f"{requested}: no such file or directory")
@@ -177,7 +178,7 @@ def _is_dcp(path: Path) -> bool:
         return False
 
 
-def _directory_layout(path: Path) -> tuple[str | None, object]:
+def _directory_layout(path: Path) -> tuple[str | None, Checkpoint | None]:
     """Return (layout or None, the Checkpoint if it had to be read to decide)."""
     if _is_dcp(path):
         if _is_megatron(path):
@@ -287,7 +288,14 @@ def run_checkpoints(path: Path) -> list[str]:
     except OSError:
         return []
     names = [name for name in names if _looks_like_checkpoint(path / name)]
-    return sorted(names, key=lambda name: (int(RUN_ENTRY_PATTERN.match(name).group(2)), name))
+    return sorted(names, key=_run_entry_order)
+
+
+def _run_entry_order(name: str) -> tuple[int, str]:
+    """Sort key of a run directory's checkpoint folder (one RUN_ENTRY_PATTERN matches): its number, then its name."""
+    match = RUN_ENTRY_PATTERN.match(name)
+    assert match is not None  # run_checkpoints keeps only the names it matches
+    return int(match.group(2)), name
 
 
 def _looks_like_checkpoint(path: Path) -> bool:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from ckpttool import storage
+from ckpttool.checkpoint import as_path
 from ckpttool.safepaths import containment_root
 from ckpttool.errors import NotACheckpoint
 from ckpttool.formats.hub import INDEX_SUFFIX
@@ -45,7 +46,7 @@ def safetensors_files(root: Path) -> list[str]:
 def read_hub_folder(path: str | os.PathLike, follow_symlinks: bool = False):
     """Return the Checkpoint of a Hub folder: the index's weight map if there is one, else
     its single `.safetensors` file (`model.safetensors` preferred)."""
-    root = storage.location(path)
+    root = as_path(storage.location(path))
     inside = None if follow_symlinks else containment_root(root)
     indexes = index_files(root)
     if indexes:

@@ -99,14 +99,16 @@ def unstack(tensor: Tensor, prefix: str, rest: str, files: DataFiles) -> list[Te
 def _raw_range(files: DataFiles, tensor: Tensor, chunk: Chunk) -> Blob | None:
     """Return the stored bytes of `chunk` as a raw-range blob, or None unless its record is a
     plain one holding exactly that chunk."""
-    where = f"{files.path(chunk.blob.file)}: {tensor.fqn} chunk at {list(chunk.offsets)}"
+    blob = chunk.blob
+    assert blob is not None  # unstack keeps tensors whose stored chunks all have a blob
+    where = f"{files.path(blob.file)}: {tensor.fqn} chunk at {list(chunk.offsets)}"
     try:
-        record = read_tensor_record(files, chunk.blob, where)
+        record = read_tensor_record(files, blob, where)
     except CheckpointError:  # missing, truncated, moved: the integrity gate says which
         return None
     if record.dtype != tensor.dtype or tuple(record.shape) != chunk.sizes or not record.is_plain:
         return None
-    return Blob(chunk.blob.file, record.data_offset, record.data_length, raw_range_transforms(record.crc32))
+    return Blob(blob.file, record.data_offset, record.data_length, raw_range_transforms(record.crc32))
 
 
 def model_view(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Checkpoint:

@@ -23,10 +23,10 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, cast
 
 from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, refuse_bad_names
+from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, refuse_bad_names
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.errors import CorruptMetadata, MissingFile
 from ckpttool.formats.safetensors import MAX_HEADER_BYTES, METADATA_KEY, SUFFIX, HeaderError, read_header as read_raw_header
@@ -97,7 +97,7 @@ def read_header(root: Path, name: str, inside: Path | None) -> Header:
     path = root / safe_relative_path(name, f"{root}: ")
     if storage.is_remote(path):
         try:
-            objects = storage.reader(path)
+            objects = storage.reader(cast(storage.RemotePath, path))  # is_remote: a RemotePath (as_path)
         except (FileNotFoundError, IsADirectoryError):
             raise MissingFile(f"{path}: listed by the checkpoint but missing, or not a file (was the copy partial?)") from None
         fd, size = None, objects.size
@@ -207,7 +207,7 @@ def _extent(chunks: tuple[Chunk, ...]) -> tuple[int, ...]:
 def read_safetensors(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
     """Return one `.safetensors` file as a Checkpoint rooted at its directory, one chunk per
     tensor (the file's own name is its `metadata_file`)."""
-    file = storage.location(path)
+    file = as_path(storage.location(path))
     root = file.parent
     inside = None if follow_symlinks else containment_root(root)
     header = read_header(root, file.name, inside)

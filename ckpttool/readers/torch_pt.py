@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Checkpoint, Chunk, Tensor, refuse_bad_names
+from ckpttool.checkpoint import Checkpoint, Chunk, Tensor, as_path, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CorruptBlob, CorruptMetadata, NotACheckpoint, UnsupportedFormat
 from ckpttool.readers.detect import HUB_TORCH_FILE
@@ -91,7 +91,7 @@ def read_torch_pt(path: str | os.PathLike, follow_symlinks: bool = False) -> Che
     or CorruptBlob for a damaged or truncated file, UnsupportedFormat for the legacy non-zip
     format, a big-endian file or a non-contiguous tensor.
     """
-    file = torch_pt_file(storage.location(path))
+    file = torch_pt_file(as_path(storage.location(path)))
     root, name = file.parent, file.name
     where = str(file)
     with DataFiles(root, follow_symlinks) as files:
@@ -160,6 +160,7 @@ def _walked(items: list) -> bool:
 
 def _walk(value: Any, keys: tuple, leaves: list, where: str) -> None:
     """Append (key path, tensor) for every tensor under `value`, in the file's order."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list) and _walked(value):

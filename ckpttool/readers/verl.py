@@ -190,13 +190,16 @@ def _rank_files(root: Path) -> tuple[int, list[str]]:
     """Return the world size and its model files, rank by rank (MissingFile for a gap)."""
     ranks: dict[int, set[int]] = {}
     for name in verl_files(root):
-        world_size, rank = map(int, VERL_MODEL_PATTERN.match(name).groups())
+        match = VERL_MODEL_PATTERN.match(name)
+        assert match is not None  # verl_files keeps only the names it matches
+        world_size, rank = map(int, match.groups())
         ranks.setdefault(world_size, set()).add(rank)
     if len(ranks) > 1:
-        world_size = _configured_world_size(root)
-        if world_size not in ranks:
+        configured = _configured_world_size(root)
+        if configured is None or configured not in ranks:
             raise CorruptMetadata(f"{root}: model files of several world sizes ({', '.join(map(str, sorted(ranks)))}) "
                                   f"and no {FSDP_CONFIG} naming one of them; remove the stale ones")
+        world_size = configured
     else:
         (world_size,) = ranks
     for rank in range(world_size):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ckpttool.checkpoint import paused_gc
 from ckpttool.errors import clip
@@ -70,7 +70,7 @@ class _Loader:
     items below may not be taken) are the unpickler's.
     """
 
-    def __init__(self, data: bytes, find_class: Callable[[str, str], Any], persistent: bool = False,
+    def __init__(self, data: bytes | bytearray, find_class: Callable[[str, str], Any], persistent: bool = False,
                  persistent_load: Callable[[Any], Any] | None = None, build: bool = False):
         self.data = data
         self.find_class = find_class
@@ -163,7 +163,7 @@ class _Loader:
         if self.unsalted_keys < 0:
             raise _Refusal(f"more than {MAX_UNSALTED_KEYS} int, float or tuple dict keys or set items", exhausts=True)
 
-    def hash_keys(self, kind: str, keys: list) -> None:
+    def hash_keys(self, kind: str, keys: list | tuple) -> None:
         if len(keys) > _SHORT_TUPLE and set(map(type, keys)) <= _SALTED_KEYS:
             return
         for key in keys:
@@ -319,6 +319,7 @@ class _Loader:
         op = self.data[pos]
         self.new_object()
         kind = _DICT if op == _EMPTY_DICT else _LIST if op == _EMPTY_LIST else _SET
+        value: dict | list | set | None
         value = ({} if op == _EMPTY_DICT else [] if op == _EMPTY_LIST else set()) if self.build else None
         self.stack.append(_Node(kind, fresh=True, ints=True, value=value))
         return pos + 1
@@ -410,7 +411,8 @@ class _Loader:
         target = stack[-1]
         if type(target) is not _Node or target.kind not in (_OBJECT, _RESULT) or not target.fresh:
             raise _Refusal(f"BUILD of a {_describe(target)} that is not a new object")
-        plain = target.kind == _OBJECT and getattr(target.items[0], "__setstate__", None) is None
+        # an object's node keeps its class in `items` (op_reduce)
+        plain = target.kind == _OBJECT and getattr(cast(tuple, target.items)[0], "__setstate__", None) is None
         if plain and state is not None and (type(state) is not _Node or state.kind != _DICT):
             raise _Refusal(f"BUILD of an object from a {_describe(state)}, not a dict")
         target.fresh = False
@@ -454,6 +456,7 @@ class _Loader:
         self.spend(pid.size if type(pid) is _Node else 1)
         node = self.container(_RESULT, [pid])
         if self.build:
+            assert self.persistent_load is not None  # given to every building loader that admits persistent ids
             node.value = self.persistent_load(_unwrap(pid))
         self.stack.append(node)
         return pos + 1

@@ -107,6 +107,7 @@ class _Records:
         self.style = b"\x94" if len(data) > 1 and data[0] == _PROTO and data[1] >= 4 else b""
         self.patterns = _record_patterns(self.style)
         self.next = 0  # which pattern to try first
+        self.tensor_expected: tuple
         if self.style:
             self.tensor_expected = (_TENSOR_STORAGE, "properties", _TENSOR_PROPERTIES, _ANY_STR, _ANY_INT,
                                     "size", _Shape, "chunks")
@@ -114,6 +115,7 @@ class _Records:
             self.tensor_expected = (_TENSOR_STORAGE, "properties", _TENSOR_PROPERTIES, _layout, _ANY_STR,
                                     _memory_format_encoding, "size", _Shape, "chunks")
         # the memo slots `read` last found to hold what each record assumes
+        self.tensor_slots: tuple | None
         self.chunk_head = self.chunk_tail = self.key_head = self.key_key = self.key_keys = None
         self.entry_head = self.entry_key = self.entry_keys = self.tensor_slots = self.dtype_slot = None
 
@@ -138,6 +140,7 @@ class _Records:
                 break
             marked = data[at] == _MARK
             at += marked
+            items: list[str | int] | None  # None: not a run of planner_data entries after all
             items, saved, made = [], len(memo), 0
             while True:  # the keys: strings (literal or fetched) and ints (list indices)
                 op = data[at]
@@ -339,13 +342,14 @@ class _Records:
         stack.append(text)
         return after
 
-    def chunks(self, match: re.Match, stack: list) -> tuple[int, bool]:
-        """Push the chunks (ChunkStorageMetadata) from `match` on; return the position after
+    def chunks(self, found: re.Match, stack: list) -> tuple[int, bool]:
+        """Push the chunks (ChunkStorageMetadata) from `found` on; return the position after
         them and whether one failed its checks."""
+        match: re.Match | None = found
         loader, data, memo, style, shapes, shape = self.loader, self.loader.data, self.memo, self.style, self.shapes, self.shape
         pattern, push, new = self.patterns[0], stack.append, _new_tuple
         chunk_head, chunk_tail = self.chunk_head, self.chunk_tail
-        pos, objects, work, stopped = match.start(), 0, 0, False
+        pos, objects, work, stopped = found.start(), 0, 0, False
         while match is not None:
             head, first, tail, second = match.groups()
             if head != chunk_head or tail != chunk_tail:
@@ -404,6 +408,7 @@ class _Records:
         data, shapes, shape = self.loader.data, self.shapes, self.shape
         chunk_pattern, new = self.patterns[0], _new_tuple
         chunk_head, chunk_tail = self.chunk_head, self.chunk_tail
+        chunks: list[_ChunkBox] | None  # None: the list does not end as expected
         chunks, chunk_objects, chunk_work, chunk_slots, chunk_size = [], 0, 0, 0, 0
         batched = data[end] == _MARK
         while True:
@@ -441,9 +446,9 @@ class _Records:
         self.chunk_head, self.chunk_tail = chunk_head, chunk_tail
         return chunks, end, chunk_objects, chunk_work, chunk_size, chunk_slots
 
-    def storage(self, match: re.Match, which: int, stack: list) -> tuple[int, int, bool]:
+    def storage(self, found: re.Match, which: int, stack: list) -> tuple[int, int, bool]:
         """Push the storage keys (MetadataIndex, patterns 1 and 2) and entries (_StorageInfo,
-        1 and 3) from `match` on; return the position after them, the pattern expected next
+        1 and 3) from `found` on; return the position after them, the pattern expected next
         and whether one failed its checks. A pair is checked whole before anything is pushed,
         so one that fails halfway leaves no trace."""
         loader, data, memo, style, patterns = self.loader, self.loader.data, self.memo, self.style, self.patterns
@@ -451,7 +456,8 @@ class _Records:
         push, new, unkept, from_bytes = stack.append, _new_tuple, _UNKEPT, int.from_bytes
         key_head, key_key, key_keys = self.key_head, self.key_key, self.key_keys
         entry_head, entry_key, entry_keys = self.entry_head, self.entry_key, self.entry_keys
-        pos, objects, work = match.start(), 0, 0
+        match: re.Match | None = found
+        pos, objects, work = found.start(), 0, 0
         while match is not None:
             if which == 1:
                 head, get, literal, key, keys, encoded, head2, get2, literal2, key2, offset, keys2, length = match.groups()

@@ -23,7 +23,7 @@ import itertools
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast, final
 
 PROTOCOL = 2  # torch.save's DEFAULT_PROTOCOL; torch's weights_only unpickler expects it
 
@@ -74,6 +74,7 @@ class Opcodes:
     data: bytes
 
 
+@final  # so `type(value) is Fragment` narrows
 @dataclass(frozen=True)
 class Fragment:
     """Stands for a value `Writer.fragment` (or `Writer.object_parts`) encoded earlier in
@@ -95,7 +96,7 @@ class LazyDict:
     """Stands for `dict(items(writer))`, its (key, value) pairs made as the writer reaches them;
     a pair may come as one `Fragment` holding the key's bytes and then the value's."""
 
-    items: Callable[["Writer"], Iterable[tuple[Any, Any]]]
+    items: Callable[["Writer"], Iterable[tuple[Any, Any] | Fragment]]
 
 
 _CODECS_ENCODE = Global("_codecs", "encode")  # how protocol 2 pickles bytes
@@ -166,9 +167,10 @@ class Writer:
         Example: `parts[0] + fragment(v0) + parts[1] + fragment(v1) + parts[2]` is the
         bytes of `NewObject(cls, {keys[0]: v0, keys[1]: v1})`."""
         head = self.fragment(cls)
-        names = [self.fragment(key) for key in keys]
-        if head is None or None in names:
+        fragments = [self.fragment(key) for key in keys]
+        if head is None or None in fragments:
             return None
+        names = cast(list[bytes], fragments)  # no None among them (checked above)
         names[0] = head + pickle.EMPTY_TUPLE + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.MARK + names[0]
         return names + [pickle.SETITEMS + pickle.BUILD]
 
@@ -275,7 +277,7 @@ def _lazy_dict(writer: Writer, value: LazyDict) -> None:
     writer.out += pickle.EMPTY_DICT
     if first is not _NOTHING:
         writer.out += pickle.MARK
-        for pair in itertools.chain((first,), pairs):
+        for pair in itertools.chain((cast("tuple[Any, Any] | Fragment", first),), pairs):
             if type(pair) is Fragment:
                 writer.out += pair.data
                 continue

@@ -308,9 +308,9 @@ class ParsedRecords:
 
         record, entries, data_entry = _parse(logged, length, where, offset)
         if self._kept < self.MAX_LAYOUTS:
-            layout = _Layout.of(record, offset, entries, data_entry, reads)
-            if layout is not None:
-                self._layouts.setdefault(length, []).append(layout)
+            new_layout = _Layout.of(record, offset, entries, data_entry, reads)
+            if new_layout is not None:
+                self._layouts.setdefault(length, []).append(new_layout)
                 self._kept += 1
         return record
 

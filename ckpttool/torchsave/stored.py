@@ -88,6 +88,7 @@ def builds_as_pops(raw: bytes) -> bytes:
         return raw
     edited = bytearray(raw)
     for position in positions:
+        assert position is not None  # genops over bytes (not a stream) knows every position
         edited[position] = POP[0]
     return bytes(edited)
 
