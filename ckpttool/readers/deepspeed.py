@@ -57,14 +57,13 @@ from typing import Any
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CheckpointError, CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
+from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.geometry import flat_boxes
 from ckpttool.readers.detect import DEEPSPEED_MODEL_PATTERN, DEEPSPEED_OPTIM_PATTERN, DEEPSPEED_UNIVERSAL_DIR as UNIVERSAL_DIR
 from ckpttool.torchsave.archive import saved_value
 from ckpttool.torchsave.pickle import dumps
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
-from ckpttool.torchsave.stored import StateDictUnpickler, device, ints, load_data_pkl, raw_blob, stored_dtype
-from ckpttool.torchsave.zip import read_directory
+from ckpttool.torchsave.stored import StateDictUnpickler, device, file_entries, ints, load_data_pkl, raw_blob, stored_dtype
 
 MODEL_STATES, OPTIM_STATES = DEEPSPEED_MODEL_PATTERN, DEEPSPEED_OPTIM_PATTERN
 PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
@@ -193,11 +192,7 @@ class _Reader:
         def read(offset: int, length: int) -> bytes:
             return self.files.read(name, offset, length)
 
-        try:
-            entries = read_directory(read, size, where)
-        except CheckpointError as error:
-            raise CorruptMetadata(f"{where}: truncated or damaged torch.save file: "
-                                  f"{str(error).removeprefix(where + ': ')}") from None
+        entries = file_entries(read, size, where)
         state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED)
         if whole and not isinstance(state, dict):
             raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not DeepSpeed's state dict")

@@ -36,11 +36,11 @@ from typing import Any, Iterable
 from ckpttool import dtypes, storage
 from ckpttool.checkpoint import Checkpoint, Chunk, Tensor, as_path, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptBlob, CorruptMetadata, NotACheckpoint, UnsupportedFormat
+from ckpttool.errors import CorruptMetadata, NotACheckpoint, UnsupportedFormat
 from ckpttool.readers.detect import HUB_TORCH_FILE
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
-from ckpttool.torchsave.stored import StateDictUnpickler, device, ints, load_data_pkl, raw_blob, stored_dtype
-from ckpttool.torchsave.zip import LOCAL_MAGIC, read_directory
+from ckpttool.torchsave.stored import StateDictUnpickler, device, file_entries, ints, load_data_pkl, raw_blob, stored_dtype
+from ckpttool.torchsave.zip import LOCAL_MAGIC
 
 # torch/serialization.py MAGIC_NUMBER (0x1950a86a20f9469cfc6c), pickled first by `_legacy_save`
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
@@ -101,11 +101,7 @@ def read_torch_pt(path: str | os.PathLike, follow_symlinks: bool = False) -> Che
             return files.read(name, offset, length)
 
         _refuse_legacy(read(0, min(size, len(LEGACY_MAGIC))), where)
-        try:
-            entries = read_directory(read, size, where)
-        except CorruptBlob as error:
-            raise CorruptMetadata(f"{where}: truncated or damaged torch.save file: "
-                                  f"{str(error).removeprefix(where + ': ')}") from None
+        entries = file_entries(read, size, where)
         state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED)
         if not isinstance(state, dict):
             raise UnsupportedFormat(f"{where}: holds a {_kind(state)}, not a dict; this build reads torch.save "

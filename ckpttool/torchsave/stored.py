@@ -22,7 +22,7 @@ from ckpttool.errors import CheckpointError, CorruptMetadata, UnsafeMetadata, Un
 from ckpttool.safepickle import PickleRefused, RestrictedUnpickler
 from ckpttool.torchsave.archive import contiguous_strides
 from ckpttool.torchsave.record import _persistent_storage, _Rebuilt, _Storage
-from ckpttool.torchsave.zip import Entry, entry_bytes, entry_data_offset, find_entry
+from ckpttool.torchsave.zip import Entry, entry_bytes, entry_data_offset, find_entry, read_directory
 
 MAX_PICKLE_BYTES = 256 << 20  # a 70B model's state dict pickles to a few MB
 
@@ -121,6 +121,16 @@ def unpickle(raw: bytes, where: str, loader: Callable[..., RestrictedUnpickler],
         raise CorruptMetadata(f"{where}: data.pkl refused: {error}; nothing was built from it") from None
     except Exception as error:  # pickle raises many kinds on truncated or garbage input
         raise CorruptMetadata(f"{where}: cannot decode data.pkl ({type(error).__name__}: {str(error)[:200]})") from None
+
+
+def file_entries(read: Callable[[int, int], bytes], size: int, where: str) -> dict[str, Entry]:
+    """Return the zip directory of a whole torch.save file (`read(offset, length)`), or raise
+    CorruptMetadata naming it when it is truncated or damaged."""
+    try:
+        return read_directory(read, size, where)
+    except CheckpointError as error:
+        raise CorruptMetadata(f"{where}: truncated or damaged torch.save file: "
+                              f"{str(error).removeprefix(where + ': ')}") from None
 
 
 def load_data_pkl(entries: dict[str, Entry], read: Callable[[int, int], bytes], size: int, where: str,
