@@ -452,7 +452,7 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
     Hub-style folder as it is, any other checkpoint exported to a temporary folder first.
 
     Token and endpoint as huggingface_hub reads them: HF_TOKEN or `hf auth login`; HF_ENDPOINT."""
-    from ckpttool import render
+    from ckpttool import render_hub
     from ckpttool.commands.push import push as push_checkpoint
 
     if quiet:
@@ -461,7 +461,7 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
         disable_progress_bars()
     report = push_checkpoint(src, repo_id, revision=revision, private=private, commit_message=commit_message,
                              dry_run=dry_run, progress=byte_progress(quiet), source=source)
-    show(render.push_document(report) if as_json else None, render.push_text(report), render.push_notes(report))
+    show(render_hub.push_document(report) if as_json else None, render_hub.push_text(report), render_hub.push_notes(report))
 
 
 @main.command()
@@ -490,7 +490,7 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
     """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
     shards (or model.safetensors), config.json, tokenizer files and a README.md model card;
     with --adapter, a LoRA checkpoint's adapter as the folder PEFT loads."""
-    from ckpttool import render
+    from ckpttool import render_hub
     from ckpttool.commands.export import export as export_checkpoint
 
     from ckpttool.options import ConvertOptions
@@ -516,7 +516,7 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
                              quantize=quantize, block=(int(rows), int(cols)))
     report = export_checkpoint(src, outdir, assets, convert, write, source, lora if merge_adapter is not None else None,
                                manifest=with_manifest)
-    show(render.export_document(report) if as_json else None, render.export_text(report), render.export_notes(report))
+    show(render_hub.export_document(report) if as_json else None, render_hub.export_text(report), render_hub.export_notes(report))
 
 
 @main.command(name="import")
@@ -533,11 +533,11 @@ def import_(src: str, dst: str, world_size: int | None, mesh: str | None, prefix
             source) -> None:
     """Write full model weights (a .safetensors file, a Hub folder, a .pt) as a DCP checkpoint
     laid out for N FSDP2 ranks that dcp.load and `train_minimal --resume` read."""
-    from ckpttool import render
+    from ckpttool import render, render_hub
     from ckpttool.commands.import_ import import_checkpoint
 
     report = import_checkpoint(src, dst, world_size, mesh, prefix=prefix, write=write, source=source)
-    show(render.import_document(report) if as_json else None, render.import_text(report),
+    show(render_hub.import_document(report) if as_json else None, render_hub.import_text(report),
          render.problem_lines(report.problems))
 
 
