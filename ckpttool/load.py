@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import os
 from pathlib import Path
@@ -38,6 +39,7 @@ from ckpttool.geometry import Box, intersect, volume
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, Task, parse_size, run_tasks
 from ckpttool.keys import KeyRules, output_keys
 from ckpttool.model_view import ModelView, find_model
+from ckpttool.naming.fused import Slot, plan_fill
 from ckpttool.options import SourceOptions
 from ckpttool.formats.fp8 import FLOAT8
 from ckpttool.plan.consolidate import OutputFormat, plan_dequantize, plan_tensor, select, target_dtype
@@ -603,6 +605,8 @@ def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: boo
     before any byte is read; a shape that differs always does. Floating tensors are cast to
     the module's dtype as `Tensor.copy_` casts. `assets` (the model's config.json folder) loads a
     transformers model straight from a torchtitan or Megatron-Core checkpoint (see `open`).
+    transformers' fused-expert tensors (`mlp.experts.gate_up_proj` [E, 2F, D]) are filled from
+    per-expert keys by naming/fused.py's table, one expert's part at a time, in place.
 
     Example:
         >>> model = transformers.AutoModelForCausalLM.from_config(config)
@@ -613,26 +617,32 @@ def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: boo
 
     with open(path, model_prefix=model_prefix, storage_options=storage_options,
               follow_symlinks=follow_symlinks, assets=assets) as handle:
-        sources = handle._model
+        sources, tensors = handle._model, handle.checkpoint.tensors
         state = module.state_dict(keep_vars=True)
-        loaded = {id(value) for key, value in state.items() if key in sources}
-        # a tied parameter (lm_head sharing the embedding's) is loaded through its other name
-        missing = [key for key in state if key not in sources and id(state[key]) not in loaded]
-        unexpected = [key for key in sources if key not in state]
         where = handle.checkpoint.path
+        plan = plan_fill({key: tuple(getattr(value, "shape", ())) for key, value in state.items()},
+                         {key: tensors[fqn].shape if fqn in tensors else () for key, fqn in sources.items()}, str(where))
+        loaded = {id(state[key]) for key in [*plan.direct, *plan.fused]}
+        # a tied parameter (lm_head sharing the embedding's) is loaded through its other name
+        missing = [key for key in plan.missing if id(state[key]) not in loaded]
+        unexpected = plan.unexpected
         if strict and (missing or unexpected):
             raise UsageError(f"{where}: does not match the module: missing {_few(missing)}, unexpected "
                              f"{_few(unexpected)}; pass strict=False to load the rest")
-        handle._locate(handle.checkpoint.tensors[sources[key]] for key in state
-                       if sources.get(key) in handle.checkpoint.tensors)
+        handle._locate(tensors[sources[key]] for key in [*plan.direct.values(), *(slot.key for slots in plan.fused.values()
+                                                                                   for slot in slots)]
+                       if sources[key] in tensors)
         for key, target in state.items():
-            fqn = sources.get(key)
+            if key in plan.fused:
+                _fill_fused(handle, target, {slot: sources[slot.key] for slot in plan.fused[key]})
+                continue
+            fqn = sources.get(plan.direct.get(key, ""))
             if fqn is None:
                 continue
             if fqn in handle.checkpoint.objects:
                 module.load_state_dict({key: handle.get_object(fqn)}, strict=False)  # a module's extra state
                 continue
-            tensor = handle.checkpoint.tensors[fqn]
+            tensor = tensors[fqn]
             if not isinstance(target, torch.Tensor) or tuple(target.shape) != tensor.shape:
                 raise UsageError(f"{where}: {fqn} has shape {list(tensor.shape)}, the module's {key} "
                                  f"{list(getattr(target, 'shape', ()))}")
@@ -644,6 +654,24 @@ def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: boo
                 else:
                     target.copy_(handle.get_tensor(fqn))
         return LoadResult(missing, unexpected)
+
+
+def _fill_fused(handle: CheckpointFile, target: "torch.Tensor", parts: Mapping[Slot, str]) -> None:
+    """Fill a fused-expert tensor (naming.fused) one part at a time: each slot's rows of its
+    expert's block are contiguous, so a same-dtype CPU tensor gets them read straight into its memory."""
+    import torch
+
+    name = _dtype_name(target.dtype)
+    row_bytes = math.prod(target.shape[2:]) * target.element_size()
+    view = _bytes_of(target) if target.device.type == "cpu" and target.is_contiguous() else None
+    with torch.no_grad():
+        for slot, fqn in parts.items():
+            tensor = handle.checkpoint.tensors[fqn]
+            if view is not None and name is not None and name == target_dtype(tensor.dtype, name):
+                start = (slot.expert * target.shape[1] + slot.row) * row_bytes
+                handle._fill(tensor, name, view[start:start + slot.rows * row_bytes])
+            else:
+                target[slot.expert, slot.row:slot.row + slot.rows].copy_(handle.get_tensor(fqn))
 
 
 def _few(keys: list[str]) -> str:

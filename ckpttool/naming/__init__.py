@@ -156,7 +156,9 @@ def find_family(keys: Iterable[str], families: Iterable[Family], config: Mapping
     if not candidates:
         return None
     architectures = (config or {}).get("architectures") or []
-    if not architectures:
+    if not architectures:  # families that share names (Megatron's): the first whose rules take every key
+        if len(candidates) > 1:
+            return next((family for family in candidates if all(family.match(key) for key in keys)), candidates[0])
         return candidates[0]
     for family in candidates:
         if any(name in family.architectures for name in architectures):
