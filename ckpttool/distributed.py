@@ -11,14 +11,20 @@ process reads the metadata and makes the same plan (planning is pure and determi
    a large tensor's run cut across processes) with pwrite/copy_file_range at the planned
    offsets, fsyncs, and all gather (ok, bytes, seconds) from everyone;
 3. only when every process succeeded, rank 0 writes what depends on the whole (safetensors
-   index, .pt zip records, `.metadata`), fsyncs and renames into place; otherwise it removes
-   the temporary output. A last all-reduce (a barrier) tells everyone whether rank 0
-   committed, so no process exits before rank 0 has committed or cleaned up (torchrun stops
-   the others as soon as one exits non-zero).
+   index, .pt zip records, `.metadata`) and fsyncs; then every process votes (an all-reduce)
+   and rank 0 renames into place only after the vote, so a process that dies at any step
+   before it leaves nothing at OUT; otherwise rank 0 removes the temporary output before it
+   votes no.
 
 Any failure on any rank makes every rank raise (and the CLI exit non-zero); nothing is left at
-OUT. OUT must be a path every process sees (local disk for one host, NFS/Lustre for many), or
-an S3 URL: then the same steps run over multipart uploads (`_write_remote`).
+OUT. A process that dies never hangs the others: joining the group waits at most
+`join_timeout()` (CKPTTOOL_JOIN_TIMEOUT, 120 s); a collective fails as soon as a peer's
+connection closes; every wait runs beside the main thread, so torchrun's SIGTERM (it stops
+the others when one fails) ends it at once. Each process notes in the rendezvous store who it
+is (host, pid) and why it failed, so the others' one-line error names the process that failed
+or died (`_culprit`), and a dead rank 0's temporary output is removed by the others. OUT must
+be a path every process sees (local disk for one host, NFS/Lustre for many), or an S3 URL:
+then the same steps run over multipart uploads (`_write_remote`).
 `import torch` happens only here, and only under torchrun (`active`).
 
 Example:
@@ -32,15 +38,16 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, NoReturn, Sequence, TypeVar, cast
+from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence, TypeVar, cast
 
 from ckpttool import dtypes, io, storage, testpoints
 from ckpttool.errors import UsageError, WriteFailed
-from ckpttool.outputs import atomic_directory, atomic_output
+from ckpttool.outputs import atomic_directory, atomic_output, signals, temps
 from ckpttool.outputs.multipart import MultipartSink
 from ckpttool.outputs.notices import Notify, ignore
 from ckpttool.outputs.remote import remote_output
@@ -109,7 +116,11 @@ def sharing() -> Iterator[World | None]:
 
 
 def init() -> World:
-    """Return this process's World after joining the gloo process group (once)."""
+    """Return this process's World after joining the gloo process group (once).
+
+    The join waits at most `join_timeout()` seconds for every process, and a signal (torchrun
+    stopping this process because another one died) stops the wait at once.
+    """
     world = environment()
     if world is None:
         raise RuntimeError("ckpttool.distributed.init: not started by torchrun (WORLD_SIZE <= 1)")
@@ -117,10 +128,77 @@ def init() -> World:
 
     global _group
     if not dist.is_initialized():
-        dist.init_process_group("gloo")  # env:// rendezvous from MASTER_ADDR/MASTER_PORT, as torchrun sets
+        timeout = join_timeout()
+        _waited(lambda: _join(world, timeout), timeout, lambda: _late(world, timeout))
     elif _group is None and "gloo" not in str(dist.get_backend()):
         _group = dist.new_group(backend="gloo")  # a trainer's NCCL group cannot carry CPU tensors
     return world
+
+
+def join_timeout() -> float:
+    """Return the seconds the processes wait for each other to join the process group:
+    `CKPTTOOL_JOIN_TIMEOUT`, else JOIN_TIMEOUT."""
+    setting = os.environ.get(JOIN_TIMEOUT_ENV, "")
+    try:
+        seconds = float(setting) if setting else JOIN_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UsageError(f"{JOIN_TIMEOUT_ENV}={setting}: expected a number of seconds above 0")
+    return seconds
+
+
+JOIN_TIMEOUT_ENV = "CKPTTOOL_JOIN_TIMEOUT"
+JOIN_TIMEOUT = 120.0  # s; torch's own default (30 min) would keep the others waiting for a process that died
+
+
+def _join(world: World, timeout: float) -> None:
+    """Join the gloo group through a rendezvous store we hold (torchrun's agent store, or one
+    rank 0 serves, as torch's env:// rendezvous does), after noting this process in it
+    (`_roster`: who is who, for naming a process that dies)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    global _store
+    store: Any = None
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+                              is_master=not agent and world.rank == 0,
+                              timeout=timedelta(seconds=timeout + NOTES_TIMEOUT),  # `_waited` gives up first
+                              multi_tenant=True, wait_for_workers=False)
+        _store = store.clone()  # its own connection: the group's blocks while it waits for the others
+        _store.set_timeout(timedelta(seconds=NOTES_TIMEOUT))
+        with contextlib.suppress(Exception):  # the roster only names processes; joining does not need it
+            _store.set(f"{_roster()}joined/{world.rank}", f"{temps.HOST} {os.getpid()}")
+    testpoints.die(world.rank, "join")
+    if store is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=world.rank,
+                                world_size=world.world_size)  # the keys torch's own env:// rendezvous uses
+
+
+NOTES_TIMEOUT = 5.0  # s for reading or leaving a note in the rendezvous store
+_store: Any = None  # the notes' connection to the rendezvous store (a TCPStore; None: a group someone else made)
+_writes = 0  # `write` calls so far: every rank makes the same calls, so the count names one write everywhere
+
+
+def _roster(write: int | None = None) -> str:
+    """Return the store prefix of this torchrun attempt's notes (of one `write`)."""
+    attempt = f"ckpttool/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return attempt if write is None else f"{attempt}write{write}/"
+
+
+def _late(world: World, timeout: float) -> WriteFailed:
+    """The error of a join that took longer than `timeout`: naming the processes that died or never joined."""
+    culprit = _culprit(world, None)
+    if culprit is None and _store is None and world.rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        culprit = 0, (f"process 0 of {world.world_size}, which serves the rendezvous store at "
+                      f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, was not there")
+    return LostContact(f"the torchrun processes did not all join within {timeout:g} s "
+                       f"({culprit[1] if culprit else 'some did not'}); nothing was committed; see the other processes' "
+                       f"errors and rerun (set {JOIN_TIMEOUT_ENV} to wait longer)")
 
 
 _group = None  # a gloo group of every rank, when the job's own group is not gloo
@@ -133,6 +211,8 @@ def run_main(main: Callable[[], object]) -> NoReturn:
     world = environment()
     if world is not None and world.rank != 0:
         sys.stdout = open(os.devnull, "w")
+    # torch's C++ warnings (a store connection reset when a process dies) would add lines to the one-line error
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     code = 1
     try:
         with sharing():
@@ -208,11 +288,65 @@ def _part(op: Copy | Convert, begin: int, end: int) -> Copy | Convert:
 # Collectives (gloo, CPU)
 
 
-def _lost(error: BaseException) -> WriteFailed:
+class LostContact(WriteFailed):
+    """Another torchrun process failed or died, so this one stopped: nothing was committed."""
+
+
+def _lost(error: BaseException) -> LostContact:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:38062: Connection reset by peer. This is typically ..."
     reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is")[0]
-    return WriteFailed(f"lost contact with the other torchrun processes ({reason}); nothing was committed")
+    return LostContact(f"lost contact with the other torchrun processes ({reason}); nothing was committed")
+
+
+_Result = TypeVar("_Result")
+
+
+def _waited(call: Callable[[], _Result], timeout: float | None = None,
+            late: Callable[[], BaseException] | None = None) -> _Result:
+    """Return `call()` (a collective, or joining the group), run in a helper thread while the
+    main thread waits for it, so that a signal stops the wait at once: Python runs signal
+    handlers in the main thread between bytecodes, never inside a gloo call, and torchrun
+    stops the other processes with SIGTERM when one dies. Raises `late()` after `timeout`
+    seconds. A collective's error (a peer's connection closed) is raised as LostContact."""
+    global _broken
+    if _broken:  # an earlier call was abandoned mid-way: its peers no longer agree on what comes next
+        raise LostContact("an earlier exchange between the torchrun processes was interrupted; nothing was committed")
+    if threading.current_thread() is not threading.main_thread():
+        return _translated(call)
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.append(_outcome(call)), name="ckpttool-gloo", daemon=True)
+    thread.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while thread.is_alive():
+            if deadline is not None and time.monotonic() > deadline and late is not None:
+                raise late()
+            thread.join(0.05)
+    except BaseException:
+        _broken = True  # the call goes on in its thread: no other may start on this group
+        raise
+    value, error = outcome[0]
+    if error is not None:
+        raise error
+    return value
+
+
+def _outcome(call: Callable[[], _Result]) -> tuple[_Result | None, BaseException | None]:
+    try:
+        return _translated(call), None
+    except BaseException as error:  # noqa: BLE001 - raised in the main thread
+        return None, error
+
+
+def _translated(call: Callable[[], _Result]) -> _Result:
+    try:
+        return call()
+    except RuntimeError as error:  # gloo: a peer died (connection closed) or timed out
+        raise _lost(error) from None
+
+
+_broken = False  # a collective was abandoned (a signal, a timeout): this group can carry no more
 
 
 def broadcast(value: object) -> object:
@@ -220,10 +354,7 @@ def broadcast(value: object) -> object:
     import torch.distributed as dist
 
     box = [value]
-    try:
-        dist.broadcast_object_list(box, src=0, group=_group)
-    except RuntimeError as error:  # gloo: a peer died (connection closed) or timed out
-        raise _lost(error) from None
+    _waited(lambda: dist.broadcast_object_list(box, src=0, group=_group))
     return box[0]
 
 
@@ -235,10 +366,7 @@ def gather_stats(row: _Row) -> list[_Row]:
     import torch.distributed as dist
 
     rows: list = [None] * dist.get_world_size(_group)
-    try:
-        dist.all_gather_object(rows, row, group=_group)
-    except RuntimeError as error:
-        raise _lost(error) from None
+    _waited(lambda: dist.all_gather_object(rows, row, group=_group))
     return rows
 
 
@@ -248,11 +376,132 @@ def all_ok(flag: bool) -> bool:
     import torch.distributed as dist
 
     value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    try:
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=_group)
-    except RuntimeError as error:
-        raise _lost(error) from None
+    _waited(lambda: dist.all_reduce(value, op=dist.ReduceOp.MIN, group=_group))
     return bool(value.item())
+
+
+# ---------------------------------------------------------------------------------------------
+# Naming a process that failed or died
+
+
+class OtherFailed(WriteFailed):
+    """Another torchrun process failed (its reason is in the message): nothing was committed."""
+
+
+RERUN = "rerun the command once that is fixed (it removes what this run left)"
+
+
+def _note(world: World, write: int, error: BaseException, target: Path | storage.RemotePath) -> BaseException:
+    """Return what this process should raise for `error`, leaving a note in the rendezvous
+    store first, so the others can name this process: its own failure, or that it stopped
+    because another one failed. A LostContact, or a signal (torchrun stops the others with
+    SIGTERM when one dies), becomes an OtherFailed naming the process that failed or died,
+    when the notes or this host's processes tell (`_culprit`). Rank 0 being gone, another
+    process removes what it left at the destination (`_remove_lead_leftovers`)."""
+    culprit = _culprit(world, write) if isinstance(error, (LostContact, KeyboardInterrupt)) else None
+    own = culprit is None and not isinstance(error, (LostContact, OtherFailed))
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if _store is not None:
+        with contextlib.suppress(Exception):
+            _store.set(f"{_roster(write)}{'failed' if own else 'lost'}/{world.rank}", reason if own else "")
+    if culprit is None:
+        return error
+    rank, text = culprit
+    removed = rank == 0 and world.rank != 0 and _remove_lead_leftovers(target)
+    how = ("lost contact with the other torchrun processes" if isinstance(error, LostContact)
+           else f"{error} (torchrun stops every process when one fails)")
+    return OtherFailed(f"{target}: {how}: {text}; nothing was committed{' (its temporary output removed)' if removed else ''}"
+                       f"; {RERUN}")
+
+
+def _culprit(world: World, write: int | None) -> tuple[int, str] | None:
+    """Return (rank, what happened to it) for another process that failed (a note in the
+    store) or, on this host, died without one (SIGKILL, the OOM killer) or never joined;
+    None when nothing tells."""
+    if _store is None:
+        return None
+    others = [rank for rank in range(world.world_size) if rank != world.rank]
+    of = f"of {world.world_size}"
+    try:
+        if write is not None:
+            for rank in others:
+                key = f"{_roster(write)}failed/{rank}"
+                if _store.check([key]):
+                    return rank, f"process {rank} {of} failed ({_store.get(key).decode(errors='replace')})"
+        joined = {}
+        for rank in others:
+            key = f"{_roster()}joined/{rank}"
+            if _store.check([key]):
+                host, _, pid = _store.get(key).decode().partition(" ")
+                lost = write is not None and _store.check([f"{_roster(write)}lost/{rank}"])
+                if host == temps.HOST and not lost:
+                    joined[rank] = int(pid)
+            elif write is None:
+                return rank, f"process {rank} {of} did not join"
+        deadline = time.monotonic() + EXITING
+        while joined:  # a killed process closes its connections a moment before /proc shows it dead
+            for rank, pid in joined.items():
+                if _gone(pid):
+                    return rank, (f"process {rank} {of} (pid {pid}) died without an error (killed: SIGKILL, "
+                                  "the out-of-memory killer?)")
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the store is gone with whoever served it
+        if world.rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            return 0, f"process 0 {of} (which served the rendezvous store) is gone"
+    return None
+
+
+def _gone(pid: int) -> bool:
+    """Return True when process `pid` of this host has exited (a zombie too: its parent has not reaped it yet)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+EXITING = 1.0  # s a killed process of this host may take to show as dead after its connections closed
+REAPED = 3.0  # s a survivor waits for rank 0's process to be reaped (torchrun polls every 0.1 s)
+
+
+def _remove_lead_leftovers(target: Path | storage.RemotePath) -> bool:
+    """Return whether what rank 0 (gone) left at `target` was removed: the stale-temp
+    recovery every run does first (`remove_stale_temps`: the temporary output, or for S3 the
+    marker key and the unfinished multipart uploads), once rank 0's process is reaped."""
+    from ckpttool.outputs import remote
+
+    try:
+        host, _, pid = _store.get(f"{_roster()}joined/0").decode().partition(" ")
+    except Exception:  # noqa: BLE001 - rank 0 served the store: it ran on this host only if MASTER_ADDR is local
+        return False
+    if host != temps.HOST:
+        return False
+    deadline = time.monotonic() + REAPED
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        return False
+    with contextlib.suppress(Exception):
+        if isinstance(target, storage.RemotePath):
+            return bool(remote.remove_stale_temps(target))
+        return bool(temps.remove_stale_temps(target))
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,40 +530,63 @@ def write(operations: Sequence[Operation], target: Path, names: Sequence[str], *
     parts of (`_write_remote`); that needs an output written in order (`streamed`: not a
     .pt file, no --verify).
     """
-    if storage.is_remote(target):
-        remote = cast(storage.RemotePath, target)  # is_remote: a RemotePath (checkpoint.as_path)
+    remote = cast(storage.RemotePath, target) if storage.is_remote(target) else None  # checkpoint.as_path
+    if remote is not None:
         if not streamed or not hasattr(remote.filesystem, "call_s3"):
             raise UsageError(f"{target}: under torchrun, object storage takes .safetensors, Hub folders and reshard "
                              "outputs on S3, without --verify; write a .pt or verified output to a shared path, or "
                              "from a single process")
-        world = init()
-        return _write_remote(world, split(operations, world.world_size), remote, names, directory, force,
-                             prepare, run_share, finish, notify)
-    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(target)):  # a URL (Path("s3://b/k") reads "s3:/b/k")
+    elif re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(target)):  # a URL (Path("s3://b/k") reads "s3:/b/k")
         raise UsageError(f"{target}: under torchrun the output must be a path every process can open (local disk, "
                          "NFS) or an s3:// URL")
-    world = init()
-    shares = split(operations, world.world_size)
-    if world.rank == 0:
-        return _lead(shares, target, names, directory, force, prepare, run_share, finish, notify)
+    global _writes
+    world = environment()
+    assert world is not None, "distributed.write: not under torchrun (see `active`)"
+    _writes += 1
+    number = _writes  # names this write in the notes every process leaves (`_note`)
+    try:
+        init()
+        shares = split(operations, world.world_size)
+        if remote is not None:
+            return _write_remote(world, shares, remote, names, directory, force, prepare, run_share, finish, notify)
+        if world.rank == 0:
+            return _lead(shares, target, names, directory, force, prepare, run_share, finish, notify)
+        return _follow(world, shares[world.rank], target, run_share)
+    except BaseException as error:
+        raised: BaseException = error
+        with contextlib.suppress(KeyboardInterrupt), signals.deferred():  # torchrun's SIGTERM must not cut it short
+            raised = _note(world, number, error, remote or target)
+        if raised is error:
+            raise
+        raise raised from error
+
+
+def _follow(world: World, share: list[Operation], target: Path, run_share: RunShare) -> tuple[ProcessStats, ...]:
+    """The commit protocol on a process other than rank 0 (`_lead`), for a local `target`."""
+    testpoints.die(world.rank, "start")
     paths = broadcast(None)
     if isinstance(paths, str):
-        raise WriteFailed(f"{target}: rank 0 could not create the output ({paths}); nothing was written")
+        raise OtherFailed(f"{target}: process 0 could not create the output ({paths}); nothing was written")
     paths = cast(dict[str, str], paths)  # rank 0 broadcasts an error or {name: path} (_lead)
-    stats, failure = _run_share(world, shares[world.rank], paths, run_share, target)
-    committed = all_ok(failure is None)  # returns once rank 0 has committed or removed the output
+    stats, failure = _run_share(world, share, paths, run_share, target)
+    testpoints.die(world.rank, "commit")
+    committed = all_ok(failure is None)  # the vote: rank 0 renames the output only if every process is still there
     if failure is not None:
         raise failure
     if not committed:
-        raise WriteFailed(f"{target}: rank 0 could not commit the output (see its error); nothing was left there")
+        raise OtherFailed(f"{target}: process 0 could not commit the output (see its error); nothing was left there")
     return stats
 
 
 def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], directory: bool, force: bool,
           prepare: Prepare, run_share: RunShare, finish: Finish, notify: Notify) -> tuple[ProcessStats, ...]:
+    """The commit protocol on rank 0, for a local `target`: the vote (an all-reduce every
+    process joins once it has written its share, rank 0 once it has written what depends on
+    the whole) comes before the rename, so a process that dies at any step before it leaves
+    nothing at `target`."""
     world = environment()
     assert world is not None
-    gathered = False  # every rank reported: each now waits for the commit-or-cleanup all-reduce
+    gathered = voted = False  # every rank reported; the vote was taken (or tried)
     root: Path | None = None
     try:
         with contextlib.ExitStack() as stack:
@@ -325,6 +597,7 @@ def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], dir
             except BaseException as error:
                 broadcast(str(error) or type(error).__name__)  # the others stop too
                 raise
+            testpoints.die(0, "start")
             broadcast({name: str(path) for name, path in paths.items()})
             stats, failure = _run_share(world, shares[0], paths, run_share, target)
             gathered = True
@@ -334,13 +607,18 @@ def _lead(shares: list[list[Operation]], target: Path, names: Sequence[str], dir
                 finish(root, fds)
                 for fd in fds.values():
                     os.fsync(fd)
+            testpoints.die(0, "commit")
+            voted = True
+            if not all_ok(True):  # the others vote their share's outcome, which the gather told: never False
+                raise OtherFailed(f"{target}: a process failed after writing its share; nothing was committed")
+        # renamed into place as the `with` ends
     except BaseException:
         if root is not None:  # atomic_* removed it, unless a second signal cut that short
             _remove(root)
-        if gathered:
-            all_ok(False)
+        if gathered and not voted:
+            with contextlib.suppress(WriteFailed):
+                all_ok(False)
         raise
-    all_ok(True)
     return stats
 
 
@@ -351,31 +629,33 @@ def _write_remote(world: World, shares: list[list[Operation]], target: storage.R
     file (heads written into its first parts) and broadcasts the upload ids; every process
     sends the parts its share fills whole, numbered by their place in the file; the parts at
     the edges of shares, filled by two processes, are summed onto rank 0 (each byte written by
-    one process, zeros elsewhere) and sent by it; rank 0 collects every part's ETag and
-    completes the uploads only when every process succeeded, else aborts them
-    (`remote.remote_output`)."""
+    one process, zeros elsewhere) and sent by it; rank 0 collects every part's ETag and, after
+    the vote (`_lead`), completes the uploads, else aborts them (`remote.remote_output`)."""
     if world.rank != 0:
+        testpoints.die(world.rank, "start")
         begun = broadcast(None)
         if isinstance(begun, str):
-            raise WriteFailed(f"{target}: rank 0 could not begin the upload ({begun}); nothing was written")
+            raise OtherFailed(f"{target}: process 0 could not begin the upload ({begun}); nothing was written")
         begun = cast(dict[str, tuple[str, str, int, int]], begun)  # rank 0 broadcasts an error or its uploads
         sinks = {name: MultipartSink(target.filesystem, key, f"{target}/{name}", upload_id, size, part_size)
                  for name, (key, upload_id, size, part_size) in begun.items()}
         stats, failure = _run_share(world, shares[world.rank], sinks, run_share, target)
         if failure is None:
             _merge_edges(world, sinks)
+        testpoints.die(world.rank, "commit")
         committed = all_ok(failure is None)
         if failure is not None:
             raise failure
         if not committed:
-            raise WriteFailed(f"{target}: rank 0 could not commit the output (see its error); nothing was left there")
+            raise OtherFailed(f"{target}: process 0 could not commit the output (see its error); nothing was left there")
         return stats
-    announced = gathered = False
+    announced = gathered = voted = False
     try:
         with remote_output(target, force, directory, streamed=True, notify=notify) as output:
             sinks = {name: output.sink(name) for name in names} if directory else {names[0]: output}
             prepare(sinks)
             begun = {name: (sink.key, sink.begin(), sink.size, sink.part_size) for name, sink in sinks.items()}
+            testpoints.die(0, "start")
             broadcast(begun)
             announced = True
             stats, failure = _run_share(world, shares[0], sinks, run_share, target)
@@ -384,13 +664,18 @@ def _write_remote(world: World, shares: list[list[Operation]], target: storage.R
                 raise failure
             _merge_edges(world, sinks)
             finish(output.path if directory else Path(target.name), sinks)
+            testpoints.die(0, "commit")
+            voted = True
+            if not all_ok(True):
+                raise OtherFailed(f"{target}: a process failed after writing its share; nothing was committed")
+        # the uploads are completed as the `with` ends
     except BaseException as error:
-        if not announced:
-            broadcast(str(error) or type(error).__name__)  # the others stop too
-        elif gathered:
-            all_ok(False)
+        with contextlib.suppress(WriteFailed):
+            if not announced:
+                broadcast(str(error) or type(error).__name__)  # the others stop too
+            elif gathered and not voted:
+                all_ok(False)
         raise
-    all_ok(True)
     return stats
 
 
@@ -473,7 +758,8 @@ def _run_share(world: World, share: list[Operation], paths: dict, run_share: Run
     failed = [(rank, why) for rank, _, _, why in rows if why is not None]
     if failure is None and failed:
         rank, why = failed[0]
-        failure = WriteFailed(f"{target}: process {rank} of {world.world_size} failed ({why}); nothing was committed")
+        failure = OtherFailed(f"{target}: process {rank} of {world.world_size} failed ({why}); nothing was committed; "
+                              f"{RERUN}")
     return stats, failure
 
 
