@@ -20,6 +20,7 @@ the environment as botocore reads it:
   the profile's `endpoint_url` (path-style URLs); else AWS itself, virtual-hosted
   (`https://BUCKET.s3.REGION.amazonaws.com/KEY`) when the bucket name is a DNS label.
 - TLS: `client_kwargs.verify` (False, or a CA bundle path), `AWS_CA_BUNDLE`.
+- timeout: `config_kwargs.read_timeout` (botocore's `Config` spelling, as s3fs takes it), else 60 s.
 
 Errors are the standard exceptions `storage.request_errors` turns into one line: PermissionError
 (403, refused or missing credentials), FileNotFoundError (NoSuchKey, NoSuchBucket), OSError
@@ -48,7 +49,10 @@ from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # x-amz-content-sha256 of a request without a body
 ATTEMPTS = 5  # tries of one request (connection errors, 5xx, SlowDown), as botocore's standard retry mode
 RETRY_DELAY = 0.2  # seconds before the second try, doubled before each next one (plus jitter)
-TIMEOUT = 60  # seconds a connect or a socket read may block
+TIMEOUT = 60  # seconds a connect or a socket read may block (botocore's default; `config_kwargs.read_timeout` sets it)
+# One request takes at most ATTEMPTS tries to get an answer (each <= the timeout, sleeps <= 4.5 s in all), and its
+# body (a cut-short LIST page, a dropped GET) at most ATTEMPTS such requests; then one line ending with AGAIN.
+AGAIN = "; the endpoint kept failing (retried with backoff): check it and the network, then run the command again"
 RETRY_STATUS = frozenset({500, 502, 503, 504})
 RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling"})
 MAX_ERROR_BODY = 64 << 10  # bytes of an error response read (its XML names the code and message)
@@ -104,6 +108,7 @@ class S3Client:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._ssl: Any = None
+        self.timeout = float((options.get("config_kwargs") or {}).get("read_timeout") or TIMEOUT)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -152,7 +157,7 @@ class S3Client:
             conn.close()
             if attempt < ATTEMPTS:
                 _sleep(attempt)
-        raise OSError(f"GET s3://{bucket}/{key} bytes {start}..{end}: the connection ended early {ATTEMPTS} times")
+        raise OSError(f"GET s3://{bucket}/{key} bytes {start}..{end}: the connection ended early {ATTEMPTS} times{AGAIN}")
 
     def pieces(self, bucket_key: str, offset: int, length: int, buffer: memoryview) -> Iterator[memoryview]:
         """Yield the `length` bytes at `offset` as consecutive fills of `buffer`, each view valid
@@ -199,7 +204,7 @@ class S3Client:
                     failures += 1
                     if failures >= ATTEMPTS:
                         raise OSError(f"GET s3://{bucket}/{key} bytes {offset}..{offset + length}: "
-                                      f"{type(error).__name__} after {done + fill} bytes, {failures} times") from None
+                                      f"{type(error).__name__} after {done + fill} bytes, {failures} times{AGAIN}") from None
                     _sleep(failures)
                     continue
                 done, fill = done + len(view), 0
@@ -233,11 +238,16 @@ class S3Client:
                 query["max-keys"] = str(limit)
             if token:
                 query["continuation-token"] = token
-            body = self._call("GET", bucket, "", query, limit=MAX_LIST_PAGE)
-            try:
-                root = ElementTree.fromstring(body)
-            except ElementTree.ParseError as error:
-                raise OSError(f"LIST s3://{bucket}/{prefix}: the server answered with malformed XML ({error})") from None
+            for attempt in range(1, ATTEMPTS + 1):
+                body = self._call("GET", bucket, "", query, limit=MAX_LIST_PAGE)
+                try:
+                    root = ElementTree.fromstring(body)
+                    break
+                except ElementTree.ParseError as error:  # a page cut short without a length to tell: ask again
+                    if attempt == ATTEMPTS:
+                        raise OSError(f"LIST s3://{bucket}/{prefix}: the server answered with malformed XML "
+                                      f"{ATTEMPTS} times ({error}){AGAIN}") from None
+                    _sleep(attempt)
             space = root.tag[:root.tag.index("}") + 1] if root.tag.startswith("{") else ""
             url_encoded = (root.findtext(f"{space}EncodingType") or "").lower() == "url"
             for item in root.iterfind(f"{space}Contents"):
@@ -264,13 +274,15 @@ class S3Client:
             conn, response, origin = self._open(method, bucket, key, query)
             try:
                 body = response.read(limit + 1)
+                if response.length and len(body) <= limit:  # Content-Length promised more than arrived
+                    raise http.client.IncompleteRead(body, response.length)
                 complete = response.isclosed() or (response.length is None and not response.read(1))
             except (OSError, http.client.HTTPException):
                 conn.close()
                 if attempt < ATTEMPTS:
                     _sleep(attempt)
                     continue
-                raise OSError(f"{method} s3://{bucket}/{key}: the connection ended early {ATTEMPTS} times") from None
+                raise OSError(f"{method} {_named(bucket, key, query)}: the connection ended early {ATTEMPTS} times{AGAIN}") from None
             if len(body) > limit:
                 conn.close()
                 raise OSError(f"{method} s3://{bucket}/{key}: response larger than {limit} bytes")
@@ -305,8 +317,8 @@ class S3Client:
                     continue  # a keep-alive connection the server had closed: reconnect at once
                 failures += 1
                 if failures >= ATTEMPTS:
-                    raise OSError(f"{method} {scheme}://{host}{path}: {type(error).__name__}: {error} "
-                                  f"({failures} attempts)") from None
+                    raise OSError(f"{method} {_named(bucket, key, query)}: {type(error).__name__}: {error} "
+                                  f"({failures} attempts to {scheme}://{host}){AGAIN}") from None
                 _sleep(failures)
                 continue
             # our mark on http.client's connection (a later request from the pool knows it reused one)
@@ -329,6 +341,7 @@ class S3Client:
                 if failures < ATTEMPTS:
                     _sleep(failures)
                     continue
+                message = f"{message} ({failures} attempts){AGAIN}"
             raise _error(method, response.status, code, message, bucket, key)
 
     def _where(self, bucket: str, key: str, region: str) -> tuple[str, str, str]:
@@ -399,8 +412,8 @@ class S3Client:
             return conn
         scheme, host = origin
         if scheme == "http":
-            return http.client.HTTPConnection(host, timeout=TIMEOUT)
-        return http.client.HTTPSConnection(host, timeout=TIMEOUT, context=self._ssl_context())
+            return http.client.HTTPConnection(host, timeout=self.timeout)
+        return http.client.HTTPSConnection(host, timeout=self.timeout, context=self._ssl_context())
 
     def _release(self, origin: tuple[str, str], conn: http.client.HTTPConnection) -> None:
         pool = self._local.__dict__.setdefault("pool", {})
@@ -518,6 +531,11 @@ def _split(bucket_key: str) -> tuple[str, str]:
     if not bucket:
         raise ValueError(f"{bucket_key!r}: expected bucket/key")
     return bucket, key
+
+
+def _named(bucket: str, key: str, query: Mapping[str, str] | None) -> str:
+    """The URL a request is about, for its error: the object, or the prefix a listing asked for."""
+    return f"s3://{bucket}/{key or (query or {}).get('prefix', '')}"
 
 
 def _add(found: dict[str, dict[str, Any]], bucket: str, name: str, size: int) -> None:

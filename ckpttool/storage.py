@@ -55,6 +55,9 @@ AZURE_CLOUD = "core.windows.net"  # the public cloud's host suffix; others (sove
 CONNECT_ATTEMPTS = 3  # tries of an endpoint that refuses connections or does not resolve (~3 s), not gcsfs's 6 (~35 s)
 AZURE_CONNECT_RETRIES = 0  # the Azure SDK waits 15 s and more before each retry: fail at once instead
 CONNECT_TIMEOUT = 10  # seconds to open a connection to Google Cloud Storage (aiohttp's default waits 300 s)
+S3_ATTEMPTS = 5  # botocore tries of one S3 request (standard mode; its default, legacy mode, retries fewer errors)
+S3_RETRIES = 3  # s3fs's tries of a call whose answer was cut short (each of them S3_ATTEMPTS requests at most)
+S3_READ_TIMEOUT = 60  # seconds a socket read may block (botocore's default; a stall past it is retried)
 _FILE_URL = re.compile(r"^file:(//)?(?P<path>/.*)$")
 PIECE = 1 << 20  # bytes of a streamed GET's body held at once (`RangeReader.pieces`)
 READ_AHEAD = 256 << 10  # a small read (record header, safetensors length) fetches this much, so its neighbours are served from memory
@@ -168,10 +171,16 @@ def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = N
     elif protocol in AZURE_PROTOCOLS:
         options = _azure_options(url, host, options)
         cls = _azure_filesystem_class()
+    elif protocol in S3_PROTOCOLS:
+        options = _s3_write_options(options)
+        cls = fsspec.get_filesystem_class(protocol)
     else:
         cls = fsspec.get_filesystem_class(protocol)
     try:
-        return cls(**options)
+        filesystem = cls(**options)
+        if protocol in S3_PROTOCOLS:
+            filesystem.retries = S3_RETRIES  # s3fs's tries of a call, each of them botocore's S3_ATTEMPTS requests
+        return filesystem
     except Exception as error:
         if protocol in GCS_PROTOCOLS and type(error).__name__ == "DefaultCredentialsError":
             raise StorageError(f"{url}: no Google Cloud credentials found; run `gcloud auth application-default login` "
@@ -184,6 +193,18 @@ def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = N
                                "AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY), or pass --storage-option "
                                "connection_string=... (or account_name=... account_key=...)", "storage-denied") from None
         raise StorageError(f"{url}: cannot open {protocol}:// ({_first_line(error)})") from None
+
+
+def _s3_write_options(options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs's options with botocore's retries and timeouts bounded (what the options name wins):
+    every request (LIST, HEAD, PUT, multipart create/part/complete/abort, DELETE) is tried
+    S3_ATTEMPTS times in botocore's standard mode (5xx, SlowDown, resets, timeouts; backoff
+    up to 2**n s), within s3fs's own S3_RETRIES tries of a body cut short or unparsable."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"max_attempts": S3_ATTEMPTS, "mode": "standard"})
+    config.setdefault("connect_timeout", CONNECT_TIMEOUT)
+    config.setdefault("read_timeout", S3_READ_TIMEOUT)
+    return {**options, "config_kwargs": config}
 
 
 def _azure_options(url: str, host: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -346,12 +367,16 @@ def _one_line(url: str, error: Exception) -> StorageError | None:
                             "--storage-option connection_string=... (or account_name=... account_key=...)", "storage-denied")
     if isinstance(error, (OSError, ValueError)) or \
             type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "google", "azure"):
-        return StorageError(f"{url}: request failed ({name}: {detail})")
+        from ckpttool.s3 import AGAIN
+
+        full = _first_line(error, limit=400)
+        advice = AGAIN if AGAIN in full else "; check the endpoint and the network, then run the command again"
+        return StorageError(f"{url}: request failed ({name}: {full.replace(AGAIN, '')[:200]}){advice}")
     return None
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
 
 
 class _Listing:

@@ -240,6 +240,9 @@ class _Handler(BaseHTTPRequestHandler):
         if payload.get("type") not in (None, "model"):
             raise HubError(400, "the stand-in Hub holds model repos only")
         repo_id = f"{namespace}/{payload['name']}"
+        if repo_id in hub.repos:  # the Hub's 409 names the repo's URL, which create_repo(exist_ok=True) returns
+            self._json({"error": "You already created this model repo", "url": f"{self.base}/{repo_id}"}, 409)
+            return
         hub.create_repo(repo_id, payload.get("visibility") == "private")
         self._json({"url": f"{self.base}/{repo_id}", "name": repo_id, "id": repo_id})
 

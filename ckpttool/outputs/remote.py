@@ -36,6 +36,7 @@ from ckpttool.outputs.signals import deferred
 from ckpttool.outputs.temps import WRITING_PREFIX, StaleTemp, dead_entries, new_token, temp_name
 from ckpttool.storage import RemotePath, request_errors
 
+SETTLE_SECONDS = 10  # a request still running when a run fails is waited for this long, then cancelled
 LAST_KEYS = (".metadata", ".index.json")  # copied last: a reader sees the checkpoint only when all else is there
 
 
@@ -72,24 +73,42 @@ def remove_stale_temps(target: RemotePath) -> list[StaleTemp]:
     dead, found = dead_entries(names, target.name, kinds=("tmp",))
     removed = []
     for entry in dead:
-        if len(dead) == found:  # no live run writes `target`: unfinished uploads there are the dead runs'
-            _abort_uploads(target, f"{parent}/{entry.name}")
-        fs.rm(f"{parent}/{entry.name}", recursive=True)
+        marker = f"{parent}/{entry.name}"
+        if len(dead) == found and fs.isfile(marker) and not fs.size(marker):
+            # no live run writes `target`, and this is a streamed run's marker: unfinished uploads there are the dead runs'
+            _abort_uploads(target, target.key)
+        fs.rm(marker, recursive=True)
         removed.append(StaleTemp(target.parent / entry.name, target, entry.pid))
     return removed
 
 
-def _abort_uploads(target: RemotePath, marker: str) -> None:
-    """Abort the unfinished multipart uploads to `target` (or keys under it), when `marker`
-    is the empty key a killed streamed run put beside it."""
+def _abort_uploads(target: RemotePath, key: str) -> None:
+    """Abort the unfinished multipart uploads to `key` (or keys under it) on `target`'s bucket."""
     fs = target.filesystem
-    if not hasattr(fs, "call_s3") or not fs.isfile(marker) or fs.size(marker):
+    if not hasattr(fs, "call_s3"):
         return
-    bucket, key, _ = fs.split_path(target.key)
-    listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    bucket, prefix, _ = fs.split_path(key)
+    listing = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
     for upload in listing.get("Uploads", []):
-        if upload["Key"] == key or upload["Key"].startswith(key + "/"):
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        if upload["Key"] == prefix or upload["Key"].startswith(prefix + "/"):
+            with contextlib.suppress(FileNotFoundError):  # NoSuchUpload: gone already (an abort retried after its answer was lost)
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+
+def _abort_orphans(target: RemotePath, temp: str) -> None:
+    """Abort the unfinished multipart uploads left to `target` and `temp` once this run's own are
+    completed or aborted: a CreateMultipartUpload whose answer was lost and which botocore sent
+    again began an upload nobody knows the id of (invisible, but kept and billed until aborted).
+    Only when no other live run writes `target` (no marker beside it but this run's `temp`).
+    Raises what the requests raise: the caller then keeps its marker, so the
+    next run to write `target` aborts them (`remove_stale_temps`)."""
+    fs, parent = target.filesystem, target.parent.key
+    names = [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(parent, detail=False, refresh=True)]
+    dead, found = dead_entries(names, target.name, kinds=("tmp",))
+    if found - len(dead) > (1 if temp.rsplit("/", 1)[-1] in names else 0):
+        return
+    _abort_uploads(target, target.key)
+    _abort_uploads(target, temp)
 
 
 class Streams:
@@ -145,11 +164,12 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
     object at the destination key.
     """
     check(target, force, notify)
-    local = Path(tempfile.mkdtemp(prefix=WRITING_PREFIX))
     fs, temp = target.filesystem, f"{target.parent.key}/{temp_name(target.name, 'tmp', new_token())}"
     streams = Streams(target, directory, notify) if streamed and hasattr(fs, "call_s3") else None
-    output = local / target.name
+    local: Path | None = None
     try:
+        local = Path(tempfile.mkdtemp(prefix=WRITING_PREFIX))  # in the try: a signal right after it still removes it
+        output = local / target.name
         if streams is not None:  # an empty key naming this run: a later run aborts our uploads if we are killed
             with request_errors(str(target)):
                 fs.pipe_file(temp, b"")
@@ -161,21 +181,52 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
         testpoints.pause("commit")
         if streams is not None:
             streams.commit(output, force)
-            with request_errors(str(target)):
-                fs.rm_file(temp)
+            with deferred(), contextlib.suppress(Exception):  # the output is complete: a failure here is the next run's
+                _abort_orphans(target, temp)
+                fs.rm_file(temp)  # only when the orphans are gone: else the next run aborts them
         else:
             _upload(output, target, temp, force, directory, notify)
+            with deferred(), contextlib.suppress(Exception):
+                _abort_orphans(target, temp)
     except BaseException:
         with deferred():  # network calls: a signal now (torchrun stopping us) must not cut them short
+            _settle(fs)
             if streams is not None:
                 streams.abort()
             with contextlib.suppress(Exception), request_errors(str(target)):
+                _abort_orphans(target, temp)
                 fs.invalidate_cache(target.parent.key)
                 if fs.exists(temp):
                     fs.rm(temp, recursive=True)
         raise
     finally:
-        shutil.rmtree(local, ignore_errors=True)
+        with deferred():  # a signal during the removal would leave the rest of it in $TMPDIR
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
+
+
+def _settle(fs: Any) -> None:
+    """Let the requests still running in fsspec's event-loop thread end (those past
+    SETTLE_SECONDS are cancelled): a signal raised in the main thread while it waited for one
+    (a temporary key's upload, a multipart upload being begun) leaves it running, and what it
+    made after the clean-up looked would be left behind."""
+    import asyncio
+
+    loop = getattr(fs, "loop", None)
+    if loop is None or not loop.is_running():
+        return
+
+    async def running() -> None:
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=SETTLE_SECONDS)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=SETTLE_SECONDS)
+
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(running(), loop).result(3 * SETTLE_SECONDS)
 
 
 @contextlib.contextmanager
