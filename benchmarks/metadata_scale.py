@@ -140,8 +140,13 @@ def stages(args) -> None:
     if args.source:
         sys.path.insert(0, args.source)
     import ckpttool
-    from ckpttool import integrity, render
+    from ckpttool import integrity
     from ckpttool.commands import inspect as inspect_command
+    try:
+        from ckpttool.render import inspect as render, text as render_text, validate as render_validate
+    except ImportError:  # a --source checkout from before the render package (one render.py)
+        from ckpttool import render
+        render_text = render_validate = render
     from ckpttool.commands.validate import ValidationReport
 
     results: list = []
@@ -154,12 +159,12 @@ def stages(args) -> None:
         staged("render.inspect_text", lambda: len(render.inspect_text(report)), results)
         staged("render.inspect_text --chunks --by-file", lambda: len(render.inspect_text(report, chunks=True, by_file=True)), results)
         with open(os.devnull, "w") as sink:  # as to stdout: the document is never held whole
-            staged("render.inspect_document + emit_json", lambda: render.emit_json(render.inspect_document(report), sink), results)
+            staged("render.inspect_document + emit_json", lambda: render_text.emit_json(render.inspect_document(report), sink), results)
 
         def validate_text():
             validation = ValidationReport(checkpoint.path, False, found.problems, tensors=len(checkpoint.tensors),
                                           chunks=sum(len(t.chunks) for t in checkpoint.tensors.values()), files=found.files)
-            return render.validate_text(validation)
+            return render_validate.validate_text(validation)
 
         staged("render.validate_text", validate_text, results)
     print(f"ckpttool from {Path(ckpttool.__file__).parent}; {args.tensors} tensors, {chunks} chunks in {args.ranks} "

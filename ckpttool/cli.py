@@ -1,7 +1,9 @@
 """The `ckpttool` command line: each command parses, calls the library, renders.
 
 Exit codes: 0 ok, 1 invalid or corrupt checkpoint (or a failed operation on one), 2 usage.
-Human text and `--json` documents come from `render` (the only module that formats output);
+Human text and `--json` documents come from the `render` package (the only place that formats
+output), each command importing its own module of it, and its `ckpttool.commands` module, inside
+its body: `--help` and `inspect` import nothing they do not use (tests/test_startup_imports.py);
 options shared by the writing commands are declared once, in `write_options`, and become one
 `options.WriteOptions` there; `reads_source` makes the `options.SourceOptions` of the source flags.
 """
@@ -22,8 +24,8 @@ from ckpttool.errors import EXIT_INVALID, CheckpointError
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "show_default": True}
 
 
-def _shown(text) -> str:  # render.shown, imported only when there is something to show
-    from ckpttool.render import shown
+def _shown(text) -> str:  # render.text.shown, imported only when there is something to show
+    from ckpttool.render.text import shown
 
     return shown(text)
 
@@ -53,10 +55,11 @@ def errors_reported():
 
 def reports_errors(command):
     """Run the command with `errors_reported`, signals turned into `Interrupted`."""
-    from ckpttool.outputs import signals
 
     @wraps(command)
     def run(*args, **kwargs):
+        from ckpttool.outputs import signals  # when the command runs: `--help` never needs it
+
         with errors_reported(), signals.interruptible():
             return command(*args, **kwargs)
 
@@ -167,14 +170,14 @@ def write_options(command):
 
 def show(document: dict | None, text: str | None, notes: Sequence[str] = ()) -> None:
     """Print `document` as JSON (when given) or `text`; `notes` go to stderr either way."""
-    from ckpttool import render
+    from ckpttool.render.text import emit_json, shown, terminal_text
 
     for line in notes:
-        click.echo(render.shown(line), err=True)
+        click.echo(shown(line), err=True)
     if document is not None:
-        render.emit_json(document)
+        emit_json(document)
     elif text:
-        click.echo(render.terminal_text(text))
+        click.echo(terminal_text(text))
 
 
 # --- the shard-map page (issue 34): `--html FILE` on inspect and validate ----------------------
@@ -195,11 +198,12 @@ def with_html_options(command):
 def write_shard_map(html: str, force: bool, report, problems=(), validated: bool = False, path=None) -> None:
     """Write the shard-map page of an inspect report (None: metadata unreadable) and validate's
     problems to `html`, atomically; say so on stderr."""
-    from ckpttool import render_html, shard_map
+    from ckpttool import shard_map
+    from ckpttool.render.html import write_page, written_line
 
     built = shard_map.build(report, problems, path=path, validated=validated)
-    size = render_html.write_page(built, html, force)
-    click.echo(_shown(render_html.written_line(built, html, size)), err=True)
+    size = write_page(built, html, force)
+    click.echo(_shown(written_line(built, html, size)), err=True)
 # --- end of the shard-map page ----------------------------------------------------------------
 
 
@@ -218,8 +222,8 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
             force: bool, source) -> None:
     """Show what is in a checkpoint, reading only its metadata (no tensor bytes). SRC defaults
     to the current directory."""
-    from ckpttool import render
     from ckpttool.commands.inspect import inspect as inspect_checkpoint
+    from ckpttool.render.inspect import inspect_document, inspect_text
 
     if html is not None:
         from ckpttool.outputs import check_destination
@@ -229,9 +233,9 @@ def inspect(src: str, as_json: bool, filters: tuple[str, ...], chunks: bool, by_
     if html is not None:
         write_shard_map(html, force, report)
     if as_json:
-        show(render.inspect_document(report), None)
+        show(inspect_document(report), None)
     else:
-        show(None, render.inspect_text(report, chunks=chunks, by_file=by_file))
+        show(None, inspect_text(report, chunks=chunks, by_file=by_file))
 
 
 @main.command()
@@ -248,8 +252,8 @@ def validate(src: str, deep: bool, manifest_file: str | None, html: str | None, 
              source) -> None:
     """Check that a checkpoint is whole and consistent; exit 0 valid, 1 invalid. SRC defaults
     to the current directory."""
-    from ckpttool import render
     from ckpttool.commands.validate import validate as validate_checkpoint
+    from ckpttool.render.validate import validate_document, validate_text
 
     if html is not None:
         from ckpttool.outputs import check_destination
@@ -264,7 +268,7 @@ def validate(src: str, deep: bool, manifest_file: str | None, html: str | None, 
         except CheckpointError:
             inspected = None
         write_shard_map(html, force, inspected, report.problems, validated=True, path=report.path)
-    show(render.validate_document(report) if as_json else None, render.validate_text(report))
+    show(validate_document(report) if as_json else None, validate_text(report))
     if not report.valid:
         sys.exit(EXIT_INVALID)
 
@@ -328,8 +332,8 @@ def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], 
                 lora_dropout, base_model_name_or_path, as_json: bool, write, source) -> None:
     """Write a sharded checkpoint as one full state dict: OUT.safetensors, OUT.pt/.bin, or a
     directory of Hub-style safetensors shards with model.safetensors.index.json."""
-    from ckpttool import render
     from ckpttool.commands.consolidate import consolidate as consolidate_checkpoint
+    from ckpttool.render.convert import consolidate_document, consolidate_notes, consolidate_text
     from ckpttool.options import ConvertOptions
 
     convert = ConvertOptions(everything=everything, filters=filters, keep_keys=keep_keys, renames=renames, dtype=dtype,
@@ -337,8 +341,7 @@ def consolidate(src: str, out: str, everything: bool, filters: tuple[str, ...], 
     merge = None if merge_adapter is None else adapter_options(merge_adapter, lora_alpha, use_rslora, fan_in_fan_out,
                                                                lora_dropout, base_model_name_or_path)
     report = consolidate_checkpoint(src, out, convert, write, source, merge)
-    show(render.consolidate_document(report) if as_json else None, render.consolidate_text(report),
-         render.consolidate_notes(report))
+    show(consolidate_document(report) if as_json else None, consolidate_text(report), consolidate_notes(report))
 
 
 @main.command()
@@ -356,14 +359,15 @@ def reshard(src: str, dst: str | None, world_size: int | None, mesh: str | None,
             as_json: bool, write, source) -> None:
     """Rewrite a DCP checkpoint for another world size: rank r's file holds what FSDP2 on N
     ranks owns. SRC defaults to the current directory, DST to SRC-world{N} beside SRC."""
-    from ckpttool import render
     from ckpttool.commands.reshard import reshard as reshard_checkpoint
+    from ckpttool.render.convert import default_destination_line, reshard_document, reshard_text
+    from ckpttool.render.text import problem_lines
 
     report = reshard_checkpoint(src, dst, world_size, mesh, keep_whole=keep_whole, write=write, source=source)
-    notes = render.problem_lines(report.problems)
+    notes = problem_lines(report.problems)
     if dst is None:
-        notes.append(render.default_destination_line(report))
-    show(render.reshard_document(report) if as_json else None, render.reshard_text(report), notes)
+        notes.append(default_destination_line(report))
+    show(reshard_document(report) if as_json else None, reshard_text(report), notes)
 
 EXIT_DIFFERENT = 1  # cmp and diff: 0 same, 1 different, 2 could not compare
 EXIT_COULD_NOT_COMPARE = 2
@@ -420,17 +424,16 @@ def diff(a: str, b: str, normalize: bool, only: tuple[str, ...], filters: tuple[
     """Compare two checkpoints of any layouts and shardings, entry by entry and byte for byte.
 
     Exit 0 identical (or within --atol/--rtol), 1 different, 2 could not compare."""
-    from ckpttool import render
     from ckpttool.commands.diff import diff as diff_checkpoints
     from ckpttool.commands.manifest import is_manifest_file
+    from ckpttool.render.diff import diff_document, diff_notes, diff_text
 
     if is_manifest_file(a) or is_manifest_file(b):  # manifest (issue 34): `diff SRC FILE.json`
         compare_with_manifest(a, b, as_json, limit, quiet, source)
     report = diff_checkpoints(a, b, normalize=normalize, only=only, filters=filters, renames=renames,
                               renames_a=renames_a, renames_b=renames_b, atol=atol, rtol=rtol, exact_names=exact_names,
                               progress=byte_progress(quiet), source=source, assets=assets)
-    show(render.diff_document(report) if as_json else None, render.diff_text(report, limit=limit),
-         render.diff_notes(report))
+    show(diff_document(report) if as_json else None, diff_text(report, limit=limit), diff_notes(report))
     sys.exit(0 if report.same else EXIT_DIFFERENT)
 
 
@@ -452,8 +455,8 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
     Hub-style folder as it is, any other checkpoint exported to a temporary folder first.
 
     Token and endpoint as huggingface_hub reads them: HF_TOKEN or `hf auth login`; HF_ENDPOINT."""
-    from ckpttool import render_hub
     from ckpttool.commands.push import push as push_checkpoint
+    from ckpttool.render.hub import push_document, push_notes, push_text
 
     if quiet:
         from huggingface_hub.utils import disable_progress_bars
@@ -461,7 +464,7 @@ def push(src: str, repo_id: str, revision: str | None, private: bool, commit_mes
         disable_progress_bars()
     report = push_checkpoint(src, repo_id, revision=revision, private=private, commit_message=commit_message,
                              dry_run=dry_run, progress=byte_progress(quiet), source=source)
-    show(render_hub.push_document(report) if as_json else None, render_hub.push_text(report), render_hub.push_notes(report))
+    show(push_document(report) if as_json else None, push_text(report), push_notes(report))
 
 
 @main.command()
@@ -490,10 +493,9 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
     """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
     shards (or model.safetensors), config.json, tokenizer files and a README.md model card;
     with --adapter, a LoRA checkpoint's adapter as the folder PEFT loads."""
-    from ckpttool import render_hub
     from ckpttool.commands.export import export as export_checkpoint
-
     from ckpttool.options import ConvertOptions
+    from ckpttool.render.hub import export_document, export_notes, export_text
 
     if adapter is not None and merge_adapter is not None:
         raise click.UsageError("--adapter writes the adapter, --merge-adapter the merged model: choose one")
@@ -503,11 +505,11 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
         if dtype or max_shard_size or drop_tied or renames or with_manifest:
             raise click.UsageError("--adapter writes PEFT's own file: --dtype, --max-shard-size, --drop-tied, "
                                    "--rename and --manifest do not apply")
-        from ckpttool import render_lora
         from ckpttool.commands.export_adapter import export_adapter
+        from ckpttool.render.lora import adapter_document, adapter_text
 
         written = export_adapter(src, outdir, assets, lora, write, source)
-        show(render_lora.adapter_document(written) if as_json else None, render_lora.adapter_text(written))
+        show(adapter_document(written) if as_json else None, adapter_text(written))
         return
     rows, _, cols = block.lower().partition("x")
     if not (rows.isdigit() and cols.isdigit()):
@@ -516,7 +518,7 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
                              quantize=quantize, block=(int(rows), int(cols)))
     report = export_checkpoint(src, outdir, assets, convert, write, source, lora if merge_adapter is not None else None,
                                manifest=with_manifest)
-    show(render_hub.export_document(report) if as_json else None, render_hub.export_text(report), render_hub.export_notes(report))
+    show(export_document(report) if as_json else None, export_text(report), export_notes(report))
 
 
 @main.command(name="import")
@@ -533,12 +535,12 @@ def import_(src: str, dst: str, world_size: int | None, mesh: str | None, prefix
             source) -> None:
     """Write full model weights (a .safetensors file, a Hub folder, a .pt) as a DCP checkpoint
     laid out for N FSDP2 ranks that dcp.load and `train_minimal --resume` read."""
-    from ckpttool import render, render_hub
     from ckpttool.commands.import_ import import_checkpoint
+    from ckpttool.render.hub import import_document, import_text
+    from ckpttool.render.text import problem_lines
 
     report = import_checkpoint(src, dst, world_size, mesh, prefix=prefix, write=write, source=source)
-    show(render_hub.import_document(report) if as_json else None, render_hub.import_text(report),
-         render.problem_lines(report.problems))
+    show(import_document(report) if as_json else None, import_text(report), problem_lines(report.problems))
 
 
 # --- manifests (issue 34): `ckpttool manifest`, and `diff SRC FILE.json` --------------------------
@@ -560,31 +562,33 @@ def manifest(src: str, out: str | None, everything: bool, files: bool, force: bo
              quiet: bool, source) -> None:
     """Write the SHA-256 of every tensor's bytes (row-major, as stored), its dtype and shape: the
     same for a checkpoint at any world size, its reshard, consolidation and Hub export."""
-    from ckpttool import render
     from ckpttool.commands.manifest import manifest as manifest_of
     from ckpttool.options import WriteOptions
+    from ckpttool.render.manifest import manifest_text
+    from ckpttool.render.text import problem_lines
 
     write = WriteOptions(force=force, threads=threads, max_memory=max_memory, progress=byte_progress(quiet),
                          notify=print_notice)
     report = manifest_of(src, out, everything=everything, files=files, write=write, source=source)
     if out is None:
         click.echo(report.manifest.to_json().decode("ascii"), nl=False)
-        for line in render.manifest_text(report).splitlines():
+        for line in manifest_text(report).splitlines():
             click.echo(_shown(line), err=True)
     else:
-        show(None, render.manifest_text(report), render.problem_lines(report.problems))
+        show(None, manifest_text(report), problem_lines(report.problems))
 
 
 def compare_with_manifest(a: str, b: str, as_json: bool, limit: int, quiet: bool, source) -> None:
     """`diff A B` where A or B is a manifest: hash the other side (a checkpoint) and compare, or
     compare two manifests; exit 0 same, 1 different (naming the first differing tensor)."""
-    from ckpttool import render
     from ckpttool.commands.manifest import check, is_manifest_file
     from ckpttool.options import WriteOptions
+    from ckpttool.render.manifest import manifest_check_document, manifest_check_text
+    from ckpttool.render.text import problem_lines
 
     src, expected = (b, a) if is_manifest_file(a) and not is_manifest_file(b) else (a, b)
     result = check(src, expected, write=WriteOptions(progress=byte_progress(quiet)), source=source)
-    show(render.manifest_check_document(result) if as_json else None, render.manifest_check_text(result, limit),
-         render.problem_lines(result.problems))
+    show(manifest_check_document(result) if as_json else None, manifest_check_text(result, limit),
+         problem_lines(result.problems))
     sys.exit(0 if result.same else EXIT_DIFFERENT)
 # --- end of manifests -------------------------------------------------------------------------

@@ -16,12 +16,14 @@ import errno
 import os
 import re
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator
 
 from ckpttool import testpoints
 from ckpttool.errors import UsageError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 DEFAULT_MAX_MEMORY = "512MB"  # bound on buffers in flight (consolidate, reshard)
 DEFAULT_THREADS = 4  # IO-bound: enough to keep a disk busy, few enough for 2 cores
@@ -176,6 +178,9 @@ def run_tasks(
     and are waited for (so no thread writes to a file the caller is about to remove), then
     the error is raised.
     """
+    # the pool's module (and logging, which it loads) only for commands that move bytes
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
     pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="ckpttool-io")
     stop = threading.Event()
     in_flight: dict[Future, int] = {}

@@ -2,7 +2,7 @@
 
 Built from an inspect report (and validate's problems): bytes by group, by module (one row per
 layer) and by file; per tensor one summary row and its chunks as one int64 array, so that a
-checkpoint of 100k+ chunks is a few arrays, not 100k objects. The page (`render_html`) draws a
+checkpoint of 100k+ chunks is a few arrays, not 100k objects. The page (`render/html.py`) draws a
 tensor's chunks only when it is opened.
 
 Example:

@@ -17,6 +17,7 @@ import json
 import random
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -25,11 +26,14 @@ from test_validate import (CORRUPTIONS, EMBED, copy_fixture, rewrite_metadata, s
                            storage_key)
 from test_integrity import shifted_chunk_with_equal_gap
 
-from ckpttool import geometry, integrity, readers, render
+from ckpttool import geometry, integrity, readers
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
 from ckpttool.commands import inspect as inspect_command
 from ckpttool.commands import validate as validate_command
 from ckpttool.errors import NotACheckpoint
+from ckpttool.render.inspect import inspect_document, inspect_text
+from ckpttool.render.text import emit_json
+from ckpttool.render.validate import validate_document, validate_text
 
 
 # Directories under fixtures/ that are not checkpoints: what holds the fixtures, framework
@@ -84,7 +88,7 @@ def outputs(checkpoint: Checkpoint, layout: str = "dcp") -> dict:
     report = inspect_command.build_report(checkpoint, (), layout)
     filtered = inspect_command.build_report(checkpoint, ("model.*",), layout)
     document = io.StringIO()
-    render.emit_json(render.inspect_document(report), document)
+    emit_json(inspect_document(report), document)
     validation = validate_command.ValidationReport(checkpoint.path, False, list(found.problems),
                                                    tensors=len(checkpoint.tensors), objects=len(checkpoint.objects),
                                                    chunks=sum(len(t.chunks) for t in checkpoint.tensors.values()),
@@ -92,10 +96,10 @@ def outputs(checkpoint: Checkpoint, layout: str = "dcp") -> dict:
     return {
         "problems": found.problems, "sizes": found.sizes, "files": found.files,
         "report": report, "filtered": filtered,
-        "text": render.inspect_text(report), "chunks text": render.inspect_text(report, chunks=True, by_file=True),
-        "filtered text": render.inspect_text(filtered, chunks=True),
+        "text": inspect_text(report), "chunks text": inspect_text(report, chunks=True, by_file=True),
+        "filtered text": inspect_text(filtered, chunks=True),
         "json": document.getvalue(), "document": json.loads(document.getvalue()),
-        "validate": render.validate_document(validation), "validate text": render.validate_text(validation),
+        "validate": validate_document(validation), "validate text": validate_text(validation),
     }
 
 
@@ -138,6 +142,8 @@ def assert_same_with_tables(checkpoint: Checkpoint, layout: str = "dcp", tables:
         actual = outputs(variant, layout)
         for key in expected:
             assert actual[key] == expected[key], key
+    with mock.patch.object(integrity._Claims, "disjoint", lambda self, sizes: False):  # every claim sorted and swept
+        assert integrity.check(tabled).problems == expected["problems"]
     return expected
 
 
@@ -358,7 +364,7 @@ def test_a_large_dim0_checkpoint_is_checked_from_columns_without_building_chunks
     report = inspect_command.build_report(checkpoint)
     assert report.summary.chunks == 4 * 700 and str(report.tensors[0].sharding) == "dim0"
     document = io.StringIO()
-    render.emit_json(render.inspect_document(report), document)
+    emit_json(inspect_document(report), document)
     assert len(json.loads(document.getvalue())["tensors"][0]["chunks"]) == 700
 
 
@@ -371,7 +377,7 @@ def test_inspect_chunk_infos_read_as_chunk_info_tuples(tmp_path):
     assert isinstance(tabled, inspect_command.ChunkInfos)
     assert tuple(tabled) == plain and tabled[1] == plain[1] and tabled[1:3] == plain[1:3] and len(tabled) == 4
     assert tabled[1].file is None and tabled[0].nbytes == 3 * 3 * 4
-    rows = render.inspect_document(inspect_command.build_report(with_tables(checkpoint)))["tensors"][0]["chunks"]
+    rows = inspect_document(inspect_command.build_report(with_tables(checkpoint)))["tensors"][0]["chunks"]
     assert list(rows) == [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "offset": c.offset,
                            "length": c.length, "bytes": c.nbytes} for c in plain]
     assert json.dumps(rows) == json.dumps(list(rows))
@@ -522,3 +528,62 @@ def test_planning_from_columns_gives_what_planning_each_chunk_gives(seed):
         indices = unique_chunks(as_tuples)
         for itemsize in (1, 4):
             assert _chunk_runs(as_table, indices, itemsize) == _chunk_runs(as_tuples, indices, itemsize), trial
+
+
+def _brute_disjoint(ranges: list[tuple[int, int, int]]) -> bool:
+    """Whether every range (file, start, end) is non-empty and shares no byte with another."""
+    return all(start < end for _, start, end in ranges) and not any(
+        a[0] == b[0] and a[1] < b[2] and b[1] < a[2] for i, a in enumerate(ranges) for b in ranges[i + 1:])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_disjoint_proof_agrees_with_comparing_every_pair_of_claims(seed):
+    rng = random.Random(seed)
+    sizes = {f"__{r}_0.distcp": rng.randint(0, 60) for r in range(rng.randint(1, 4))}
+    names = list(sizes)
+    claims = integrity._Claims(integrity._FileIndex())
+    ranges = []
+    for _ in range(rng.randint(0, 12)):
+        name = rng.choice(names)
+        if not sizes[name]:
+            continue
+        start = rng.randrange(sizes[name])
+        end = rng.randint(start, min(sizes[name], start + rng.choice((1, 3, 9, 30))))
+        claims.add(name, start, end, f"claim {len(ranges)}", None)
+        ranges.append((names.index(name), start, end))
+    assert claims.disjoint(sizes) == _brute_disjoint(ranges)
+
+
+def test_a_whole_checkpoint_is_proven_without_sorting_its_claims(tmp_path, monkeypatch):
+    at: dict[str, int] = {}
+    tensors = {f"model.layers.{i}.weight": ((600, 8), dim0_chunks(600, 8, 60, at=at)) for i in range(3)}
+    checkpoint = with_tables(synthetic(tmp_path, tensors, {f"__{r}_0.distcp": 3 * 10 * 8 * 4 for r in range(60)}))
+
+    def refuse(*args):
+        raise AssertionError("a table was checked on its own, or the claims were sorted")
+
+    monkeypatch.setattr(integrity._Claims, "columns", refuse)
+    monkeypatch.setattr(integrity, "_check_table_blobs", refuse)
+    monkeypatch.setattr(integrity, "_check_table_geometry", refuse)
+    monkeypatch.setattr(integrity, "SOUND_BATCH_ROWS", 70)  # tables checked in batches of two
+    assert not integrity.check(checkpoint).problems
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tables_checked_in_batches_report_what_each_table_checked_alone_reports(tmp_path, monkeypatch, seed):
+    path = copy_fixture(tmp_path)
+    list(DAMAGE.values())[seed % len(DAMAGE)](path)
+    checkpoint = with_tables(readers.open_checkpoint(path))
+    expected = integrity.check(with_tuples(checkpoint)).problems
+    for rows in (1, 5, 1 << 19):
+        monkeypatch.setattr(integrity, "SOUND_BATCH_ROWS", rows)
+        assert integrity.check(checkpoint).problems == expected
+
+
+def test_file_bytes_summed_in_batches_of_tables_are_the_sums_of_all_tables(monkeypatch):
+    checkpoint = with_tables(readers.open_checkpoint(FIXTURES / "fsdp2_world2_adamw"))
+    expected = inspect_command.build_report(checkpoint).files
+    assert sum(len(f.tensor_bytes) for f in expected) > 2
+    monkeypatch.setattr(inspect_command, "FILE_BYTES_BATCH", 1)
+    assert inspect_command.build_report(checkpoint).files == expected
+    assert expected == inspect_command.build_report(with_tuples(checkpoint)).files

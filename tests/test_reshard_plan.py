@@ -179,10 +179,10 @@ def test_the_rule_is_chosen_from_the_source():
 
 
 def test_dry_run_text_lists_the_rule_and_every_target_rank(tmp_path):
-    from ckpttool import render
     from ckpttool.commands.reshard import reshard
+    from ckpttool.render.convert import reshard_text
 
-    text = render.reshard_text(reshard(FIXTURES / "fsdp2_world2", tmp_path / "out", 3, write=WriteOptions(dry_run=True)))
+    text = reshard_text(reshard(FIXTURES / "fsdp2_world2", tmp_path / "out", 3, write=WriteOptions(dry_run=True)))
     lines = text.splitlines()
     assert lines[0].startswith("reshard to 3 ranks (mesh 3): 16 tensors (14 sharded, 2 whole)")
     assert lines[1].startswith("  rule: source")

@@ -179,7 +179,7 @@ def test_validate_problems_are_attached_to_the_tensors_they_name():
 def test_page_is_self_contained_deterministic_and_names_are_inert(tmp_path):
     from ckpttool import readers
     from ckpttool.commands.inspect import build_report
-    from ckpttool.render_html import page
+    from ckpttool.render.html import page
     from ckpttool.shard_map import build
 
     checkpoint = readers.open_checkpoint(UNEVEN)
@@ -246,7 +246,7 @@ def browser(tmp_path_factory):
 def write_page(path: Path, checkpoint_dir: Path | None = None, *, checkpoint=None, problems=(), validated=False) -> Path:
     from ckpttool import readers
     from ckpttool.commands.inspect import build_report
-    from ckpttool.render_html import write_page as write
+    from ckpttool.render.html import write_page as write
     from ckpttool.shard_map import build
 
     checkpoint = checkpoint or readers.open_checkpoint(checkpoint_dir)

@@ -2,7 +2,8 @@
 
 One file (`atomic_output`) or a directory (`atomic_directory`), on a local filesystem
 (`local`) or object storage (`remote`): this module is the one place that chooses between
-them. Beside them: signals that stop a run cleanly (`signals`), temporary names and what
+them, and imports the one it chooses when it chooses it (a command that writes nothing, or
+only imports `notices` or `signals`, loads neither). Beside them: signals that stop a run cleanly (`signals`), temporary names and what
 killed runs left (`temps`), multipart uploads (`multipart`), and the notices a run gives on
 the way (`notices`).
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ckpttool import storage
 from ckpttool.errors import UsageError
-from ckpttool.outputs import local, remote
-from ckpttool.outputs.local import OutputDirectory
 from ckpttool.outputs.notices import Notify, ignore
+
+if TYPE_CHECKING:
+    from ckpttool.outputs.local import OutputDirectory
 
 
 def _remote(path: str | os.PathLike) -> storage.RemotePath:
@@ -42,8 +44,12 @@ def check_destination(path: str | os.PathLike, force: bool, notify: Notify = ign
     to `notify`): a run about to write `path` calls this.
     """
     if storage.is_remote(path):
+        from ckpttool.outputs import remote
+
         remote.check(_remote(path), force, notify)
     else:
+        from ckpttool.outputs import local
+
         local.check(Path(path), force, notify)
 
 
@@ -82,10 +88,14 @@ def atomic_output(path: str | os.PathLike, force: bool = True, unnamed: bool = T
     where an fd goes (`io.writable`) (`remote.remote_output`).
     """
     if storage.is_remote(path):
+        from ckpttool.outputs import remote
+
         with remote.remote_output(_remote(path), force, directory=False, streamed=streamed,
                                   notify=notify) as written:
             yield written
     else:
+        from ckpttool.outputs import local
+
         with local.atomic_file(Path(path), force, unnamed) as handle:
             yield handle
 
@@ -110,9 +120,13 @@ def atomic_directory(path: str | os.PathLike, force: bool = False, streamed: boo
     uploaded while they are written (`remote.remote_output`).
     """
     if storage.is_remote(path):
+        from ckpttool.outputs import remote
+
         with remote.remote_output(_remote(path), force, directory=True, streamed=streamed,
                                   notify=notify) as output:
             yield output
     else:
+        from ckpttool.outputs import local
+
         with local.atomic_directory(Path(path), force, notify) as output:
             yield output

@@ -6,7 +6,9 @@ newest); `open_checkpoint(path)` reads it. torch DCP and the frameworks built on
 stacked layers taken apart, readers/megatron.py);
 torch's HuggingFaceStorageWriter output (`dcp-hf`), single `.safetensors` files and Hub
 folders read from their safetensors headers; torch.save files (`torch-pt`) and verl's per-rank
-files from their zip directory and checked data.pkl. No torch is imported.
+files from their zip directory and checked data.pkl. No torch is imported, and a reader that
+detection does not need is imported only when its layout is read (`_read`): `inspect` of a DCP
+checkpoint loads no torch.save, DeepSpeed or Megatron code.
 
 Example:
     >>> detection, checkpoint = read("runs/x")      # a run directory: its newest checkpoint
@@ -25,14 +27,10 @@ from ckpttool.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.dcp_hf import read_dcp_hf
-from ckpttool.readers.deepspeed import read_deepspeed, read_deepspeed_universal
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
                                      LAYOUTS, MEGATRON, SAFETENSORS, TORCH_PT, VERL, Detection, _detect, detect)
 from ckpttool.readers.hub_folder import read_hub_folder
-from ckpttool.readers.megatron import model_view as megatron_model_view
 from ckpttool.readers.safetensors import read_safetensors
-from ckpttool.readers.torch_pt import read_torch_pt
-from ckpttool.readers.verl import read_verl
 
 
 # layouts that hold only the model, its fqns at the top level (model_view.find_model finds the
@@ -53,6 +51,8 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool 
     if detection.layout == ACCELERATE:
         checkpoint = _with_accelerate_optimizer(checkpoint)
     if detection.layout == MEGATRON and not as_saved:  # layers taken apart, model tensors under `model.`
+        from ckpttool.readers.megatron import model_view as megatron_model_view
+
         checkpoint = megatron_model_view(checkpoint, follow_symlinks)
     if detection.layout in TOP_LEVEL_MODEL:
         checkpoint = dataclasses.replace(checkpoint, model_prefix="")
@@ -103,13 +103,20 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
         return read_hub_folder(detection.path, follow_symlinks)
     if detection.layout == SAFETENSORS:
         return read_safetensors(detection.path, follow_symlinks)
+    # the readers of torch.save zips (verl, DeepSpeed, .pt): imported for their own layout only
     if detection.layout == VERL:
+        from ckpttool.readers.verl import read_verl
+
         return read_verl(detection.path, follow_symlinks)
-    if detection.layout == DEEPSPEED:
-        return read_deepspeed(detection.path, follow_symlinks)
-    if detection.layout == DEEPSPEED_UNIVERSAL:
+    if detection.layout in (DEEPSPEED, DEEPSPEED_UNIVERSAL):
+        from ckpttool.readers.deepspeed import read_deepspeed, read_deepspeed_universal
+
+        if detection.layout == DEEPSPEED:
+            return read_deepspeed(detection.path, follow_symlinks)
         return read_deepspeed_universal(detection.path, follow_symlinks)
     if detection.layout == TORCH_PT:
+        from ckpttool.readers.torch_pt import read_torch_pt
+
         return read_torch_pt(detection.path, follow_symlinks)
     raise UnsupportedFormat(f"{detection.path}: a {detection.layout} checkpoint, which this build detects but "
                             "cannot read yet; convert it with the framework's own tool first")

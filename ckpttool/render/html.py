@@ -150,7 +150,7 @@ _SCRIPT = r"""
 (function () {
 const D = JSON.parse(document.getElementById("shard-map-data").textContent);
 const GROUPS = ["model", "optimizer", "other"];
-// row layouts of the embedded document (render_html.document)
+// row layouts of the embedded document (render/html.py: document)
 const T = {fqn: 0, group: 1, dtype: 2, shape: 3, bytes: 4, stored: 5, sharding: 6, uneven: 7, axes: 8,
            copies: 9, duplicate: 10, ranks: 11, chunks: 12, problems: 13};
 const F = {file: 0, rank: 1, size: 2, referenced: 3, groups: 4};

@@ -1,5 +1,5 @@
 """Human text and --json documents of LoRA adapters: `inspect`'s adapter lines and
-`export --adapter`'s report (kept beside render.py, which imports the inspect part).
+`export --adapter`'s report (render/inspect.py imports the inspect part).
 
 Example:
     >>> print("\\n".join(adapter_lines(report)))      # an inspect report of a LoRA checkpoint

@@ -1,5 +1,5 @@
 """Human text and --json documents of the Hub round trip: `export`, `push` and `import`
-(beside render.py, whose shared pieces they use; only cli.py imports this module).
+(export's document is consolidate's with the folder's files: `convert` holds the shared part).
 
 Example:
     >>> print(export_text(report))          # an ExportReport
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.render import (consolidate_document, consolidate_notes, human_bytes, human_count, reshard_document,
-                             reshard_text, shown, table)
+from ckpttool.render.convert import consolidate_document, consolidate_notes, reshard_document, reshard_text
+from ckpttool.render.text import human_bytes, human_count, shown, table
 
 # ---------------------------------------------------------------------------------------------
 # push
