@@ -5,7 +5,7 @@
         --tree before=/tmp/before-main --tree after=.                    # A/B, interleaved
     python benchmarks/frontier.py --dir /tmp/frontier-small --scale 0.1  # quick: 8 layers
 
-Three checkpoints, shaped as FSDP2 + `get_state_dict` + `dcp.save({"model": ..., "optim": ...})`
+Four checkpoints, shaped as FSDP2 + `get_state_dict` + `dcp.save({"model": ..., "optim": ...})`
 writes them: per parameter the model tensor, AdamW's `exp_avg` and `exp_avg_sq` (sharded
 like the parameter, one chunk per rank along dim 0) and a 0-d `step` (one chunk), keyed by
 fqn (`optim.state.<fqn>.<key>`), plus `optim.param_groups.0.*` objects:
@@ -13,8 +13,10 @@ fqn (`optim.state.<fqn>.<key>`), plus `optim.param_groups.0.*` objects:
 - `70b-w512`: 70B Llama (80 layers, hidden 8192, intermediate 28672, vocab 128256, GQA with
   8 kv heads of 128: 723 parameters, 2,892 tensors) at world 512: 1,111,251 chunks;
 - `405b-w1024`: 405B Llama (126 layers, hidden 16384, intermediate 53248, same vocab and kv
-  heads: 1,137 parameters) at world 1,024: 3,493,001 chunks;
-  both SPARSE: torch's own metadata classes pickled as `FileSystemWriter.finish` does (as
+  heads: 1,137 parameters) at world 1,024: 3,493,965 chunks;
+- `405b-w2560`: the 405B model at world 2,560 (320 nodes of 8): 7,139,100 chunks (at world
+  2,048 it is 6.2M, the 8-kv-head matrices' 1,024 rows capping their chunk count);
+  all three SPARSE: torch's own metadata classes pickled as `FileSystemWriter.finish` does (as
   `metadata_scale.py` builds them), records' lengths as `torchsave.record` lays them out for
   the real chunk shapes, data files truncated to size (no byte written). For metadata-only
   commands: `inspect`, `inspect --json`, `validate`.
@@ -30,9 +32,10 @@ fqn (`optim.state.<fqn>.<key>`), plus `optim.param_groups.0.*` objects:
 cached under `--dir` (a `NAME.complete` marker beside each, holding its chunk count): reruns do
 not rebuild them.
 
-Each command runs as a fresh subprocess under `/usr/bin/time -f %M` (wall, peak RSS); the
-baseline is torch's `import torch.distributed.checkpoint` + `FileSystemReader.read_metadata`
-of the same checkpoint. With several `--tree LABEL=PATH` (a ckpttool source tree on
+Each command runs as a fresh subprocess under `/usr/bin/time` (wall, peak RSS, and CPU
+seconds: on a shared machine the steadier measure); the baseline is torch's
+`import torch.distributed.checkpoint` + `FileSystemReader.read_metadata` of the same
+checkpoint (`--no-torch` skips it: torch holds 7M chunks in ~8 GB). With several `--tree LABEL=PATH` (a ckpttool source tree on
 PYTHONPATH, e.g. a worktree of main) the trees alternate run by run; the table has one row
 per command and tree, medians of `--repeat` runs, and the ratio to the baseline. Timings are
 never asserted.
@@ -106,6 +109,7 @@ class Case:
 CASES = {case.name: case for case in (
     Case("70b-w512", LLAMA_70B, 512, real=False),
     Case("405b-w1024", LLAMA_405B, 1024, real=False),
+    Case("405b-w2560", LLAMA_405B, 2560, real=False),
     Case("70b-w128", LLAMA_70B, 128, real=True),
 )}
 
@@ -269,16 +273,18 @@ def ensure(directory: Path, case: Case, scale: float) -> Path:
     return path
 
 
-def timed(command: list[str], environment: dict[str, str]) -> tuple[float, float]:
-    """Return (wall seconds, peak RSS MB) of one run of `command` under /usr/bin/time."""
+def timed(command: list[str], environment: dict[str, str]) -> tuple[float, float, float]:
+    """Return (wall seconds, peak RSS MB, CPU seconds: user + system) of one run of `command`
+    under /usr/bin/time (stdout discarded: inspect --json of 7M chunks is 900 MB of text). On
+    a shared machine the CPU time is the steadier measure: wall time waits for the cores."""
     started = time.perf_counter()
-    result = subprocess.run(["/usr/bin/time", "-f", "%M", *command], capture_output=True, text=True,
-                            env=environment, stdin=subprocess.DEVNULL)
+    result = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", *command], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=environment, stdin=subprocess.DEVNULL)
     seconds = time.perf_counter() - started
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed: {result.stderr[-2000:]}")
-    last = result.stderr.strip().splitlines()[-1]
-    return seconds, int(last) / 1024
+    rss, user, system = result.stderr.strip().splitlines()[-1].split()
+    return seconds, int(rss) / 1024, float(user) + float(system)
 
 
 BASELINE_CODE = ("import sys; from torch.distributed.checkpoint import FileSystemReader; "
@@ -295,13 +301,15 @@ def commands(case: Case, path: Path, out: Path) -> list[tuple[str, list[str]]]:
 
 
 def measure(case: Case, path: Path, trees: list[tuple[str, Path | None]], repeat: int,
-            scratch: Path) -> list[tuple[str, str, float, float]]:
-    """Return (command, tree, median wall, peak RSS) rows; the baseline first."""
+            scratch: Path, torch_baseline: bool = True) -> list[tuple[str, str, float, float, float]]:
+    """Return (command, tree, median wall, peak RSS, median CPU) rows; the baseline first
+    (unless not `torch_baseline`: torch holds 7M chunks in ~8 GB)."""
     python = sys.executable
-    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for _ in range(repeat):
-        runs.setdefault(("torch: import + read_metadata", ""), []).append(
-            timed([python, "-c", BASELINE_CODE, str(path)], dict(os.environ)))
+        if torch_baseline:
+            runs.setdefault(("torch: import + read_metadata", ""), []).append(
+                timed([python, "-c", BASELINE_CODE, str(path)], dict(os.environ)))
         for name, arguments in commands(case, path, scratch / "out"):
             for label, tree in trees:
                 environment = dict(os.environ, PYTHONSAFEPATH="1")
@@ -312,8 +320,8 @@ def measure(case: Case, path: Path, trees: list[tuple[str, Path | None]], repeat
                 runs.setdefault((f"ckpttool {name}", label), []).append(
                     timed([python, "-m", "ckpttool", *arguments], environment))
     shutil.rmtree(scratch / "out", ignore_errors=True)
-    return [(name, label, statistics.median(s for s, _ in found), max(m for _, m in found))
-            for (name, label), found in runs.items()]
+    return [(name, label, statistics.median(s for s, _, _ in found), max(m for _, m, _ in found),
+             statistics.median(c for _, _, c in found)) for (name, label), found in runs.items()]
 
 
 def main() -> None:
@@ -325,11 +333,13 @@ def main() -> None:
     parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
                         help="a ckpttool source tree to time (default: the installed one)")
     parser.add_argument("--build-only", action="store_true", help="build the checkpoints, time nothing")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="skip torch's read_metadata baseline (ratios are then to the first row)")
     args = parser.parse_args()
     trees = [(label, Path(path)) for label, _, path in (t.partition("=") for t in args.tree)] or [("", None)]
     args.dir.mkdir(parents=True, exist_ok=True)
-    print(f"| checkpoint | command | tree | wall s | x torch | peak RSS MB | x torch |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| checkpoint | command | tree | wall s | x torch | peak RSS MB | x torch | CPU s | load |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for name in args.only.split(","):
         case = CASES[name]
         path = ensure(args.dir, case, args.scale)
@@ -337,11 +347,12 @@ def main() -> None:
             continue
         chunks = marker(path).read_text().strip()
         with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-            rows = measure(case, path, trees, args.repeat, Path(scratch))
+            rows = measure(case, path, trees, args.repeat, Path(scratch), not args.no_torch)
         base_wall, base_rss = rows[0][2], rows[0][3]
-        for command, label, wall, rss in rows:
+        load = os.getloadavg()[1]  # the last 5 minutes: the machine's share of the runs
+        for command, label, wall, rss, cpu in rows:
             print(f"| {name} ({chunks} chunks) | {command} | {label} | {wall:.2f} | {wall / base_wall:.2f}x | "
-                  f"{rss:.0f} | {rss / base_rss:.2f}x |", flush=True)
+                  f"{rss:.0f} | {rss / base_rss:.2f}x | {cpu:.2f} | {load:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

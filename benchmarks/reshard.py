@@ -1,22 +1,30 @@
-"""Benchmark `reshard` on a ~1 GB FSDP2 checkpoint: world 4 -> 3, against the copy floor.
+"""Benchmark `reshard` on a real FSDP2 checkpoint (default 4 GiB, world 8 -> 3) against the copy floor.
 
-    python benchmarks/reshard.py [--gib 1.0] [--world 4] [--to 3] [--dir /tmp/reshard-bench]
+    python benchmarks/reshard.py [--gib 4] [--world 8] [--to 3] [--pairs 5] [--dir /tmp/reshard-bench]
+                                 [--before /tmp/reshard-base] [--load] [--clean]
 
 1. Writes a real checkpoint with torch's `dcp.save` from `fully_shard` on `--world` gloo ranks
-   (a stack of square Linear layers, ~`--gib` GiB of fp32 weights).
-2. Copy floor, measured in the same run: read every `.distcp` byte and write it to a new file
-   (pread/pwrite in 8 MiB blocks, fsync), with the page cache dropped of the source first
-   where possible (`posix_fadvise(DONTNEED)`).
-3. `ckpttool reshard` in a subprocess (time, and peak RSS from `getrusage(RUSAGE_CHILDREN)`).
-4. Load time at `--to` ranks: stock `dcp.load` into a `fully_shard`ed model, of the resharded
-   checkpoint vs the original (DCP resharding at load time), and the bytes each rank reads.
+   (a stack of square Linear layers, ~`--gib` GiB of fp32 weights), once: a later run with the
+   same `--gib` and `--world` reuses it from `--dir` (`--clean` deletes everything at the end).
+2. Copy floor and reshard in alternating pairs (`paired.alternate`: each in its own subprocess,
+   the order reversed every other pair, wall time including a final `sync`, peak RSS):
+   - cat && sync: `cat SRC/*.distcp > F && sync F` (reads and writes every source byte once)
+   - reshard: `ckpttool reshard SRC OUT --world N --quiet`
+   - reshard (before): the same from the code at `--before` (e.g. `git archive HEAD` unpacked
+     there), on PYTHONPATH; then one run of each into its own folder, every file's SHA-256 compared.
+   Page cache: warm for all. The source is read once (`cat > /dev/null`) before the first pair
+   and stays cached (it is a few GB on a machine with more RAM); every output is a new file.
+3. With `--load`: load time at `--to` ranks, stock `dcp.load` into a `fully_shard`ed model, of
+   the resharded checkpoint vs the original (DCP resharding at load time), and the files each rank reads.
 
-Prints a markdown table. Timings are not asserted anywhere.
+Prints markdown tables (medians, every run, ratio to cat && sync, the load average before and
+after). Timings are not asserted anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -26,8 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-BLOCK = 8 << 20
+from paired import alternate, table
+
 DIM = 4096
+TOOL = str(Path(sys.executable).with_name("ckpttool"))
 
 
 def free_port() -> int:
@@ -91,37 +101,52 @@ def worker(rank: int, world_size: int, port: int, job: dict) -> None:
 
 
 def spawn(world_size: int, job: dict) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(worker, args=(world_size, free_port(), job), nprocs=world_size)
-
-
-def drop_cache(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    """Run `worker` on `world_size` ranks in a child process (this one never imports torch:
+    the pairs' peak RSS would otherwise start from a forked copy of it)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import reshard, torch.multiprocessing as mp; "
+            "job = json.loads(sys.argv[3]); "
+            "mp.spawn(reshard.worker, args=(int(sys.argv[2]), reshard.free_port(), job), nprocs=int(sys.argv[2]))")
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(world_size), json.dumps(job)],
+                   check=True)
 
 
-def copy_floor(source: Path, target: Path) -> float:
-    """Seconds to read every data file of `source` and write it to `target` (read+write)."""
-    target.mkdir()
-    started = time.perf_counter()
-    for path in sorted(source.glob("*.distcp")):
-        src = os.open(path, os.O_RDONLY)
-        dst = os.open(target / path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        offset = 0
-        while data := os.pread(src, BLOCK, offset):
-            os.pwrite(dst, data, offset)
-            offset += len(data)
-        os.fsync(dst)
-        os.close(src)
-        os.close(dst)
-    return time.perf_counter() - started
+def source_checkpoint(root: Path, gib: float, world_size: int) -> tuple[Path, int]:
+    """Return the benchmark checkpoint under `root` (written now unless a finished one is
+    there) and its number of layers."""
+    layers = max(1, round(gib * (1 << 30) / ((DIM * DIM + DIM) * 4)))
+    source = root / f"source-{gib:g}gib-world{world_size}"
+    if not (source / ".metadata").is_file():
+        shutil.rmtree(source, ignore_errors=True)
+        started = time.perf_counter()
+        spawn(world_size, {"kind": "save", "layers": layers, "path": str(source)})
+        print(f"# dcp.save of {source}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return source, layers
+
+
+def reshard_command(source: Path, out: Path, world_size: int, code: Path | None) -> list[str]:
+    """The CLI, from the installed package or (`code`) from a source tree put first on PYTHONPATH."""
+    command = [TOOL, "reshard", str(source), str(out), "--world", str(world_size), "--quiet"]
+    return ["env", f"PYTHONPATH={code}", *command] if code is not None else command
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir())}
+
+
+def compare_outputs(source: Path, out: Path, world_size: int, before: Path) -> str:
+    """Reshard once with each code into the same folder (torch records the path in `.metadata`);
+    return a line saying whether every file's SHA-256 is equal."""
+    found = {}
+    for code in (before, None):
+        folder = out / "check"
+        subprocess.run(reshard_command(source, folder, world_size, code), check=True, stdout=subprocess.DEVNULL)
+        found[code] = digests(folder)
+        shutil.rmtree(folder)
+    old, new = found[before], found[None]
+    differing = sorted(name for name in old.keys() | new.keys() if old.get(name) != new.get(name))
+    if differing:
+        return f"outputs DIFFER from --before's: {', '.join(differing)}"
+    return f"outputs byte-identical to --before's: {len(new)} files, SHA-256 each"
 
 
 def load_time(path: Path, layers: int, world_size: int, out: Path) -> tuple[float, list[dict]]:
@@ -131,64 +156,57 @@ def load_time(path: Path, layers: int, world_size: int, out: Path) -> tuple[floa
     return max(r["seconds"] for r in ranks), ranks
 
 
+def load_table(source: Path, out: Path, layers: int, args: argparse.Namespace) -> str:
+    resharded = out / "load-source"
+    subprocess.run(reshard_command(source, resharded, args.to, None), check=True, stdout=subprocess.DEVNULL)
+    rows = ["| `dcp.load` at {0} ranks of | seconds | files read per rank |".format(args.to), "|---|---:|---|"]
+    for name, path in ((f"the original world-{args.world}", source), ("the resharded checkpoint", resharded)):
+        seconds, ranks = load_time(path, layers, args.to, out / f"load-{len(rows)}")
+        rows.append(f"| {name} | {seconds:.2f} | {' / '.join(str(len(r['read'])) for r in ranks)} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--world", type=int, default=4)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=4.0)
+    parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--to", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
+    parser.add_argument("--before", type=Path, help="a source tree of the code to compare with (run on PYTHONPATH)")
+    parser.add_argument("--load", action="store_true", help="also time stock dcp.load of both at --to ranks")
+    parser.add_argument("--clean", action="store_true", help="delete --dir at the end (the checkpoint too)")
     args = parser.parse_args()
-    layers = max(1, round(args.gib * (1 << 30) / ((DIM * DIM + DIM) * 4)))
-    shutil.rmtree(args.dir, ignore_errors=True)
-    args.dir.mkdir(parents=True)
-    source = args.dir / "source"
-    spawn(args.world, {"kind": "save", "layers": layers, "path": str(source)})
-    size = sum(p.stat().st_size for p in source.iterdir())
+    args.dir.mkdir(parents=True, exist_ok=True)
+    source, layers = source_checkpoint(args.dir, args.gib, args.world)
+    out = args.dir / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    size = sum(p.stat().st_size for p in source.glob("*.distcp"))
+    data_files = " ".join(str(p) for p in sorted(source.glob("*.distcp")))
+    subprocess.run(f"cat {data_files} > /dev/null", shell=True, check=True)  # warm: every row reads from memory
 
-    drop_cache(source)
-    floor = copy_floor(source, args.dir / "copy")
-    drop_cache(source)
-    # the CLI in a fresh process that reports its own peak RSS: VmHWM of its own address space
-    # (RUSAGE_CHILDREN would include the ranks that wrote the checkpoint, and on Linux even
-    # RUSAGE_SELF keeps the high-water mark of the forked copy of this torch-importing parent
-    # from before exec)
-    measure = ("import resource, sys\nfrom ckpttool.cli import main\ntry:\n    main()\nfinally:\n"
-               "    try:\n"
-               "        hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
-               "    except OSError:\n"
-               "        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-               "    print(hwm, file=sys.stderr)")
-    command = [sys.executable, "-c", measure, "reshard", str(source), str(args.dir / "resharded"),
-               "--world", str(args.to), "--quiet"]
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if result.returncode != 0:
-        sys.exit(result.stderr)
-    peak_rss = int(result.stderr.split()[-1]) * 1024
+    commands = {"cat && sync": ["sh", "-c", f"cat {data_files} > {out}/copy.bin && sync {out}/copy.bin"],
+                "reshard": reshard_command(source, out / "resharded", args.to, None)}
+    if args.before is not None:
+        commands["reshard (before)"] = reshard_command(source, out / "resharded", args.to, args.before)
 
-    drop_cache(source)
-    drop_cache(args.dir / "resharded")
-    original_load, original_ranks = load_time(source, layers, args.to, args.dir / "load-original")
-    drop_cache(source)
-    drop_cache(args.dir / "resharded")
-    resharded_load, resharded_ranks = load_time(args.dir / "resharded", layers, args.to, args.dir / "load-resharded")
+    def clean() -> None:
+        for path in out.iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
-    def files_read(ranks: list[dict]) -> str:
-        return " / ".join(str(len(r["read"])) for r in ranks)
-
-    gb = size / 1e9
-    print(f"checkpoint: {gb:.2f} GB, world {args.world} -> {args.to}, {layers} x Linear({DIM}, {DIM}), {os.cpu_count()} cores\n")
-    print("| measure | seconds | GB/s | note |")
-    print("|---|---|---|---|")
-    print(f"| copy floor (read + write every byte, same run) | {floor:.2f} | {gb / floor:.2f} | |")
-    print(f"| `ckpttool reshard --world {args.to}` (whole process) | {seconds:.2f} | {gb / seconds:.2f} | "
-          f"{seconds / floor:.2f}x floor, peak RSS {peak_rss / 2**20:.0f} MiB |")
-    print(f"| `dcp.load` at {args.to} ranks, original world-{args.world} | {original_load:.2f} | {gb / original_load:.2f} | "
-          f"files read per rank: {files_read(original_ranks)} |")
-    print(f"| `dcp.load` at {args.to} ranks, resharded | {resharded_load:.2f} | {gb / resharded_load:.2f} | "
-          f"files read per rank: {files_read(resharded_ranks)} |")
-    shutil.rmtree(args.dir, ignore_errors=True)
+    load_before = os.getloadavg()
+    results = alternate(commands, args.pairs, clean)
+    load_after = os.getloadavg()
+    print(f"checkpoint: {size / 1e9:.2f} GB of .distcp, world {args.world} -> {args.to}, {layers} x "
+          f"Linear({DIM}, {DIM}), {os.cpu_count()} cores; page cache warm (source read once first); "
+          f"{args.pairs} alternating runs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
+    print(table(results, "cat && sync"))
+    if args.before is not None:
+        print("\n" + compare_outputs(source, out, args.to, args.before))
+    if args.load:
+        print("\n" + load_table(source, out, layers, args))
+    shutil.rmtree(args.dir if args.clean else out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -72,8 +72,11 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
     source ranges of all operations are fetched ahead, in order. A Records operation runs as
     one task (`record_writes`) from local files into an fd, else as its records."""
     operations = record_writes.expanded(operations, files, outputs)
+    split: list[Record] = []
     if files.coalesced:
         operations = list(operations)
+        if all(isinstance(fd, int) for fd in outputs.values()):
+            operations, split = in_source_order(operations)
         files.expect([span for op in operations for span in source_ranges(op)])
     # a batch of small operations is interpreter work between short syscalls: several of
     # them at once only contend for the GIL (twice the CPU for the same work), so they take
@@ -81,6 +84,35 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
     turns = threading.Lock()
     tasks = (_batch_task(batch, files, outputs, turns) for batch in batches(operations))
     run_tasks(tasks, threads, max_memory, on_done)
+    for op in split:  # their data is written: the head, and the tail with the data's CRC-32
+        layout = record_layout(op.dtype, op.shape)
+        fd = typing.cast(int, outputs[op.dst])
+        data_at = op.offset + layout.data_offset
+        write_at(fd, layout.head, op.offset)
+        write_at(fd, layout.tail(output_crc(fd, data_at, layout.data_length, op.parts)), data_at + layout.data_length)
+
+
+def in_source_order(operations: list[Operation]) -> tuple[list[Operation], list[Record]]:
+    """Return `operations` in the (file, offset) order of the first source byte each reads,
+    for coalesced remote sources writing into local fds: a file's spans are then read through
+    one after another and freed, rather than a span of every file held while the outputs'
+    order visits them side by side. A record whose data comes in several copies is split
+    into them (returned too: `run` writes its head and tail once they ran)."""
+    ordered: list[Operation] = []
+    split: list[Record] = []
+    for op in operations:
+        if type(op) is Record and len(op.parts) > 1 and all(type(part) is Copy for part in op.parts):
+            ordered.extend(op.parts)
+            split.append(op)
+        else:
+            ordered.append(op)
+
+    def first_read(op: Operation) -> tuple[str, int]:
+        ranges = source_ranges(op)
+        return min(ranges)[:2] if ranges else ("", -1)
+
+    ordered.sort(key=first_read)
+    return ordered, split
 
 
 def source_ranges(op: Operation) -> list[tuple[str, int, int]]:
@@ -243,6 +275,9 @@ class _GatheredWrites:
 def _runner(op: Operation, files: DataFiles, outputs: Mapping[str, int],
             gathered: _GatheredWrites | None) -> Callable[[], int]:
     fd = outputs[op.dst]
+    if record_writes.copies_only(op, files, outputs):  # copied in the kernel, its CRC-32 from the stored ones
+        record = typing.cast(Record, op)
+        return lambda: record_writes.write_record(record, files, fd)
     if isinstance(op, Copy) and files.local and isinstance(fd, int):  # else it streams through `write` below
         def copy() -> int:
             try:
@@ -386,10 +421,11 @@ def cast(data: bytes, source_dtype: str, dtype: str) -> bytes:
 def output_crc(fd: int, offset: int, length: int, operations: Sequence[Operation]) -> int:
     """Return the CRC-32 of `length` output bytes at `offset`: combined from the CRCs
     torch.save stored for the source chunks when `operations` are whole-chunk copies laid end
-    to end over exactly that range, else computed by reading the written bytes back."""
+    to end over exactly that range, else computed by reading the written bytes back (also
+    where a stored CRC-32 is 0: torch.save writes 0 under `set_crc32_options(False)`)."""
     at, crc = offset, 0
     for op in sorted(operations, key=first_offset):
-        if not isinstance(op, Copy) or op.crc32 is None or op.dst_offset != at:
+        if not isinstance(op, Copy) or not op.crc32 or op.dst_offset != at:
             break
         crc = crc32_combine(crc, op.crc32, op.length)
         at += op.length

@@ -3,9 +3,14 @@
 Planners take the result (`Located`: fqn -> chunk index -> `RawData`, or None where a chunk
 must be decoded) as input; nothing here writes. A large `.metadata` is read into
 `ChunkTable`s, and those tensors are located from their columns a data file at a time
-(`_TableJobs`); small checkpoints (chunk tuples) and coalesced remote spans walk chunk by
-chunk. The results and the errors (the first in tensor and chunk order) are those of
-locating each chunk alone.
+(`_TableJobs`); small checkpoints (chunk tuples) walk chunk by chunk. The results and the
+errors (the first in tensor and chunk order) are those of locating each chunk alone.
+
+From object storage (coalesced spans) only the first record of each layout is located here;
+the others are predicted from it and located when the copies first read their data, from
+the spans that carry it (`_locate_coalesced`, `PredictedRecords`): the same checks and
+errors, raised by the copy instead (nothing is kept of an output that failed), and each byte
+of a data file fetched about once whatever the budget.
 
 Example:
     >>> with DataFiles(checkpoint.path) as files:
@@ -16,15 +21,17 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Sequence, TypeGuard, TypeVar, cast
 
+from ckpttool import spans
 from ckpttool.checkpoint import Blob, Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, RawDataRows, ReadAhead, locate
-from ckpttool.errors import CheckpointError, CorruptBlob
+from ckpttool.errors import CheckpointError, CorruptBlob, UnsupportedFormat
 from ckpttool.geometry import positions_in_groups
 from ckpttool.io import thread_buffer
 from ckpttool.plan import unique_chunks, unique_table_rows
@@ -76,13 +83,16 @@ def _locate_chunks(files: DataFiles, tensors: list[Tensor], threads: int) -> Loc
             jobs[count], chunks[count] = (tensor, index), chunk
             count += 1
     found: dict[int, RawData | None] = {}
-    tasks = _chunk_tasks(files, jobs, chunks, found)
     columns = _TableJobs(tables, table_indices, table_first) if tables else None
-    if columns is not None:
-        tasks += columns.tasks(files)
-        if files.local:  # a file's walk is a read and array work: threads beyond the cores only contend
-            threads = min(threads, max(2, os.cpu_count() or 1))
-    failures = [failure for failure in run_each(tasks, threads) if failure is not None]
+    if files.coalesced:  # most records' headers are read later, with their data (`PredictedRecords`)
+        failures = _locate_coalesced(files, jobs, chunks, found, threads)
+    else:
+        tasks = _chunk_tasks(files, jobs, chunks, found)
+        if columns is not None:
+            tasks += columns.tasks(files)
+            if files.local:  # a file's walk is a read and array work: threads beyond the cores only contend
+                threads = min(threads, max(2, os.cpu_count() or 1))
+        failures = [failure for failure in run_each(tasks, threads) if failure is not None]
     if failures:
         raise min(failures, key=lambda failure: failure[0])[1]
     located: Located = {tensor.fqn: {} for tensor in tensors}
@@ -436,6 +446,217 @@ def _locate_one(ahead: ReadAhead, tensor: Tensor, index: int) -> RawData | None:
             f"{raw.offset + raw.length}, past the file's {ahead.size(raw.file)} bytes (truncated file?)"
         )
     return raw
+
+
+def _locate_coalesced(files: DataFiles, jobs: dict[int, tuple[Tensor, int]], chunks: dict[int, Chunk],
+                      found: dict[int, RawData | None], threads: int) -> list[tuple[int, Exception]]:
+    """Locate the chunks of `jobs` in a coalesced remote source (filling `found`) from a sample
+    of each record layout; return the failures (job number, error).
+
+    The records of one (length, dtype, shape) in a checkpoint torch wrote are one layout
+    (`ParsedRecords`): the first of each in file order is located (a walk, as any chunk), and
+    the others' data is predicted to lie where the sample's does in its record. A predicted
+    record is located for real when a read first reaches its data (`PredictedRecords`), from
+    its head and tail fetched in the spans that carry its data: its header costs no GET of
+    its own, and no span is fetched twice. Chunks of a class whose sample is not a plain
+    record (decoded, a shared safetensors blob, an error) are located as before."""
+    classes: dict[tuple, list[int]] = {}
+    alone: list[int] = []
+    for number, chunk in chunks.items():
+        blob = chunk.blob
+        if blob is None or blob.transforms or blob.length <= 0:
+            alone.append(number)  # located without reading (raw ranges, transforms) or an error
+        else:
+            classes.setdefault((blob.length, jobs[number][0].dtype, chunk.sizes), []).append(number)
+
+    def extent(number: int) -> tuple[str, int, int]:
+        blob = cast(Blob, chunks[number].blob)
+        return blob.file, blob.offset, blob.offset + blob.length
+
+    for numbers in classes.values():
+        numbers.sort(key=extent)
+    # the samples are read from the spans the copies will read them from, fetched and held for
+    # them now: the spans of all the records, cut as the copies' are, that hold a sample
+    grid = spans.coalesce(extent(number) for numbers in classes.values() for number in numbers)
+    held = spans.overlapping(grid, [extent(numbers[0]) for numbers in classes.values()])
+    files.expect([(span.file, span.start, span.end) for span, hold in zip(grid, held) if hold])
+    failures = _run_jobs(files, jobs, chunks, alone + [numbers[0] for numbers in classes.values()], found, threads)
+    later: list[int] = []
+    predicted = None
+    for numbers in classes.values():
+        sample, raw = cast(Blob, chunks[numbers[0]].blob), found.get(numbers[0])
+        blobs = [cast(Blob, chunks[number].blob) for number in numbers]
+        if (raw is None or raw.file != sample.file or len({(b.file, b.offset) for b in blobs}) < len(blobs)
+                or not sample.offset < raw.offset <= sample.offset + sample.length - raw.length):
+            later.extend(numbers[1:])
+            continue
+        predicted = predicted or PredictedRecords.of(files)
+        start = raw.offset - sample.offset
+        for number, blob in zip(numbers[1:], blobs[1:]):
+            if not _inside(files, blob):  # located now: the error names the chunk, as a local run's
+                later.append(number)
+                continue
+            found[number] = RawData(blob.file, blob.offset + start, raw.length, None)
+            predicted.add(jobs[number], blob, blob.offset + start, raw.length)
+    if predicted is not None:
+        predicted.seal()
+    return failures + (_run_jobs(files, jobs, chunks, later, found, threads) if later else [])
+
+
+def _inside(files: DataFiles, blob: Blob) -> bool:
+    """True when `blob` lies inside its file (which opens)."""
+    try:
+        return blob.offset >= 0 and blob.offset + blob.length <= files.size(blob.file)
+    except CheckpointError:
+        return False
+
+
+def _run_jobs(files: DataFiles, jobs: dict[int, tuple[Tensor, int]], chunks: dict[int, Chunk], numbers: list[int],
+              found: dict[int, RawData | None], threads: int) -> list[tuple[int, Exception]]:
+    """Locate the chunks of the jobs `numbers` by walks (`_chunk_tasks`); return the failures."""
+    tasks = _chunk_tasks(files, {n: jobs[n] for n in numbers}, {n: chunks[n] for n in numbers}, found)
+    return [failure for failure in run_each(tasks, threads) if failure is not None]
+
+
+WHOLE_RECORD = 64 << 10  # a predicted record with at most this much data is checked from all its bytes
+
+
+class _Predicted:
+    """A record whose data is predicted at `data_at`; `shift` (data's true offset - data_at) once checked."""
+
+    __slots__ = ("tensor", "index", "blob", "data_at", "length", "shift", "number")
+
+    def __init__(self, tensor: Tensor, index: int, blob: Blob, data_at: int, length: int, number: int):
+        self.tensor, self.index, self.blob, self.data_at, self.length = tensor, index, blob, data_at, length
+        self.shift: int | None = None
+        self.number = number
+
+    def edges(self) -> list[tuple[str, int, int]]:
+        """What locating the record reads: its head and its tail, or all of it when its data is
+        small (a parse's reads of head and tail lie within `SPAN_GAP` and are read as one)."""
+        end = self.blob.offset + self.blob.length
+        if self.length <= WHOLE_RECORD:
+            return [(self.blob.file, self.blob.offset, end)]
+        return [(self.blob.file, start, stop) for start, stop in ((self.blob.offset, self.data_at),
+                                                                  (self.data_at + self.length, end)) if stop > start]
+
+
+class PredictedRecords:
+    """The records of a remote source whose data `_locate_coalesced` predicted from a sample,
+    each located for real (`_locate_one`: the same checks and errors) before the first read
+    of its data is served: the DataFiles' `checks`. `ranges` puts each unchecked record's
+    head and tail before the first read of its data, so the spans fetched for the copies
+    carry them; `offset` checks the record a read falls in (once; reads by other threads
+    wait) and moves the read where the record's data truly is. A record that needs decoding
+    is refused (UnsupportedFormat): torch's DCP writer never makes one beside plain ones of
+    its shape. Thread-safe.
+
+    Example:
+        >>> files.checks.offset("__3_0.distcp", 4096, 512)  # the record holding them checked first
+        4096
+    """
+
+    STRIPES = 64  # locks over the records: a check waits only for one on the same stripe
+
+    def __init__(self, files: DataFiles):
+        self.files = files
+        self._entries: list[_Predicted] = []
+        self._index: dict[str, tuple[list[int], list[_Predicted]]] = {}
+        self._locks = [threading.Lock() for _ in range(self.STRIPES)]
+        self._local = threading.local()  # `checking`: this thread's reads are a check's own; `records`
+
+    @classmethod
+    def of(cls, files: DataFiles) -> "PredictedRecords":
+        """The DataFiles' PredictedRecords, made and set as its `checks` when it has none."""
+        if not isinstance(files.checks, cls):
+            files.checks = cls(files)
+        return files.checks
+
+    def add(self, job: tuple[Tensor, int], blob: Blob, data_at: int, length: int) -> None:
+        self._entries.append(_Predicted(job[0], job[1], blob, data_at, length, len(self._entries)))
+
+    def seal(self) -> None:
+        """Index the records added (call before reads)."""
+        by_file: dict[str, list[_Predicted]] = {}
+        for entry in sorted(self._entries, key=lambda entry: (entry.blob.file, entry.data_at)):
+            by_file.setdefault(entry.blob.file, []).append(entry)
+        self._index = {file: ([entry.data_at for entry in entries], entries) for file, entries in by_file.items()}
+
+    def _find(self, relative: str, offset: int, length: int) -> _Predicted | None:
+        starts, entries = self._index.get(relative, ([], []))
+        position = bisect.bisect_right(starts, offset) - 1
+        if position < 0 or length <= 0:
+            return None
+        entry = entries[position]
+        return entry if offset + length <= entry.data_at + entry.length else None
+
+    def ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        """Return `ranges` moved where checked records' data is, each unchecked record's head
+        and tail before the first range inside its data."""
+        out: list[tuple[str, int, int]] = []
+        announced: set[int] = set()
+        for file, start, end in ranges:
+            entry = self._find(file, start, end - start)
+            if entry is not None and entry.shift is None and entry.number not in announced:
+                announced.add(entry.number)
+                out.extend(entry.edges())
+            elif entry is not None and entry.shift:
+                start, end = start + entry.shift, end + entry.shift
+            out.append((file, start, end))
+        return out
+
+    def offset(self, relative: str, offset: int, length: int) -> int:
+        """Return where to read the `length` bytes at `offset` of `relative`, the record they
+        lie in located first (raises what locating it raises)."""
+        if getattr(self._local, "checking", False):
+            return offset
+        entry = self._find(relative, offset, length)
+        if entry is None:
+            return offset
+        if entry.shift is None:
+            self._check(entry)
+        return offset + cast(int, entry.shift)
+
+    def _check(self, entry: _Predicted) -> None:
+        with self._locks[entry.number % self.STRIPES]:
+            if entry.shift is not None:
+                return
+            records = getattr(self._local, "records", None)
+            if records is None or records.layouts >= ParsedRecords.MAX_LAYOUTS:
+                records = self._local.records = ParsedRecords()
+            self._local.checking = True
+            try:
+                raw = _locate_one(_RecordReader(self.files, entry, records), entry.tensor, entry.index)
+            finally:
+                self._local.checking = False
+            if raw is None or raw.file != entry.blob.file or raw.length != entry.length:
+                chunk = entry.tensor.chunks[entry.index]
+                raise UnsupportedFormat(
+                    f"{self.files.path(entry.blob.file)}: {entry.tensor.fqn} chunk at {list(chunk.offsets)} is "
+                    "stored unlike the other records of its shape (it needs decoding); copy the checkpoint "
+                    "from object storage to a local directory and read it there")
+            entry.shift = raw.offset - entry.data_at
+
+
+class _RecordReader(ReadAhead):
+    """A ReadAhead of one predicted record: its head and tail read whole, once each (the
+    ranges `PredictedRecords.ranges` gave the spans, so each is served and freed as
+    counted), the parse's reads served from them; any other read goes to the files."""
+
+    def __init__(self, files: DataFiles, entry: _Predicted, records: ParsedRecords):
+        super().__init__(files, entry.blob.file)
+        self.records = records
+        self._parts = [(start, files.read(file, start, end - start)) for file, start, end in entry.edges()]
+
+    def expect(self, blob: Blob) -> None:
+        pass  # no walk: nothing to let go
+
+    def read(self, relative: str, offset: int, length: int) -> bytes:
+        if relative == self.relative:
+            for start, data in self._parts:
+                if start <= offset and offset + length <= start + len(data):
+                    return data[offset - start:offset - start + length]
+        return self.files.read(relative, offset, length)
 
 
 def run_each(tasks: Sequence[Callable[[], T]], threads: int) -> list[T]:

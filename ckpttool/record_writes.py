@@ -9,22 +9,32 @@ tail holding the data's CRC-32) and writes the output in pwrites of about
 byte; operations it cannot run this way (remote sources, outputs without an fd) are
 expanded into those records by `expanded` and take the general path.
 
+A large `Record` whose parts are all copies (a chunk straddling source chunks) is written by
+`write_record`: its data moves in the kernel (`copy_file_range`), like consolidate's, and its
+CRC-32 is combined from those torch.save stored for the source records, so only the bytes a
+stored CRC-32 does not cover are read and summed (`copy_crc`).
+
 Example:
     >>> write_records(op, files, fd)  # op: Records; files.local; fd: an int
     op.output_length
+    >>> write_record(record, files, fd)  # record: a Record of Copy parts
+    record.output_length
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import typing
 import zlib
 from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Iterable, Iterator, Mapping
 
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.io import Output, thread_buffer, write_at
-from ckpttool.plan.operations import RECORDS_WRITE_BLOCK, Operation, Records
+from ckpttool.errors import CorruptBlob
+from ckpttool.io import Output, copy_range, thread_buffer, write_at
+from ckpttool.plan.operations import RECORDS_WRITE_BLOCK, STREAM_BLOCK, Copy, Operation, Record, Records
+from ckpttool.torchsave.crc32 import crc32_combine, crc32_slice
 from ckpttool.torchsave.record import record_layout
 
 # source runs closer than this are read as one span, the bytes between them read through:
@@ -189,3 +199,62 @@ def _read_span(op: Records, files: DataFiles, span: tuple[str, int, int], view: 
             if src == file and start <= src_offset < end:
                 files.read(src, src_offset, lengths[kind])
     files.read_into(file, start, view)
+
+
+def copies_only(op: Operation, files: DataFiles, outputs: Mapping[str, Output]) -> bool:
+    """True when `op` is a Record `write_record` can run: every part a Copy, local sources, an fd output."""
+    return (type(op) is Record and files.local and isinstance(outputs[op.dst], int)
+            and all(type(part) is Copy for part in op.parts))
+
+
+def write_record(op: Record, files: DataFiles, fd: int) -> int:
+    """Write the record `op` (its parts all copies) into `fd`: each part copied in the kernel,
+    the head, and the tail holding the data's CRC-32 from `copy_crc`. Returns its data bytes."""
+    layout = record_layout(op.dtype, op.shape)
+    crc, at = 0, op.offset + layout.data_offset
+    copies = typing.cast(list[Copy], list(op.parts))  # all copies: `copies_only`
+    for part in sorted(copies, key=lambda part: part.dst_offset):
+        assert part.dst_offset == at  # the parts cover the data exactly once (Record)
+        try:
+            copy_range(files.fd(part.src), part.src_offset, fd, part.dst_offset, part.length)
+        except EOFError:
+            raise CorruptBlob(f"{files.path(part.src)}: ends before byte {part.src_offset + part.length} "
+                              "(truncated file?)") from None
+        crc = crc32_combine(crc, copy_crc(part, files), part.length)
+        at += part.length
+    write_at(fd, layout.head, op.offset)
+    write_at(fd, layout.tail(crc), at)
+    return op.output_length
+
+
+def copy_crc(part: Copy, files: DataFiles) -> int:
+    """Return the CRC-32 of the bytes `part` copies: the one torch.save stored when they are a
+    whole record's data; from a stored one and the CRC-32 of the rest of its record when the
+    rest is shorter than the part; else summed from the source.
+
+    A stored 0 counts as none: torch.save writes 0 when asked not to compute CRC-32s
+    (`torch.serialization.set_crc32_options(False)`); summing is right in any case.
+    """
+    if part.crc32:
+        return part.crc32
+    within = part.within
+    if within is not None and within.crc32 and within.file == part.src:
+        before = part.src_offset - within.offset
+        after = within.offset + within.length - part.src_offset - part.length
+        if before >= 0 and after >= 0 and before + after < part.length:
+            return crc32_slice(within.crc32, source_crc(files, part.src, within.offset, before),
+                               source_crc(files, part.src, part.src_offset + part.length, after),
+                               part.length, after)
+    return source_crc(files, part.src, part.src_offset, part.length)
+
+
+def source_crc(files: DataFiles, file: str, offset: int, length: int) -> int:
+    """Return the CRC-32 of `length` bytes at `offset` of a source file, read a STREAM_BLOCK at a time."""
+    if not length:
+        return 0
+    size = min(length, STREAM_BLOCK)
+    buffer = memoryview(thread_buffer(size))[:size]
+    crc = 0
+    for piece in files.pieces(file, offset, length, buffer):
+        crc = zlib.crc32(piece, crc)
+    return crc

@@ -13,12 +13,18 @@ Two kinds of reader use a store, in this order (`dcp.blobs.DataFiles` wires them
 
 - a walker of one file's records in offset order (locating record headers) registers its
   spans with `walk` and starts them as it reaches them, `LOOKAHEAD` ahead; a span it has
-  passed is kept for the copies while the kept bytes fit the budget, else dropped;
+  passed is kept for the copies while the kept bytes fit the budget, else dropped. Most
+  records are not walked: `locating` reads one record per layout from the spans the copies
+  will read it from (`expect`ed early, and kept), and the others' headers with their data;
 - the copies: `expect` is given every range they will read, in the order they will run; a
   kept span is trimmed to what they need, the rest is coalesced into new spans fetched in
   order of first use while the budget allows, and each span is freed once its bytes have
   been served. A reader that reaches a span not started yet starts it at once (over the
   budget by at most a span per reader thread, and such a span is not kept past its read).
+  Copies into local files run in file order (`execute.in_source_order`), so each file's
+  spans are SPAN bytes, read through one after another: a file of B bytes costs at most
+  1 + B / SPAN GETs at any budget of 2 x SPAN or more (`span_limit`); copies that visit the
+  files side by side get spans small enough that two per file fit the budget.
 
 A read no span covers returns None: the caller reads it with its own GET, as without a store.
 
@@ -169,7 +175,6 @@ class SpanStore:
     def __init__(self, fetch: Fetch, budget: int, in_flight: int = IN_FLIGHT):
         self._fetch = fetch
         self.budget = budget
-        self.limit = SPAN  # most bytes of one span (`fit`)
         self._pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="ckpttool-get")
         self._lock = threading.Lock()
         self._entries: dict[str, list[_Entry]] = {}  # file -> entries sorted by start (never overlapping)
@@ -190,15 +195,26 @@ class SpanStore:
     # -- registering ----------------------------------------------------------------------
 
     def fit(self, files: int) -> int:
-        """Size spans so that two per file fit the budget (copies read the files side by side:
-        larger spans would not stay until read, and be fetched again); return the size.
+        """Return the size of the spans walkers of `files` files read side by side (`span_limit`).
 
         Example:
             >>> SpanStore(fetch, budget=64 << 20).fit(8)  # 4 MiB: 8 files x 2 spans in 64 MiB
             4194304
         """
-        self.limit = min(SPAN, max(MIN_SPAN, self.budget // (2 * max(1, files))))
-        return self.limit
+        return self.span_limit(files)
+
+    def span_limit(self, files: int = 1) -> int:
+        """Return the size of spans read from `files` files side by side: SPAN, or less when
+        two spans per file would not fit the budget (one read while the next is fetched;
+        larger spans would not stay until read, and be fetched again), never below MIN_SPAN.
+        The copies into local files run in file order (`execute.in_source_order`): one file
+        at a time, so spans of SPAN bytes from 64MB of --max-memory on.
+
+        Example:
+            >>> SpanStore(fetch, budget=32 << 20).span_limit()  # --max-memory 64MB
+            8388608
+        """
+        return min(SPAN, max(MIN_SPAN, self.budget // (2 * max(1, files))))
 
     def walk(self, spans: Sequence[Span], keep: Sequence[bool] | None = None) -> None:
         """Register the spans walkers will read, in offset order per file (`keep`: whether
@@ -236,7 +252,7 @@ class SpanStore:
                 entry.need = 0
                 held.append(entry)
             kept = [entry.span for entry in held]
-            merged = coalesce(subtract(ranges, kept), limit=self.limit)
+            merged = coalesce(subtract(ranges, kept), limit=self.span_limit(_side_by_side(ranges)))
             new = _first_use(ranges, [Span(*piece) for piece in subtract(
                 [(s.file, s.start, s.end) for s in merged], kept)])  # a gap read through stops at a kept span
             fresh = [_Entry(span, 0) for span in new]
@@ -393,6 +409,19 @@ class SpanStore:
             data = entry.future.result()  # raises what the GET raised (the fetch names the file)
             entry.data = data
         return data
+
+
+def _side_by_side(ranges: Sequence[Range]) -> int:
+    """Return how many files `ranges` read at once: 1 when each file's ranges come together
+    (one file read through after another), else every file they read.
+
+    Example:
+        >>> _side_by_side([("a", 0, 1), ("a", 5, 9), ("b", 0, 1)]), _side_by_side([("a", 0, 1), ("b", 0, 1), ("a", 5, 9)])
+        (1, 2)
+    """
+    files = len({file for file, _, _ in ranges})
+    switches = sum(1 for before, after in zip(ranges, ranges[1:]) if before[0] != after[0])
+    return 1 if switches < files else files
 
 
 def _first_use(ranges: Sequence[Range], spans: Sequence[Span]) -> list[Span]:

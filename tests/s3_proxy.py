@@ -1,7 +1,8 @@
 """A small HTTP proxy on 127.0.0.1 in front of a loopback S3 server (moto), for tests and
 benchmarks of how many requests a command makes and how it fares when each one is slow.
 
-Every request is counted by method (`counts`, and `gets`: the GETs) and forwarded on a
+Every request is counted by method (`counts`, and `gets`: the GETs), logged (`log`: method,
+path and Range header of each, in arrival order) and forwarded on a
 keep-alive connection of its own handler thread after `latency` seconds, the first-byte
 latency object storage adds; response bodies stream through in blocks, never held whole.
 
@@ -33,6 +34,7 @@ class LatencyProxy(ThreadingHTTPServer):
         self.target = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.latency = latency
         self.counts: Counter[str] = Counter()
+        self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header) per request
         self.lock = threading.Lock()
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
         self._thread: threading.Thread | None = None
@@ -45,6 +47,7 @@ class LatencyProxy(ThreadingHTTPServer):
     def reset(self) -> None:
         with self.lock:
             self.counts.clear()
+            self.log.clear()
 
     def __enter__(self) -> "LatencyProxy":
         self._thread = threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True)
@@ -63,6 +66,7 @@ class _Forward(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         with self.server.lock:
             self.server.counts[self.command] += 1
+            self.server.log.append((self.command, self.path, self.headers.get("range")))
         if self.server.latency:
             time.sleep(self.server.latency)
         length = int(self.headers.get("content-length") or 0)

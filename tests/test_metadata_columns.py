@@ -22,7 +22,8 @@ from conftest import FIXTURES
 ALL_METADATA = sorted(FIXTURES.glob("**/" + METADATA_FILENAME))
 # Megatron keeps its SavePlans on the Metadata (all_local_plans): only the Python loader reads it
 DECLINED = {"frameworks/megatron/checkpoints/iter_0000002", "frameworks/megatron_families/llama_tp2/checkpoints/iter_0000002",
-            "frameworks/megatron_families/moe/checkpoints/iter_0000003"}
+            "frameworks/megatron_families/moe/checkpoints/iter_0000003",
+            "frameworks/megatron_families/moe_ep2/checkpoints/iter_0000002"}
 
 
 def _columns(path: Path, raw: bytes) -> Checkpoint | None:
@@ -190,3 +191,53 @@ def _untimed(document: str) -> dict:
     found = json.loads(document)
     found.pop("seconds", None)
     return found
+
+
+def test_entries_out_of_step_with_the_chunks_are_matched_as_the_loader_matches_them(tmp_path):
+    """The C reader takes each storage entry as the next chunk of its tensor; entries in
+    another order, repeated, naming no chunk, or chunks listed out of order leave the tensor
+    to the matching by sorting, with the loader's result (and a table where it can be one)."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    state, stored, end = {}, {}, [0]
+
+    def entry(fqn, offsets, file="__0_0.distcp", length=24):
+        stored[MetadataIndex(fqn, torch.Size(offsets))] = _StorageInfo(file, end[0], length)
+        end[0] += length
+
+    def tensor(fqn, rows):
+        chunks = [ChunkStorageMetadata(torch.Size([row, 0]), torch.Size([2, 3])) for row in rows]
+        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * len(rows), 3]), chunks)
+        return [chunk.offsets for chunk in chunks]
+
+    for offsets in tensor("model.clean", (0, 2, 4)):
+        entry("model.clean", offsets)
+    for offsets in reversed(tensor("model.reversed", (0, 2, 4))):
+        entry("model.reversed", offsets, "__1_0.distcp")
+    for offsets in tensor("model.repeated", (0, 2)):
+        entry("model.repeated", offsets)
+    entry("model.repeated", (0, 0), "__1_0.distcp")  # the last of equal keys is kept
+    for offsets in tensor("model.orphaned", (0, 2)):
+        entry("model.orphaned", offsets)
+    entry("model.orphaned", (8, 0))
+    for offsets in tensor("model.descending", (4, 2, 0)):
+        entry("model.descending", offsets)
+    tensor("model.unstored", (0, 2))
+    entry("model.unstored", (0, 0))
+    state["optim.lr"] = BytesStorageMetadata()
+    stored[MetadataIndex("optim.lr")] = _StorageInfo("__0_0.distcp", end[0], 7)
+    stored[MetadataIndex("optim.gone", torch.Size([0]))] = _StorageInfo("__1_0.distcp", 0, 7)
+    raw = pickle.dumps(Metadata(state_dict_metadata=state, storage_data=stored))
+    path = tmp_path / METADATA_FILENAME
+    columns = _columns(path, raw)
+    assert columns is not None
+    assert _plain(columns) == _plain(_loader(path, raw))
+    tables = {fqn for fqn, t in columns.tensors.items() if isinstance(t.chunks, ChunkTable)}
+    assert {"model.clean", "model.reversed", "model.descending"} <= tables
+    assert [blob.file for _, blob in columns.orphan_blobs].count("__1_0.distcp") == 1  # optim.gone
+    assert columns.tensors["model.repeated"].chunks[0].blob.file == "__1_0.distcp"

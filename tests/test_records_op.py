@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import typing
 
 import pytest
 
@@ -203,3 +204,134 @@ def test_a_short_vectored_write_is_completed(saved, tmp_path, monkeypatch):
     pwritev = os.pwritev
     monkeypatch.setattr(os, "pwritev", lambda fd, pieces, offset: pwritev(fd, pieces[:2], offset))
     assert written(path, [op], tmp_path, "records") == written(path, op.records(), tmp_path, "record")
+
+
+# ---------------------------------------------------------------------------------------------
+# A large record of copies (a chunk straddling source chunks): copied in the kernel, its CRC-32
+# combined from those torch.save stored
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_crc32_of_joined_and_cut_bytes_follows_from_the_crcs_of_their_parts(seed):
+    import random
+    import zlib
+
+    from ckpttool.torchsave.crc32 import crc32_combine, crc32_remove_prefix, crc32_remove_suffix, crc32_slice
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        whole = rng.randbytes(rng.choice([0, 1, 7, 4096, rng.randrange(1, 70000)]))
+        start = rng.randrange(len(whole) + 1)
+        end = rng.randrange(start, len(whole) + 1)
+        before, part, after = whole[:start], whole[start:end], whole[end:]
+        crc = zlib.crc32
+        assert crc32_combine(crc(before), crc(part + after), len(part + after)) == crc(whole)
+        assert crc32_remove_suffix(crc(whole), crc(after), len(after)) == crc(before + part)
+        assert crc32_remove_prefix(crc(whole), crc(before), len(part + after)) == crc(part + after)
+        assert crc32_slice(crc(whole), crc(before), crc(after), len(part), len(after)) == crc(part)
+
+
+def straddling_record(path, dst: str = "out", offset: int = 64, wrong_stored_crc: bool = False) -> Record:
+    """A (13, 4) float32 Record of `rows`' data whole, then its rows 0..4, then its row 6, its
+    parts listed in reverse: the first part has the stored CRC-32, the second one the stored
+    CRC-32 of the record it is cut from (2 rows left: less to sum than its 5), the third too
+    (6 rows left: it is summed itself)."""
+    import dataclasses
+
+    from ckpttool.plan.operations import Copy
+
+    checkpoint = read_checkpoint(path)
+    with DataFiles(checkpoint.path) as files:
+        raw = locating.locate_chunks(files, checkpoint.tensors.values())["rows"][0]
+    if wrong_stored_crc:
+        raw = dataclasses.replace(raw, crc32=raw.crc32 ^ 1)
+    row = raw.length // 7
+    layout = record_layout("float32", (13, 4))
+    at = offset + layout.data_offset
+    parts = (Copy(raw.file, raw.offset, dst, at, raw.length, raw.crc32),
+             Copy(raw.file, raw.offset, dst, at + 7 * row, 5 * row, within=raw),
+             Copy(raw.file, raw.offset + 6 * row, dst, at + 12 * row, row, within=raw))
+    return Record(dst, offset, "rows", (0, 0), "float32", (13, 4), tuple(reversed(parts)))
+
+
+def streamed(op: Record, files: DataFiles) -> bytes:
+    """What the general path writes for `op` (head, data read and summed block by block, tail), end to end."""
+    return b"".join(bytes(block) for _, block in execute._blocks(op, files))
+
+
+def test_a_record_of_copies_is_written_in_the_kernel_with_the_bytes_the_general_path_writes(saved, tmp_path, monkeypatch):
+    import torch
+
+    path, state = saved
+    record = straddling_record(path)
+    copies, summed = [], []
+    copy_range, source_crc = record_writes.copy_range, record_writes.source_crc
+    monkeypatch.setattr(record_writes, "copy_range", lambda *args: copies.append(args[4]) or copy_range(*args))
+    monkeypatch.setattr(record_writes, "source_crc", lambda *args: summed.append(args[3]) or source_crc(*args))
+    monkeypatch.setattr(execute, "SMALL_OPERATION", 0)  # not built whole in memory: a large record's path
+    out = written(path, [record], tmp_path, "record")
+    row = 4 * 4
+    assert sorted(copies) == [row, 5 * row, 7 * row]  # every part in the kernel
+    assert sorted(summed) == [0, row, 2 * row]  # the rows before and after the cut of 5, and the row of 1
+    with DataFiles(path) as files:
+        assert out[record.offset:] == streamed(record, files)
+    rows = state["rows"]
+    loaded = torch.load(io.BytesIO(out[record.offset:]), weights_only=True)
+    assert_same_bytes(loaded, torch.cat([rows, rows[:5], rows[6:]]))
+
+
+def test_a_cut_record_crc_comes_from_the_stored_one_and_verify_catches_a_wrong_stored_crc(saved, tmp_path):
+    import zlib
+
+    path, _ = saved
+    record = straddling_record(path, wrong_stored_crc=True)
+    out = tmp_path / "out"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with DataFiles(path) as files:
+            record_writes.write_record(record, files, fd)
+            layout = record_layout(record.dtype, record.shape)
+            data = os.pread(fd, layout.data_length, record.offset + layout.data_offset)
+            assert os.pread(fd, len(layout.tail(0)), record.offset + layout.data_offset + layout.data_length) \
+                != layout.tail(zlib.crc32(data)), "the stored CRC-32 is taken, not summed"
+            with pytest.raises(VerificationFailed, match="^rows differs"):
+                execute.verify([record], files, {"out": fd}, describe=lambda op: op.fqn, **RUN)
+    finally:
+        os.close(fd)
+
+
+def test_a_stored_crc_of_zero_is_not_taken(saved, tmp_path):
+    """torch.save writes 0 in every CRC-32 field under torch.serialization.set_crc32_options(False)."""
+    import dataclasses
+    import zlib
+
+    from ckpttool.plan.operations import Copy
+
+    path, _ = saved
+    record = straddling_record(path)
+    with DataFiles(path) as files:
+        for part in record.parts:
+            part = typing.cast(Copy, part)
+            unstored = dataclasses.replace(part, crc32=0 if part.crc32 is not None else None,
+                                           within=dataclasses.replace(part.within, crc32=0) if part.within else None)
+            assert record_writes.copy_crc(unstored, files) == zlib.crc32(files.read(part.src, part.src_offset, part.length))
+
+
+def test_output_crc_reads_back_where_a_stored_crc_is_zero(tmp_path):
+    """consolidate's .pt tensors: CRC-32s combined from the stored ones, but not from a 0."""
+    import zlib
+
+    from ckpttool.plan.operations import Copy
+
+    out = tmp_path / "out"
+    out.write_bytes(b"x" * 8 + b"abcdef")
+    parts = [Copy("src", 0, "out", 8, 3, zlib.crc32(b"abc")), Copy("src", 3, "out", 11, 3, zlib.crc32(b"def"))]
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        assert execute.output_crc(fd, 8, 6, parts) == zlib.crc32(b"abcdef")
+        unstored = [parts[0], Copy("src", 3, "out", 11, 3, 0)]
+        assert execute.output_crc(fd, 8, 6, unstored) == zlib.crc32(b"abcdef")
+        wrong = [parts[0], Copy("src", 3, "out", 11, 3, zlib.crc32(b"xyz"))]
+        assert execute.output_crc(fd, 8, 6, wrong) != zlib.crc32(b"abcdef"), "a stored CRC-32 is taken as it is"
+    finally:
+        os.close(fd)

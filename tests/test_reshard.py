@@ -301,6 +301,42 @@ def test_world_1_source_without_optimizer_state_shards_every_tensor_unless_kept_
     assert kept.plan.keep_whole == ("model.position_ids", "*.mask")
 
 
+@pytest.mark.parametrize("world_size", [2, 4, 5])
+def test_records_copied_in_the_kernel_with_crcs_from_the_stored_ones_equal_records_summed_byte_for_byte(
+        tmp_path, monkeypatch, reference, world_size):
+    """Every record through record_writes.write_record (as a large one goes): its data copied
+    in the kernel, its CRC-32 combined from the source's stored ones (or from a stored one and
+    the rest of a cut record); the same bytes as records built whole and summed, each record
+    loads with torch.load, and torch's own DCP load of the output gives the source's tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ckpttool import execute, record_writes
+
+    name, out = "fsdp2_world3_uneven", tmp_path / "out"  # one destination: torch records it in the metadata
+    reshard(FIXTURES / name, out, world_size)
+    summed = {path.name: path.read_bytes() for path in out.iterdir()}
+    slices = []
+    crc32_slice = record_writes.crc32_slice
+    monkeypatch.setattr(record_writes, "crc32_slice", lambda *args: slices.append(args) or crc32_slice(*args))
+    monkeypatch.setattr(execute, "SMALL_OPERATION", 0)  # no record is small: each goes the large records' way
+    reshard(FIXTURES / name, out, world_size, write=WriteOptions(force=True))
+    assert slices, "some records hold part of a source record whose CRC-32 is derived from the stored one"
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == summed
+    checkpoint = read_checkpoint(out)
+    for fqn, tensor in checkpoint.tensors.items():
+        for chunk in tensor.chunks:
+            data = summed[chunk.blob.file][chunk.blob.offset:chunk.blob.offset + chunk.blob.length]
+            loaded = torch.load(io.BytesIO(data), weights_only=True)
+            assert tuple(loaded.shape) == tuple(chunk.sizes) and str(loaded.dtype) == f"torch.{tensor.dtype}", fqn
+    dcp_to_torch_save(out, tmp_path / "full.pt")
+    got = flatten(torch.load(tmp_path / "full.pt", weights_only=False))  # written by torch just now
+    for fqn, value in reference(FIXTURES / name).items():
+        if isinstance(value, torch.Tensor):
+            assert_same_bytes(got[fqn], value, fqn)
+        else:
+            assert got[fqn] == value
+
+
 # ---------------------------------------------------------------------------------------------
 # consolidate agrees
 

@@ -57,6 +57,25 @@ def proxy(world8):
             server.stop()
 
 
+@pytest.fixture(scope="module")
+def world8_48mb(tmp_path_factory) -> Path:
+    """A world-8 checkpoint of 12 tensors of 1024 x 1024 fp32 saved with torch's dcp.save: 48 MiB
+    in 6 MiB files, more than the 32 MB that --max-memory 64MB gives coalesced reads (the
+    smallest that showed 39 GETs against a bound of 22: records located before the copies)."""
+    return write_world(tmp_path_factory.mktemp("world8_48mb") / "ckpt", world=8, tensors=12, rows=1024, columns=1024)
+
+
+@pytest.fixture(scope="module")
+def large(proxy, world8_48mb) -> str:
+    """`world8_48mb` at s3://coalesced/w8-48mb (on `proxy`'s moto server); its URL."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=proxy.endpoint)
+    for path in sorted(world8_48mb.iterdir()):
+        client.upload_file(str(path), BUCKET, f"w8-48mb/{path.name}")
+    return f"s3://{BUCKET}/w8-48mb"
+
+
 def run_cli(*args):
     from click.testing import CliRunner
 
@@ -121,6 +140,62 @@ def test_a_budget_smaller_than_the_data_still_writes_the_local_bytes(proxy, worl
     remote = run_cli(command, f"s3://{BUCKET}/w8", out, *extra, "--max-memory", "64KiB", "--verify")
     assert files_of(out) == expected
     assert remote["requests"] > len(data_files(world8))
+
+
+OUTPUTS = {"safetensors": ("m.safetensors", []), "hub shards": ("hub", ["--max-shard-size", "20MB"]),
+           "pt": ("m.pt", []), "reshard": ("out", ["--world", "3"])}
+
+
+# 64MB: the smallest --max-memory the bound holds at; 512MB: the default, for one consolidate output and reshard
+@pytest.mark.parametrize("output, max_memory", [("safetensors", "64MB"), ("safetensors", "512MB"), ("hub shards", "64MB"),
+                                                ("pt", "64MB"), ("reshard", "64MB"), ("reshard", "512MB")])
+def test_s3_gets_stay_within_the_bound_when_the_data_is_more_than_half_of_max_memory(
+        proxy, world8_48mb, large, tmp_path, output, max_memory):
+    """Each byte of a data file is fetched about once, record headers with their data: at 64MB
+    the spans cannot all be held, yet none is fetched twice and no header costs a GET of its own."""
+    command = "reshard" if output == "reshard" else "consolidate"
+    name, extra = OUTPUTS[output]
+    run_cli(command, world8_48mb, tmp_path / name, *extra)
+    expected = files_of(tmp_path / name)
+    os.rename(tmp_path / name, tmp_path / "local")  # reshard's .metadata names the directory written
+    proxy.reset()
+    remote = run_cli(command, large, tmp_path / name, *extra, "--max-memory", max_memory)
+    gets = [(path.rsplit("/", 1)[-1], ranges) for method, path, ranges in proxy.log if method == "GET"]
+    assert files_of(tmp_path / name) == expected
+    assert len(gets) <= bound(world8_48mb), f"{len(gets)} GETs (bound {bound(world8_48mb)}): {gets}"
+    assert remote["requests"] <= len(gets)
+
+
+def test_a_record_read_with_its_data_that_disagrees_with_the_metadata_fails_as_the_local_run(proxy, world8, tmp_path):
+    """Records after the first of their shape are located when the copies reach them: one whose
+    data.pkl says 16 rows where the metadata says 32 fails the command with the local run's
+    one-line error (naming the file and the tensor), exit 1 and no output."""
+    import shutil
+
+    import boto3
+
+    from ckpttool import readers
+
+    bad = tmp_path / "bad"
+    shutil.copytree(world8, bad)
+    tensor = readers.read(bad, False)[1].tensors["model.layers.5.weight"]
+    blob = next(chunk.blob for chunk in tensor.chunks if chunk.blob.file == "__3_0.distcp")
+    data = bytearray((bad / blob.file).read_bytes())
+    at = data.index(b"K M\x00\x01\x86", blob.offset, blob.offset + 4096)  # the size (32, 256) in data.pkl
+    data[at + 1] = 16
+    (bad / blob.file).write_bytes(bytes(data))
+    client = boto3.client("s3", endpoint_url=proxy.endpoint)
+    for path in sorted(bad.iterdir()):
+        client.upload_file(str(path), BUCKET, f"w8-bad/{path.name}")
+    from click.testing import CliRunner
+
+    local = CliRunner().invoke(main, ["consolidate", str(bad), str(tmp_path / "local.safetensors"), "--quiet"])
+    remote = CliRunner().invoke(main, ["consolidate", f"s3://{BUCKET}/w8-bad", str(tmp_path / "remote.safetensors"),
+                                       "--quiet", "--max-memory", "64MB"])
+    assert (local.exit_code, remote.exit_code) == (1, 1)
+    assert "model.layers.5.weight" in local.output and "shape [16, 256]" in local.output
+    assert remote.output.replace(f"s3://{BUCKET}/w8-bad", str(bad)) == local.output
+    assert not (tmp_path / "remote.safetensors").exists()
 
 
 def test_consolidate_from_s3_at_20_ms_per_request_is_not_request_bound(proxy, world8, tmp_path, monkeypatch):
@@ -205,3 +280,21 @@ def test_a_failed_get_is_raised_to_every_read_of_its_span():
                 store.read("a", start, 10)
     finally:
         store.close()
+
+
+def test_files_read_one_after_another_get_spans_of_half_the_budget_and_side_by_side_smaller():
+    """4 MiB of budget: copies in file order read 2 MiB spans (one read, one fetched ahead);
+    copies visiting two files side by side read 1 MiB spans (two per file fit)."""
+    size = 3 << 20
+    for order, expected in (("file", 4), ("side by side", 6)):
+        data, calls, fetch = fake_files({"a": size, "b": size})
+        store = spans.SpanStore(fetch, budget=4 << 20)
+        try:
+            pieces = [(file, at, at + (256 << 10)) for file in "ab" for at in range(0, size, 256 << 10)]
+            ranges = pieces if order == "file" else sorted(pieces, key=lambda r: (r[1], r[0]))
+            store.expect(ranges)
+            for file, start, end in ranges:
+                assert bytes(store.read(file, start, end - start)) == data[file][start:end]
+            assert len(calls) == expected, (order, calls)
+        finally:
+            store.close()

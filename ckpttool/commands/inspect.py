@@ -243,6 +243,9 @@ def _add_file_bytes(tensors: list[TensorInfo], referenced: Counter[str], per_fil
                     per_file_group[chunk.file][GROUPS[group]] += chunk.nbytes
 
 
+FILE_BYTES_BATCH = 256  # tables summed at once by `_add_table_file_bytes`
+
+
 def _add_table_file_bytes(tables: list[tuple[int, ChunkInfos]], referenced: Counter[str],
                           per_file_group: dict[str, Counter[str]]) -> bool:
     """`_add_file_bytes` for tables: one np.bincount per sum over every row of every table;
@@ -263,13 +266,20 @@ def _add_table_file_bytes(tables: list[tuple[int, ChunkInfos]], referenced: Coun
         else:
             stored = table.file >= 0
             columns.append((known[table.file[stored]] * len(GROUPS) + group_number, table.blob_length[stored], chunks.nbytes[stored]))
-    bins, length, nbytes = (np.concatenate([c[k] for c in columns]) for k in range(3))
-    if float(np.abs(length.astype(np.float64)).sum()) >= 2.0 ** 53 or float(nbytes.sum(dtype=np.float64)) >= 2.0 ** 53:
-        return False
     size = len(names) * len(GROUPS)
-    used = np.flatnonzero(np.bincount(bins, minlength=size))
-    length_sums = np.bincount(bins, weights=length, minlength=size)[used].astype(np.int64).tolist()
-    byte_sums = np.bincount(bins, weights=nbytes, minlength=size)[used].astype(np.int64).tolist()
+    counts, length_totals, byte_totals = (np.zeros(size, dtype=np.int64) for _ in range(3))
+    length_bound = byte_bound = 0.0
+    for begin in range(0, len(columns), FILE_BYTES_BATCH):  # batches of tables: 7M rows at once would take 300 MB
+        bins, length, nbytes = (np.concatenate([c[k] for c in columns[begin:begin + FILE_BYTES_BATCH]]) for k in range(3))
+        length_bound += float(np.abs(length.astype(np.float64)).sum())
+        byte_bound += float(nbytes.sum(dtype=np.float64))
+        if length_bound >= 2.0 ** 53 or byte_bound >= 2.0 ** 53:
+            return False
+        counts += np.bincount(bins, minlength=size)
+        length_totals += np.bincount(bins, weights=length, minlength=size).astype(np.int64)
+        byte_totals += np.bincount(bins, weights=nbytes, minlength=size).astype(np.int64)
+    used = np.flatnonzero(counts)
+    length_sums, byte_sums = length_totals[used].tolist(), byte_totals[used].tolist()
     file_names = list(names)
     for bin_number, length_sum, byte_sum in zip(used.tolist(), length_sums, byte_sums):
         name = file_names[bin_number // len(GROUPS)]

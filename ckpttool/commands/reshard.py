@@ -4,8 +4,9 @@ The pipeline: read `.metadata` -> integrity gate -> plan (`plan.reshard.plan_res
 rank file holds which chunk, from which source byte runs; pure) -> locate the source chunks'
 raw bytes (record headers only) -> lay the rank files out (`plan_writes`: objects copied
 verbatim, then one torch.save record per chunk; pure) -> `execute.run` into the
-preallocated files of a temporary directory, each record's CRC-32 computed as its bytes pass
--> `.metadata` -> optional `--verify` -> rename into place. Memory holds only the blocks in
+preallocated files of a temporary directory (a large record's data copied in the kernel, its
+CRC-32 combined from those torch.save stored for the source records; a small one's summed as
+its bytes pass) -> `.metadata` -> optional `--verify` -> rename into place. Memory holds only the blocks in
 flight (`max_memory`); nothing decodes a tensor unless its source blob is transformed (zstd)
 or strided.
 

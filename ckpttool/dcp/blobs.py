@@ -68,6 +68,7 @@ class DataFiles:
         self._lock = threading.Lock()
         self._spans = None if self.local or budget <= 0 else spans.SpanStore(self._fetch, budget)
         self._whole_records = whole_records
+        self.checks: ReadChecks | None = None  # set by locating: records whose headers are read with their data
 
     def __enter__(self) -> "DataFiles":
         return self
@@ -130,6 +131,8 @@ class DataFiles:
         """Say which (file, start, end) ranges are read next, in order (see SpanStore.expect);
         does nothing unless `coalesced`."""
         if self._spans is not None:
+            if self.checks is not None:
+                ranges = self.checks.ranges(ranges)
             readable = {relative for relative in {r[0] for r in ranges} if self._opens(relative)}
             self._spans.expect([r for r in ranges if r[0] in readable and r[2] <= self._sizes[r[0]]])
 
@@ -233,6 +236,8 @@ class DataFiles:
         until the next): from a remote file one ranged GET streamed through the buffer."""
         self._checked_fd(relative, offset, length)
         if not self.local:
+            if self.checks is not None:
+                offset = self.checks.offset(relative, offset, length)
             served = self._spans.pieces(relative, offset, length, len(buffer)) if self._spans is not None else iter([None])
             first = next(served, None)
             if first is None:
@@ -262,10 +267,23 @@ class DataFiles:
         return data
 
     def _remote_read(self, relative: str, offset: int, length: int) -> bytes:
+        if self.checks is not None:
+            offset = self.checks.offset(relative, offset, length)
         served = self._spans.read(relative, offset, length) if self._spans is not None and length else None
         if served is None:
             return self._readers[relative].read(offset, length)
         return bytes(served)
+
+
+class ReadChecks(Protocol):
+    """What a remote DataFiles asks before its reads (`locating.PredictedRecords`: records
+    whose headers are read with their data, by the copies)."""
+
+    def ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        """The ranges to fetch for reads of `ranges`, in order (the headers to check with them)."""
+
+    def offset(self, relative: str, offset: int, length: int) -> int:
+        """Where to read the `length` bytes asked for at `offset` (after checking what holds them)."""
 
 
 class FileReads(Protocol):

@@ -51,6 +51,9 @@ class Copy:
     dst_offset: int
     length: int
     crc32: int | None = None  # CRC-32 of these bytes, when torch.save recorded it
+    # the torch.save record data these bytes are a part of, with its recorded CRC-32: theirs
+    # follows from it and the CRC-32 of the rest (torchsave.crc32.crc32_slice)
+    within: RawData | None = None
 
     @property
     def memory(self) -> int:

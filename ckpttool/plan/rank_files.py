@@ -227,8 +227,11 @@ def _record_parts(tensor: Tensor, chunk: TargetChunk, located: Mapping[int, RawD
         raw = located[run.source_chunk]
         if raw is None:
             decoded.setdefault(run.source_chunk, []).append((run.source_offset, data_start + run.target_offset, run.length))
+        elif run.source_offset == 0 and run.length == raw.length:  # a whole source record: its CRC-32 is stored
+            parts.append(Copy(raw.file, raw.offset, file, data_start + run.target_offset, run.length, raw.crc32))
         else:
-            parts.append(Copy(raw.file, raw.offset + run.source_offset, file, data_start + run.target_offset, run.length))
+            parts.append(Copy(raw.file, raw.offset + run.source_offset, file, data_start + run.target_offset, run.length,
+                              within=raw))
     for index, pieces in decoded.items():
         parts.append(Gather(tensor, index, None, tensor.dtype, file, tuple(pieces)))
     return tuple(parts)

@@ -16,10 +16,20 @@
    there is no recursion on the input's nesting, no hashing of values the file controls but
    str (salted), and the columns hold at most one int64 per two input bytes.
 
-   Returns (version, save_id, tensors, objects, planner, fqns, files, coords, storage) with
-   tensors a list of (fqn, dtype, shape, first coord, chunk count) in file order, coords the
-   int64 chunk rows (offsets then sizes per chunk), and storage a tuple of bytes columns
-   (fqn id, ndim or -1, coord start, file id, offset, length) in file order. */
+   Each storage entry is matched as it is read with the next chunk of its tensor (torch
+   writes a tensor's chunks and its entries in the same order, the entries after the chunks):
+   a matched entry is kept only as its chunk's columns, so a .metadata of millions of chunks
+   is held as those columns, not as a row per entry beside them.
+
+   Returns (version, save_id, tensors, objects, planner, fqns, files, coords, chunks, storage)
+   with tensors a list of (fqn, dtype, shape, first coord, chunk count, first chunk, clean)
+   in file order, coords the int64 chunk rows (offsets then sizes per chunk), chunks a tuple
+   of bytes columns per chunk (file id int32, offset int64, length int64, storage row
+   int32; -1, 0, 0, -1 for a chunk no entry matched), and storage the entries no chunk
+   matched as bytes columns (fqn id, ndim or -1, coord start, coords, file id, offset,
+   length, storage row; int64) in file order. `clean`: every chunk of the tensor matched an
+   entry, in strictly ascending offsets, and no other entry names it, so its chunk columns
+   say all of it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,6 +40,8 @@
 
 #define MAX_DIMS 64
 #define RECENT 4096  /* a rank's file names and a tensor's fqn are fetched over and over */
+#define EARLY 1024  /* memo slots below this (the classes and field names, memoized first) are found directly */
+#define LITERAL 64  /* strings up to this long are looked up by their bytes before they are decoded */
 
 enum { K_STR = 1, K_GLOBAL, K_LAYOUT, K_MEMFMT, K_PROPS, K_BYTES };  /* what a kept memo slot holds */
 enum {
@@ -46,6 +58,7 @@ static const char *const FIELD_NAMES[] = {
 
 typedef struct { uint32_t index; uint8_t kind, gid; PyObject *obj; } Kept;  /* memo slots < 2**31: one per input byte at most */
 typedef struct { PyObject *bytes; int64_t *v; Py_ssize_t n, cap; } I64;  /* a bytearray's int64s */
+typedef struct { PyObject *bytes; int32_t *v; Py_ssize_t n, cap; } I32;  /* a bytearray's int32s */
 typedef struct { PyObject *name; Py_ssize_t id; } Named;  /* a str and the id it was given */
 
 typedef struct {
@@ -56,17 +69,25 @@ typedef struct {
     Py_ssize_t nkept, capkept;
     PyObject *strings, *dtypes, *tensors, *objects, *planner, *fqn_ids, *fqns, *file_ids, *files, *seen;
     PyObject *version, *save_id, *last_planner_key;
-    I64 coords, st_fqn, st_ndim, st_cstart, st_coords, st_file, st_off, st_len;
+    I64 coords, st_fqn, st_ndim, st_cstart, st_coords, st_file, st_off, st_len, st_row;
+    I32 ch_file, ch_row;  /* per chunk: the matched entry's file id and storage row, or -1 */
+    I64 ch_off, ch_len;  /* per chunk: the matched entry's offset and length */
+    I64 t_first, t_count, t_ndim, t_chunk0, t_cursor, t_fqn;  /* per tensor: coords, chunks, entries matched */
+    I32 fqn_tensor;  /* per fqn id: its tensor's number, or -1 */
+    I32 st_log;  /* per storage entry: the tensor it matched a chunk of, or -1 (undone by restore) */
+    Py_ssize_t rows;  /* storage entries read */
     Py_ssize_t budget, fail_at;
     int failed;
     Py_ssize_t released, release_every;  /* pages of a mapped input handed back so far; 0: never */
     Py_ssize_t recent[RECENT];  /* kept entry + 1 of recently fetched slots, by slot % RECENT */
+    Py_ssize_t early[EARLY];  /* kept entry + 1 of the slots below EARLY */
+    PyObject *literals[RECENT];  /* recently read ASCII strings (interned, alive), by a hash of their bytes */
     Named fqn_cache[RECENT], file_cache[RECENT];  /* fqn and file ids by the str's address */
     PyObject *fields[F_COUNT];  /* the field names the records have, interned before the scan */
 } P;
 
 typedef struct {
-    Py_ssize_t i, nkept, coords, storage, tensors, objects, planner;
+    Py_ssize_t i, nkept, coords, storage, tensors, objects, planner, chunks, rows, st_coords;
     uint64_t memo_count;
 } Snapshot;
 
@@ -90,6 +111,18 @@ static int push64(I64 *a, int64_t v) {
         if (!a->bytes && !(a->bytes = PyByteArray_FromStringAndSize(NULL, 0))) return -1;
         if (PyByteArray_Resize(a->bytes, cap * (Py_ssize_t)sizeof(int64_t))) return -1;
         a->v = (int64_t *)PyByteArray_AS_STRING(a->bytes);
+        a->cap = cap;
+    }
+    a->v[a->n++] = v;
+    return 0;
+}
+
+static int push32(I32 *a, int32_t v) {
+    if (a->n == a->cap) {
+        Py_ssize_t cap = a->cap ? a->cap * 2 : 4096;
+        if (!a->bytes && !(a->bytes = PyByteArray_FromStringAndSize(NULL, 0))) return -1;
+        if (PyByteArray_Resize(a->bytes, cap * (Py_ssize_t)sizeof(int32_t))) return -1;
+        a->v = (int32_t *)PyByteArray_AS_STRING(a->bytes);
         a->cap = cap;
     }
     a->v[a->n++] = v;
@@ -149,6 +182,7 @@ static int memo(P *p, int kind, int gid, PyObject *obj) {
             p->kept = grown;
             p->capkept = cap;
         }
+        if (p->memo_count < EARLY) p->early[p->memo_count] = p->nkept + 1;
         Kept *k = &p->kept[p->nkept++];
         k->index = (uint32_t)p->memo_count;
         k->kind = kind;
@@ -166,7 +200,9 @@ static Kept *lookup(P *p) {
     int width = op == 'h' ? 1 : op == 'j' ? 4 : 0;
     if (!width || p->n - p->i < 1 + width) return NULL;
     uint64_t slot = le(p->p + p->i + 1, width);
-    Py_ssize_t hit = p->recent[slot % RECENT] - 1;
+    Py_ssize_t hit = slot < EARLY ? p->early[slot] - 1 : -1;
+    if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
+    hit = p->recent[slot % RECENT] - 1;
     if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
     Py_ssize_t lo = 0, hi = p->nkept;
     while (lo < hi) {
@@ -185,12 +221,17 @@ static Kept *fetched(P *p) {
     return k;
 }
 
+/* consume the GET at the cursor that `lookup` just found */
+static void skip_get(P *p) { p->i += p->p[p->i] == 'h' ? 2 : 5; }
+
 static int is_get(P *p) { int op = peek(p); return op == 'h' || op == 'j'; }
 
 /* the kept entry of `kind` a GET at the cursor fetches (consumed), or NULL (nothing consumed) */
 static Kept *fetched_kind(P *p, int kind) {
     Kept *k = is_get(p) ? lookup(p) : NULL;
-    return k && k->kind == kind ? fetched(p) : NULL;
+    if (!k || k->kind != kind) return NULL;
+    skip_get(p);
+    return k;
 }
 
 static int is_text(P *p) { int op = peek(p); return op == 0x8c || op == 'X'; }
@@ -212,6 +253,19 @@ static PyObject *text(P *p) {
     uint64_t count = le(p->p + p->i + 1, (int)width);
     if (count > (uint64_t)(p->n - p->i - 1 - width)) { fail(p); return NULL; }
     const char *start = (const char *)p->p + p->i + 1 + width;
+    PyObject **literal = NULL;
+    if (count <= LITERAL) {  /* a string read before (a rank's file name, say): the same object */
+        uint32_t hash = 2166136261u;
+        for (uint64_t k = 0; k < count; k++) hash = (hash ^ (unsigned char)start[k]) * 16777619u;
+        literal = &p->literals[hash % RECENT];
+        PyObject *known = *literal;
+        if (known && PyUnicode_GET_LENGTH(known) == (Py_ssize_t)count && !memcmp(PyUnicode_1BYTE_DATA(known), start, count)) {
+            Py_INCREF(known);
+            p->i += 1 + width + (Py_ssize_t)count;
+            if (memo(p, K_STR, 0, known)) { Py_DECREF(known); return NULL; }
+            return known;
+        }
+    }
     PyObject *decoded = PyUnicode_DecodeUTF8(start, (Py_ssize_t)count, "surrogatepass");
     if (!decoded) {
         if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) { PyErr_Clear(); fail(p); }
@@ -221,6 +275,7 @@ static PyObject *text(P *p) {
     Py_XINCREF(interned);
     Py_DECREF(decoded);
     if (!interned) return NULL;
+    if (literal && PyUnicode_IS_ASCII(interned)) *literal = interned;  /* alive in the intern table */
     p->i += 1 + width + (Py_ssize_t)count;
     if (memo(p, K_STR, 0, interned)) { Py_DECREF(interned); return NULL; }
     return interned;
@@ -297,7 +352,7 @@ static int global(P *p, PyObject **dtype) {
     int op = peek(p);
     Kept *k = op == 'h' || op == 'j' ? lookup(p) : NULL;
     if (k && k->kind == K_GLOBAL) {  /* else the module's name, fetched, then STACK_GLOBAL */
-        fetched(p);
+        skip_get(p);
         if (dtype) *dtype = k->obj;
         return k->gid;
     }
@@ -411,6 +466,9 @@ static void snapshot(P *p, Snapshot *s) {
     s->memo_count = p->memo_count;
     s->coords = p->coords.n;
     s->storage = p->st_fqn.n;
+    s->st_coords = p->st_coords.n;
+    s->chunks = p->ch_file.n;
+    s->rows = p->rows;
     s->tensors = PyList_GET_SIZE(p->tensors);
     s->objects = PyList_GET_SIZE(p->objects);
     s->planner = PyDict_GET_SIZE(p->planner);
@@ -421,8 +479,20 @@ static int restore(P *p, Snapshot *s) {
     p->i = s->i;
     while (p->nkept > s->nkept) Py_XDECREF(p->kept[--p->nkept].obj);
     p->memo_count = s->memo_count;
+    while (p->rows > s->rows) {  /* entries read since: their matches undone, latest first */
+        int32_t t = p->st_log.v[--p->rows];
+        if (t < 0) continue;
+        int64_t c = p->t_chunk0.v[t] + --p->t_cursor.v[t];
+        p->ch_file.v[c] = p->ch_row.v[c] = -1;
+        p->ch_off.v[c] = p->ch_len.v[c] = 0;
+    }
+    p->st_log.n = s->rows;
+    for (Py_ssize_t t = s->tensors; t < p->t_fqn.n; t++) p->fqn_tensor.v[p->t_fqn.v[t]] = -1;
+    p->t_first.n = p->t_count.n = p->t_ndim.n = p->t_chunk0.n = p->t_cursor.n = p->t_fqn.n = s->tensors;
+    p->ch_file.n = p->ch_row.n = p->ch_off.n = p->ch_len.n = s->chunks;
     p->coords.n = s->coords;
-    p->st_fqn.n = p->st_ndim.n = p->st_cstart.n = p->st_file.n = p->st_off.n = p->st_len.n = s->storage;
+    p->st_coords.n = s->st_coords;
+    p->st_fqn.n = p->st_ndim.n = p->st_cstart.n = p->st_file.n = p->st_off.n = p->st_len.n = p->st_row.n = s->storage;
     if (PyList_GET_SIZE(p->tensors) > s->tensors && PyList_SetSlice(p->tensors, s->tensors, PY_SSIZE_T_MAX, NULL)) return -1;
     if (PyList_GET_SIZE(p->objects) > s->objects && PyList_SetSlice(p->objects, s->objects, PY_SSIZE_T_MAX, NULL)) return -1;
     if (PyDict_GET_SIZE(p->planner) > s->planner && p->last_planner_key &&
@@ -514,15 +584,18 @@ static int chunk(P *p, void *context) {
     if (new_object(p) != G_CHUNK || record_state(p, chunk_field, &c) || c.seen != 3) return fail(p);
     if (c.ndim[0] != c.ndim[1] || (list->ndim >= 0 && c.ndim[0] != list->ndim)) return fail(p);
     list->ndim = c.ndim[0];
-    if (p->coords.n + 2 * c.ndim[0] > p->budget) return fail(p);
+    if (p->coords.n + 2 * c.ndim[0] + 3 * (p->ch_file.n + 1) > p->budget || p->ch_file.n >= INT32_MAX) return fail(p);
     for (int w = 0; w < 2; w++)
         for (int d = 0; d < c.ndim[0]; d++)
             if (push64(&p->coords, c.dims[w][d])) return -1;
+    if (push32(&p->ch_file, -1) || push32(&p->ch_row, -1) || push64(&p->ch_off, 0) || push64(&p->ch_len, 0)) return -1;
     list->count++;
     return 0;
 }
 
 typedef struct { unsigned seen; PyObject *dtype; int64_t shape[MAX_DIMS]; int ndim; ChunkList chunks; } TensorFields;
+
+static int register_tensor(P *p, PyObject *fqn, Py_ssize_t first, Py_ssize_t count, int ndim, Py_ssize_t chunk0);
 
 static int tensor_field(P *p, void *context) {
     static const int names[] = {F_PROPERTIES, F_SIZE, F_CHUNKS, -1};
@@ -559,18 +632,19 @@ static int entry(P *p, void *context) {
     if (gid != G_TSM) { Py_DECREF(fqn); return fail(p); }
     TensorFields t = {0};
     t.chunks.ndim = -1;
-    Py_ssize_t first = p->coords.n;
+    Py_ssize_t first = p->coords.n, chunk0 = p->ch_file.n;
     if (record_state(p, tensor_field, &t) || t.seen != 7 || (t.chunks.count && t.chunks.ndim != t.ndim)) {
         Py_DECREF(fqn);
         return fail(p);
     }
+    if (register_tensor(p, fqn, first, t.chunks.count, t.ndim, chunk0)) { Py_DECREF(fqn); return -1; }
     PyObject *shape = PyTuple_New(t.ndim);
     for (int d = 0; shape && d < t.ndim; d++) {
         PyObject *dim = PyLong_FromLongLong(t.shape[d]);
         if (!dim) { Py_CLEAR(shape); break; }
         PyTuple_SET_ITEM(shape, d, dim);
     }
-    PyObject *row = shape ? Py_BuildValue("(OONnn)", fqn, t.dtype, shape, first, t.chunks.count) : NULL;
+    PyObject *row = shape ? Py_BuildValue("(OONnnn)", fqn, t.dtype, shape, first, t.chunks.count, chunk0) : NULL;
     Py_DECREF(fqn);
     int status = row ? PyList_Append(p->tensors, row) : -1;
     Py_XDECREF(row);
@@ -638,6 +712,27 @@ static Py_ssize_t id_of(Named *cache, PyObject *ids, PyObject *names, PyObject *
     return id;
 }
 
+/* a tensor read from state_dict_metadata, whose storage entries `stored` matches with its chunks */
+static int register_tensor(P *p, PyObject *fqn, Py_ssize_t first, Py_ssize_t count, int ndim, Py_ssize_t chunk0) {
+    Py_ssize_t id = id_of(p->fqn_cache, p->fqn_ids, p->fqns, fqn);
+    if (id < 0) return -1;
+    while (p->fqn_tensor.n <= id)
+        if (push32(&p->fqn_tensor, -1)) return -1;
+    p->fqn_tensor.v[id] = (int32_t)p->t_fqn.n;
+    return push64(&p->t_first, first) || push64(&p->t_count, count) || push64(&p->t_ndim, ndim) ||
+           push64(&p->t_chunk0, chunk0) || push64(&p->t_cursor, 0) || push64(&p->t_fqn, id) ? -1 : 0;
+}
+
+/* the tensor whose next unmatched chunk has these offsets, or -1 */
+static int32_t matching_tensor(P *p, Py_ssize_t fqn_id, const int64_t *offsets, int ndim) {
+    int32_t t = fqn_id < p->fqn_tensor.n ? p->fqn_tensor.v[fqn_id] : -1;
+    if (t < 0 || ndim != p->t_ndim.v[t] || p->t_cursor.v[t] >= p->t_count.v[t]) return -1;
+    const int64_t *chunk = p->coords.v + p->t_first.v[t] + 2 * ndim * p->t_cursor.v[t];
+    for (int d = 0; d < ndim; d++)
+        if (chunk[d] != offsets[d]) return -1;
+    return t;
+}
+
 typedef struct { unsigned seen; PyObject *fqn; int64_t offsets[MAX_DIMS]; int ndim; } IndexFields;
 
 static int index_field(P *p, void *context) {
@@ -689,15 +784,27 @@ static int stored(P *p, void *context) {
     int status = new_object(p) == G_INDEX && record_state(p, index_field, &key) == 0 && key.fqn &&
                  new_object(p) == G_INFO && record_state(p, info_field, &info) == 0 && info.file &&
                  (info.seen & 7) == 7 ? 0 : fail(p);
-    if (!status && p->st_coords.n + (key.ndim > 0 ? key.ndim : 0) + 6 > p->budget) status = fail(p);
+    if (!status && (p->st_coords.n + (key.ndim > 0 ? key.ndim : 0) + 7 > p->budget || p->rows >= INT32_MAX)) status = fail(p);
     Py_ssize_t fqn_id = status ? -1 : id_of(p->fqn_cache, p->fqn_ids, p->fqns, key.fqn);
     Py_ssize_t file_id = fqn_id < 0 ? -1 : id_of(p->file_cache, p->file_ids, p->files, info.file);
     Py_XDECREF(key.fqn);
     Py_XDECREF(info.file);
     if (status || file_id < 0) return -1;
+    if (file_id >= INT32_MAX) return fail(p);
+    int32_t t = matching_tensor(p, fqn_id, key.offsets, key.ndim);
+    if (push32(&p->st_log, t)) return -1;
+    Py_ssize_t row = p->rows++;
+    if (t >= 0) {
+        int64_t c = p->t_chunk0.v[t] + p->t_cursor.v[t]++;
+        p->ch_file.v[c] = (int32_t)file_id;
+        p->ch_row.v[c] = (int32_t)row;
+        p->ch_off.v[c] = info.offset;
+        p->ch_len.v[c] = info.length;
+        return 0;
+    }
     if (push64(&p->st_fqn, fqn_id) || push64(&p->st_ndim, key.ndim) ||
         push64(&p->st_cstart, p->st_coords.n) || push64(&p->st_file, file_id) ||
-        push64(&p->st_off, info.offset) || push64(&p->st_len, info.length))
+        push64(&p->st_off, info.offset) || push64(&p->st_len, info.length) || push64(&p->st_row, row))
         return -1;
     for (int d = 0; d < key.ndim; d++)
         if (push64(&p->st_coords, key.offsets[d])) return -1;
@@ -778,12 +885,61 @@ static PyObject *column(I64 *a) {
     return a->bytes;
 }
 
+static PyObject *column32(I32 *a) {
+    if (!a->bytes) return PyByteArray_FromStringAndSize(NULL, 0);
+    if (PyByteArray_Resize(a->bytes, a->n * (Py_ssize_t)sizeof(int32_t))) return NULL;
+    Py_INCREF(a->bytes);
+    return a->bytes;
+}
+
+/* append each tensor's `clean` flag to its row (see the top of the file) */
+static int mark_clean(P *p) {
+    Py_ssize_t count = p->t_fqn.n;
+    if (PyList_GET_SIZE(p->tensors) != count) { PyErr_SetString(PyExc_RuntimeError, "_dcpscan: tensor rows out of step"); return -1; }
+    char *dirty = PyMem_Calloc((size_t)count + 1, 1);
+    if (!dirty) { PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t r = 0; r < p->st_fqn.n; r++) {  /* an entry of the tensor's fqn that matched no chunk */
+        int64_t id = p->st_fqn.v[r];
+        int32_t t = id < p->fqn_tensor.n ? p->fqn_tensor.v[id] : -1;
+        if (t >= 0) dirty[t] = 1;
+    }
+    int status = 0;
+    for (Py_ssize_t t = 0; t < count && !status; t++) {
+        int64_t ndim = p->t_ndim.v[t], n = p->t_count.v[t];
+        int clean = !dirty[t] && p->t_cursor.v[t] == n;
+        const int64_t *at = p->coords.v + p->t_first.v[t];
+        for (int64_t k = 1; clean && k < n; k++) {  /* offsets strictly ascending, as tuples compare */
+            const int64_t *a = at + 2 * ndim * (k - 1), *b = at + 2 * ndim * k;
+            int64_t d = 0;
+            while (d < ndim && a[d] == b[d]) d++;
+            clean = d < ndim && a[d] < b[d];
+        }
+        PyObject *row = PyList_GET_ITEM(p->tensors, t);
+        PyObject *flagged = PyTuple_New(PyTuple_GET_SIZE(row) + 1);
+        if (!flagged) { status = -1; break; }
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(row); k++) {
+            PyObject *item = PyTuple_GET_ITEM(row, k);
+            Py_INCREF(item);
+            PyTuple_SET_ITEM(flagged, k, item);
+        }
+        PyTuple_SET_ITEM(flagged, PyTuple_GET_SIZE(row), PyBool_FromLong(clean));
+        status = PyList_SetItem(p->tensors, t, flagged);
+    }
+    PyMem_Free(dirty);
+    return status;
+}
+
 static PyObject *result(P *p) {
-    PyObject *storage = Py_BuildValue("(NNNNNNN)", column(&p->st_fqn), column(&p->st_ndim), column(&p->st_cstart),
-                                      column(&p->st_coords), column(&p->st_file), column(&p->st_off), column(&p->st_len));
-    if (!storage) return NULL;
-    return Py_BuildValue("(OOOOOOONN)", p->version ? p->version : Py_None, p->save_id ? p->save_id : Py_None,
-                         p->tensors, p->objects, p->planner, p->fqns, p->files, column(&p->coords), storage);
+    if (mark_clean(p)) return NULL;
+    PyObject *chunks = Py_BuildValue("(NNNN)", column32(&p->ch_file), column(&p->ch_off), column(&p->ch_len),
+                                     column32(&p->ch_row));
+    if (!chunks) return NULL;
+    PyObject *storage = Py_BuildValue("(NNNNNNNN)", column(&p->st_fqn), column(&p->st_ndim), column(&p->st_cstart),
+                                      column(&p->st_coords), column(&p->st_file), column(&p->st_off), column(&p->st_len),
+                                      column(&p->st_row));
+    if (!storage) { Py_DECREF(chunks); return NULL; }
+    return Py_BuildValue("(OOOOOOONNN)", p->version ? p->version : Py_None, p->save_id ? p->save_id : Py_None,
+                         p->tensors, p->objects, p->planner, p->fqns, p->files, column(&p->coords), chunks, storage);
 }
 
 static int parse(P *p) {
@@ -829,8 +985,11 @@ static PyObject *scan(PyObject *module, PyObject *args) {
     }
     while (p.nkept) Py_XDECREF(p.kept[--p.nkept].obj);
     PyMem_Free(p.kept);
-    I64 *columns[] = {&p.coords, &p.st_fqn, &p.st_ndim, &p.st_cstart, &p.st_coords, &p.st_file, &p.st_off, &p.st_len};
+    I64 *columns[] = {&p.coords, &p.st_fqn, &p.st_ndim, &p.st_cstart, &p.st_coords, &p.st_file, &p.st_off, &p.st_len,
+                      &p.st_row, &p.ch_off, &p.ch_len, &p.t_first, &p.t_count, &p.t_ndim, &p.t_chunk0, &p.t_cursor, &p.t_fqn};
     for (size_t k = 0; k < sizeof columns / sizeof columns[0]; k++) Py_XDECREF(columns[k]->bytes);
+    I32 *narrow[] = {&p.ch_file, &p.ch_row, &p.fqn_tensor, &p.st_log};
+    for (size_t k = 0; k < sizeof narrow / sizeof narrow[0]; k++) Py_XDECREF(narrow[k]->bytes);
     Py_XDECREF(p.strings); Py_XDECREF(p.tensors); Py_XDECREF(p.objects); Py_XDECREF(p.planner);
     for (int k = 0; k < F_COUNT; k++) Py_XDECREF(p.fields[k]);
     Py_XDECREF(p.fqn_ids); Py_XDECREF(p.fqns); Py_XDECREF(p.file_ids); Py_XDECREF(p.files); Py_XDECREF(p.seen);

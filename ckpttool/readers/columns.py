@@ -1,8 +1,13 @@
 """A checkpoint from the columns the C reader of `.metadata` gives (`_dcpscan.c`, called by
-readers/dcp.py): each tensor's chunks as a `ChunkTable`, matched with their storage entries by
-sorting, with no Python object per chunk. The matching rules are the Python loader's, shared
-here: `latest` keeps the last storage entry of equal offsets, `match_storage` walks chunks and
-entries in offsets order and leaves entries no chunk takes as orphans.
+readers/dcp.py): each tensor's chunks as a `ChunkTable`, with no Python object per chunk.
+
+The C reader matches each storage entry with the next chunk of its tensor as torch writes
+them (in the same order) and flags a tensor `clean` when every chunk took one entry, in
+strictly ascending offsets, and no other entry names it: its table is then views of the
+scanned columns. Any other tensor is matched here with its entries by sorting. The matching
+rules are the Python loader's, shared here: `latest` keeps the last storage entry of equal
+offsets, `match_storage` walks chunks and entries in offsets order and leaves entries no
+chunk takes as orphans.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ def checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
     """Return the checkpoint of `scanned` (what `_dcpscan.scan` returned for `source`)."""
     import numpy as np
 
-    version, save_id, tensor_rows, object_fqns, planner, fqns, files, coords, storage = scanned
+    version, save_id, tensor_rows, object_fqns, planner, fqns, files, coords, chunk_columns, storage = scanned
     coords = np.frombuffer(coords, np.int64)
-    rows = _Storage(*(np.frombuffer(column, np.int64) for column in storage), fqns=fqns, files=tuple(files))
+    files = tuple(files)
+    rows = _Storage(*(np.frombuffer(column, np.int64) for column in storage), fqns=fqns, files=files)
+    matched = _Matched(*(np.frombuffer(column, dtype) for column, dtype in zip(chunk_columns, _CHUNK_DTYPES)))
     by_fqn = {fqn: number for number, fqn in enumerate(fqns)}
     tensors: dict[str, Tensor] = {}
     objects: dict[str, Object] = {}
@@ -39,8 +46,10 @@ def checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
             unkeyed, keyed = latest(rows.blobs(number))
             objects[fqn] = Object(fqn, unkeyed)
             orphans.extend((fqn, blob) for _, blob in keyed)
+        elif row[6]:  # clean: its chunks' columns say all of it
+            tensors[fqn] = Tensor(fqn, row[1], row[2], matched.table(row, coords, files))
         else:
-            tensors[fqn] = _tensor(row, coords, rows, number, orphans)
+            tensors[fqn] = _tensor(row, coords, *matched.merged(row, coords, rows, number), orphans)
     for fqn, number in by_fqn.items():  # storage entries of no state_dict_metadata entry
         unkeyed, keyed = latest(rows.blobs(number))
         if unkeyed is not None:
@@ -53,14 +62,62 @@ def checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
     )
 
 
-class _Storage:
-    """The storage table's columns (one row per MetadataIndex -> _StorageInfo, in file order)
-    and each fqn's rows."""
+_CHUNK_DTYPES = ("int32", "int64", "int64", "int32")  # the C reader's chunk columns: file, offset, length, row
 
-    def __init__(self, fqn, ndim, start, coords, file, offset, length, *, fqns: list, files: tuple[str, ...]):
+
+class _Matched:
+    """The storage entry the C reader matched with each chunk, as columns in chunk order: its
+    file (-1: none), offset, length and row in the storage table (its place in file order)."""
+
+    def __init__(self, file: Any, offset: Any, length: Any, row: Any):
+        self.file, self.offset, self.length, self.row = file, offset, length, row
+
+    def table(self, row: tuple, coords: Any, files: tuple[str, ...]) -> ChunkTable:
+        """The table of a clean tensor: views of the columns."""
+        _, _, shape, first, count, chunk, _ = row
+        ndim = len(shape)
+        block = coords[first:first + 2 * ndim * count].reshape(count, 2 * ndim)
+        end = chunk + count
+        return ChunkTable(block[:, :ndim], block[:, ndim:], self.file[chunk:end], self.offset[chunk:end],
+                          self.length[chunk:end], files)
+
+    def merged(self, row: tuple, coords: Any, storage: "_Storage", number: int | None) -> tuple["_Storage", int | None]:
+        """The storage rows of a tensor that is not clean, in file order, with `number` for
+        them: the entries no chunk took, and those its chunks took (their offsets are the
+        chunks')."""
+        import numpy as np
+
+        _, _, shape, first, count, chunk, _ = row
+        taken = np.flatnonzero(self.row[chunk:chunk + count] >= 0)
+        if not len(taken):
+            return storage, number
+        ndim = len(shape)
+        mine = storage.rows(number)
+        offsets = coords[first:first + 2 * ndim * count].reshape(count, 2 * ndim)[taken, :ndim]
+        keys = [offsets[k] for k in range(len(taken))]
+        keys += [storage.coords[start:start + max(size, 0)] for start, size in zip(storage.start[mine].tolist(), storage.ndim[mine].tolist())]
+        order = np.argsort(np.concatenate((self.row[chunk + taken], storage.row[mine])), kind="stable")
+        ndims = np.concatenate((np.full(len(taken), ndim, dtype=np.int64), storage.ndim[mine]))[order]
+        ordered = [keys[k] for k in order.tolist()]
+        coords_column = np.concatenate(ordered) if ordered else np.zeros(0, np.int64)
+        starts = np.concatenate(([0], np.cumsum(np.maximum(ndims, 0))[:-1])).astype(np.int64)
+        columns = [np.concatenate((part[chunk + taken].astype(np.int64), whole[mine]))[order]
+                   for part, whole in ((self.file, storage.file), (self.offset, storage.offset),
+                                       (self.length, storage.length), (self.row, storage.row))]
+        local = _Storage(np.zeros(len(order), np.int64), ndims, starts, coords_column.astype(np.int64), *columns,
+                         fqns=[row[0]], files=storage.files)
+        return local, 0
+
+
+class _Storage:
+    """The storage table's columns (one row per MetadataIndex -> _StorageInfo, in file order:
+    `row` is its place there) and each fqn's rows."""
+
+    def __init__(self, fqn, ndim, start, coords, file, offset, length, row, *, fqns: list, files: tuple[str, ...]):
         import numpy as np
 
         self.ndim, self.start, self.coords, self.file, self.offset, self.length = ndim, start, coords, file, offset, length
+        self.row = row
         self.files = files
         self.order = np.argsort(fqn, kind="stable")
         self.bounds = np.searchsorted(fqn[self.order], np.arange(len(fqns) + 1)).tolist()
@@ -87,7 +144,7 @@ def _tensor(row: tuple, coords: Any, storage: _Storage, number: int | None, orph
     chunks and entries come in offsets order), else matched one by one."""
     import numpy as np
 
-    fqn, dtype, shape, first, count = row
+    fqn, dtype, shape, first, count = row[:5]
     ndim = len(shape)
     block = coords[first:first + 2 * ndim * count].reshape(count, 2 * ndim)
     if not _ascending(block[:, :ndim]):

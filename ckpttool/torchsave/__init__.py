@@ -5,4 +5,5 @@
     archive.py  a torch.save archive's entries and order; the pickle of a tensor in data.pkl
     record.py   one tensor's record (a DCP blob): layout to stream into, reading, checks
     ptfile.py   a nested .pt (torch.save of a state dict) laid out so tensors copy into place
+    crc32.py    the CRC-32 of joined or cut records' data from their stored CRC-32s
 """

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from ckpttool.torchsave import archive
 from ckpttool.torchsave.archive import tensor_bytes
+from ckpttool.torchsave.crc32 import crc32_combine as crc32_combine  # its home is crc32.py; callers import it here too
 from ckpttool.torchsave.pickle import PROTOCOL, Global, Opcodes, PersistentId, Reduce, dumps
 
 SUFFIXES = (".pt", ".bin", ".pth")
@@ -183,36 +184,3 @@ def zip_records(layout: PtLayout, crcs: dict[str, int]) -> list[tuple[int, bytes
     storage_crcs = [crcs[entry.name] for entry in planned] + [zlib.crc32(data) for data in layout.inline]
     inline_writes = [(entry.data_offset, data) for entry, data in zip(storages[len(planned):], layout.inline)]
     return archive.writes(layout.archive_layout, storage_crcs) + inline_writes
-
-
-def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
-    """Return the CRC-32 of `a + b` from crc32(a), crc32(b) and len(b) (zlib's crc32_combine),
-    so a tensor's CRC follows from the CRCs torch.save stored for its chunks."""
-    if length2 <= 0:
-        return crc1
-    # the operator that appends one zero bit, squared thrice: one zero byte; each further
-    # square doubles the zeros it appends, applied for each bit set in length2
-    operator = [0xEDB88320] + [1 << n for n in range(31)]
-    for _ in range(3):
-        operator = _gf2_square(operator)
-    while True:
-        if length2 & 1:
-            crc1 = _gf2_times(operator, crc1)
-        length2 >>= 1
-        if not length2:
-            return crc1 ^ crc2
-        operator = _gf2_square(operator)
-
-
-def _gf2_times(matrix: list[int], vector: int) -> int:
-    total, row = 0, 0
-    while vector:
-        if vector & 1:
-            total ^= matrix[row]
-        vector >>= 1
-        row += 1
-    return total
-
-
-def _gf2_square(matrix: list[int]) -> list[int]:
-    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
