@@ -2,9 +2,11 @@
 `inspect --json` of the bundled example (fixtures/fsdp2_world3_uneven), each a fresh process.
 
 Against floors measured in the same run: `python -c pass` (the interpreter and site, with the
-venv's .pth files), `python -c "import click"` (what any click CLI pays) and `python -c "import
-click, numpy"` (what a command that touches numpy pays: validate's integrity gate sorts its
-byte ranges with numpy). With
+venv's .pth files), `python -c "import click"` (what any click CLI pays), `python -c "import
+click, dataclasses, json, ..."` (click and the standard library modules `inspect` of the example
+imports: the floor of any command that keeps them, before a line of ckpttool runs) and `python -c
+"import click, numpy"` (what a command that touches numpy pays: the integrity gate of a checkpoint
+read as chunk tables, and --deep; a small checkpoint's validate does not). With
 `--base DIR` (a tree made by `git archive`) the same commands run from that tree too, so a
 change is measured against what it replaces on the same machine in the same minutes:
 
@@ -38,6 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "fixtures" / "fsdp2_world3_uneven"
 LAUNCH = "import sys; from ckpttool.cli import main; sys.argv[0] = 'ckpttool'; sys.exit(main())"  # the console script
 TARGET_SECONDS = 0.1  # docs/performance.md: inspect and validate of the example
+# click and what `inspect` of the example imports from the standard library (dataclasses brings
+# inspect, ast, dis, tokenize; click datetime, uuid, platform, gettext; click's help texts locale)
+STDLIB = "click, dataclasses, json, pickle, signal, mmap, heapq, bisect, locale"
 
 
 def commands(example: Path) -> dict[str, list[str]]:
@@ -118,7 +123,7 @@ def main() -> None:
     if args.runs < 15:
         parser.error("--runs: at least 15")
     trees = {"this": ROOT, **({"base": args.base.resolve()} if args.base else {})}
-    floors = ("python -c pass", 'python -c "import click"', 'python -c "import click, numpy"')
+    floors = ("python -c pass", 'python -c "import click"', f'python -c "import {STDLIB}"', 'python -c "import click, numpy"')
     with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryDirectory() as pycache:
         # cwd outside both trees: `-c` puts the working directory first on sys.path
         rows = {floor: ([sys.executable, "-c", floor.split('"')[1] if '"' in floor else "pass"], environment(None, pycache))

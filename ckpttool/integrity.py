@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool import dtypes
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
-from ckpttool.dcp.blobs import DataFiles, is_safetensors_blob, safetensors_header
 from ckpttool.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
 from ckpttool.geometry import (COLUMN_LIMIT, Coverage, column_shape, column_volumes, columns_in_bounds, coverage,
                                dim0_tiling, find_overlaps, in_bounds)
 from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.formats import peft
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
+from ckpttool.integrity_small import SMALL_CLAIMS, adjacent, file_claims
 
 if TYPE_CHECKING:
     import numpy as np
@@ -198,17 +198,26 @@ class _FileIndex:
         self.numbers: dict[str, int] = {}
         self.names: list[str] = []
         self.tables: dict[tuple[str, ...], Any] = {}
+        self.by_id: dict[int, tuple[tuple[str, ...], Any]] = {}  # the same, by the tuple's id (kept alive here)
+
+    def number(self, name: str) -> int:
+        """Return the number of file `name`, numbering it if new (no numpy: a small checkpoint's claims)."""
+        if (number := self.numbers.get(name)) is None:
+            number = self.numbers[name] = len(self.names)
+            self.names.append(name)
+        return number
 
     def of(self, files: tuple[str, ...]) -> "np.ndarray":
         """Return the numbers of `files`, with -1 after them (where a table's -1 rows land)."""
         import numpy as np
 
+        # found by the tuple's id first: hashing a tuple of 10k names on every call cost more
+        # than the checks of a 10k-chunk table
+        if (found := self.by_id.get(id(files))) is not None and found[0] is files:
+            return found[1]
         if (numbers := self.tables.get(files)) is None:
-            for name in files:
-                if name not in self.numbers:
-                    self.numbers[name] = len(self.names)
-                    self.names.append(name)
-            numbers = self.tables[files] = np.array([self.numbers[n] for n in files] + [-1], dtype=np.int64)
+            numbers = self.tables[files] = np.array([self.number(n) for n in files] + [-1], dtype=np.int64)
+        self.by_id[id(files)] = (files, numbers)
         return numbers
 
 
@@ -400,10 +409,7 @@ class _Claims:
     def add(self, file: str, start: int, end: int, where: str, owner: tuple[Tensor, Chunk] | None) -> None:
         if not self.parts or not isinstance(self.parts[-1], list):
             self.parts.append([])
-        number = self.index.numbers.get(file)
-        if number is None:
-            number = int(self.index.of((file,))[0])
-        self.parts[-1].append((number, start, end, owner is not None))
+        self.parts[-1].append((self.index.number(file), start, end, owner is not None))
         self.singles[self.count] = (where, owner)
         self.count += 1
 
@@ -484,7 +490,19 @@ def _check_claims(checkpoint: Checkpoint, claims: _Claims, sizes: dict[str, int]
     sorted by (start, end) and each compared with the next, all files in one sort.
 
     A file where two ranges coincide or two tensor blobs start together takes the path of
-    `_sweep_file` (ties ordered by their text; safetensors blobs resolved from the header)."""
+    `_sweep_file` (ties ordered by their text; safetensors blobs resolved from the header).
+    Claims of tuples alone, up to SMALL_CLAIMS of them, are sorted in pure Python
+    (integrity_small: the same findings, without importing numpy)."""
+    if not claims.tables and claims.count <= SMALL_CLAIMS:
+        for number, rows in file_claims([claim for part in claims.parts for claim in part]):
+            name = claims.index.names[number]
+            sweep, overlaps = adjacent(rows)
+            if sweep:
+                _sweep_file(checkpoint, name, [(a, b, *claims.label(c)) for a, b, c, _ in rows], sizes[name], shared, report)
+                continue
+            for i in overlaps:
+                _report_overlap(claims, name, rows[i][:3], rows[i + 1][:3], shared, report)
+        return
     import numpy as np
 
     if claims.disjoint(sizes):
@@ -508,11 +526,19 @@ def _check_claims(checkpoint: Checkpoint, claims: _Claims, sizes: dict[str, int]
             _sweep_file(checkpoint, name, ranges, sizes[name], shared, report)
             continue
         for i in (np.flatnonzero(overlap[low:high - 1]) + low).tolist():
-            range_a, range_b = (name, int(start[i]), int(end[i])), (name, int(start[i + 1]), int(end[i + 1]))
-            if range_a in shared and range_b in shared:
-                continue
-            where, next_where = claims.label(int(claim[i]))[0], claims.label(int(claim[i + 1]))[0]
-            report.add(ERROR, "blob-overlap", f"{name}: bytes {range_b[1]}..{range_a[2]} are claimed by both {where} and {next_where}", name, next_where)
+            _report_overlap(claims, name, (int(start[i]), int(end[i]), int(claim[i])),
+                            (int(start[i + 1]), int(end[i + 1]), int(claim[i + 1])), shared, report)
+
+
+def _report_overlap(claims: _Claims, name: str, first: tuple[int, int, int], after: tuple[int, int, int],
+                    shared: set[tuple[str, int, int]], report: Integrity) -> None:
+    """Report claim `after` (start, end, claim id) starting inside claim `first`, both in file
+    `name`, unless both are raw ranges several tensors may share."""
+    range_a, range_b = (name, first[0], first[1]), (name, after[0], after[1])
+    if range_a in shared and range_b in shared:
+        return
+    where, next_where = claims.label(first[2])[0], claims.label(after[2])[0]
+    report.add(ERROR, "blob-overlap", f"{name}: bytes {range_b[1]}..{range_a[2]} are claimed by both {where} and {next_where}", name, next_where)
 
 
 def _sweep_file(checkpoint: Checkpoint, name: str, ranges: list, size: int, shared: set[tuple[str, int, int]],
@@ -537,6 +563,8 @@ def _resolve_safetensors_blobs(checkpoint: Checkpoint, name: str, ranges: list, 
     no extra reads. Shared starts that are not safetensors blobs stay as they are (the sweep
     reports them as overlaps).
     """
+    from ckpttool.dcp.blobs import DataFiles, is_safetensors_blob, safetensors_header  # only here: validate needs no blob reader
+
     groups: dict[int, list[tuple]] = defaultdict(list)
     for entry in ranges:
         if entry[3] is not None:

@@ -587,3 +587,28 @@ def test_file_bytes_summed_in_batches_of_tables_are_the_sums_of_all_tables(monke
     monkeypatch.setattr(inspect_command, "FILE_BYTES_BATCH", 1)
     assert inspect_command.build_report(checkpoint).files == expected
     assert expected == inspect_command.build_report(with_tuples(checkpoint)).files
+
+
+def test_chunk_json_from_the_c_writer_is_json_dumps_of_the_rows_in_any_block_size(tmp_path, monkeypatch):
+    """`ChunkRows.json_text` (the C reader's `json_rows`, a block of rows at a time) writes what
+    `json.dumps` writes for the rows' dicts, and so does its fallback without the C module:
+    negative, 2**63-1 and -2**63 values, an unstored chunk, names JSON escapes, a 0-d tensor."""
+    import sys
+
+    from ckpttool.render import chunk_tables
+
+    chunks = dim0_chunks(13, 3, 5, file_of=lambda rank: f'__{rank}_0 "\\ \u00e9.distcp')
+    chunks[1] = chunks[1]._replace(blob=None)
+    chunks[2] = chunks[2]._replace(offsets=(-7, 2**40))
+    chunks[3] = chunks[3]._replace(blob=Blob(chunks[3].blob.file, -2**63, 2**63 - 1))
+    checkpoint = synthetic(tmp_path, {"model.w": ((13, 3), chunks), "model.step": ((), [Chunk((), (), Blob("__0_0.distcp", 0, 8))])},
+                           {f'__{r}_0 "\\ \u00e9.distcp': 4096 for r in range(5)} | {"__0_0.distcp": 8})
+    report = inspect_command.build_report(with_tables(checkpoint))
+    rows = [tensor["chunks"] for tensor in inspect_document(report)["tensors"]]
+    assert all(isinstance(r, chunk_tables.ChunkRows) for r in rows)
+    expected = [json.dumps(list(r)) for r in rows]
+    assert [r.json_text() for r in rows] == expected
+    monkeypatch.setattr(chunk_tables, "ROWS_PER_BLOCK", 2)
+    assert [r.json_text({}) for r in rows] == expected
+    monkeypatch.setitem(sys.modules, "ckpttool.readers._dcpscan", None)  # not built: `import` fails
+    assert [r.json_text() for r in rows] == expected

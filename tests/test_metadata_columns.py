@@ -241,3 +241,47 @@ def test_entries_out_of_step_with_the_chunks_are_matched_as_the_loader_matches_t
     assert {"model.clean", "model.reversed", "model.descending"} <= tables
     assert [blob.file for _, blob in columns.orphan_blobs].count("__1_0.distcp") == 1  # optim.gone
     assert columns.tensors["model.repeated"].chunks[0].blob.file == "__1_0.distcp"
+
+
+def test_records_in_another_field_order_or_split_by_frames_are_read_alike(tmp_path):
+    """The C reader's fast path takes a chunk or storage entry laid out as torch pickles it and
+    leaves anything else to its general parser: fields in another order (sizes before offsets,
+    MetadataIndex's index first), transform_descriptors present, literal file names, FRAMEs
+    falling inside records (a 300 kB pickle) and protocol 2's PUTs read as the loader reads them."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    def reordered(cls, **fields):
+        record = object.__new__(cls)
+        for name, value in fields.items():  # the pickled state keeps this order
+            object.__setattr__(record, name, value)
+        return record
+
+    state, stored, end = {}, {}, 0
+    for t in range(60):
+        chunks = []
+        for rank in range(24):
+            offsets, sizes = torch.Size([rank, 0]), torch.Size([1, 5])
+            chunks.append(reordered(ChunkStorageMetadata, sizes=sizes, offsets=offsets) if t % 3 == 1 else
+                          ChunkStorageMetadata(offsets, sizes))
+            key = (reordered(MetadataIndex, index=rank, offset=torch.Size(offsets), fqn=f"model.t{t}") if t % 3 == 2 else
+                   MetadataIndex(f"model.t{t}", offsets, rank))
+            info = _StorageInfo(f"__{rank}_0.distcp", end, 20)
+            if t % 5 == 4:
+                info.transform_descriptors = []
+            stored[key] = info
+            end += 20
+        state[f"model.t{t}"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([24, 5]), chunks)
+    metadata = Metadata(state_dict_metadata=state, storage_data=stored)
+    path = tmp_path / METADATA_FILENAME
+    for protocol in (2, 4):
+        raw = pickle.dumps(metadata, protocol=protocol)
+        assert protocol == 2 or raw.count(b"\x95") > 1  # frames
+        columns = _columns(path, raw)
+        assert columns is not None
+        assert _plain(columns) == _plain(_loader(path, raw))
+        assert all(isinstance(t.chunks, ChunkTable) for t in columns.tensors.values())

@@ -2,7 +2,11 @@
 `validate` load no writer, plan, executor, torchrun code, other command or other renderer, and
 `--help` loads no command at all. An eager import re-added anywhere on their path (a renderer
 importing a report type at module level, `cli.py` importing a command at the top, a reader
-package importing every reader) fails here.
+package importing every reader) fails here. Neither imports numpy for a small checkpoint (the
+bundled example: its import alone costs more than the whole command): `validate` checks a few
+hundred claimed byte ranges in pure Python (`integrity_small`, the same findings as the numpy
+path, checked here on damaged copies), and the naming tables compile their patterns only when
+a key is matched.
 
 Checked in a fresh interpreter per command, as the `ckpttool` script and `python -m ckpttool`
 run it: the CLI's main in-process, then `sys.modules` written to a file.
@@ -18,6 +22,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, ROOT
+from test_chunk_tables import DAMAGE
+from test_validate import copy_fixture
+
+from ckpttool.checkpoint import ChunkTable
 
 EXAMPLE = FIXTURES / "fsdp2_world3_uneven"
 
@@ -53,8 +61,12 @@ NEVER = (
     "ckpttool.commands.manifest", "ckpttool.manifest", "ckpttool.shard_map",
     "ckpttool.readers.deepspeed", "ckpttool.readers.megatron", "ckpttool.readers.verl", "ckpttool.readers.torch_pt",
 )
-# inspect reads metadata only: no blob reader either
-INSPECT_NEVER = NEVER + ("ckpttool.dcp.blobs", "ckpttool.torchsave", "ckpttool.spans", "ckpttool.integrity")
+# a small checkpoint (the example): no numpy, no LoRA finder for a model without LoRA keys, and
+# (validate without --deep reads metadata and file sizes) no blob reader or torch.save code
+SMALL_NEVER = NEVER + ("numpy", "ckpttool.plan", "ckpttool.lora", "ckpttool.dcp.blobs", "ckpttool.torchsave", "ckpttool.spans",
+                       "ckpttool.numerics")
+# inspect reads metadata only: no integrity gate either
+INSPECT_NEVER = SMALL_NEVER + ("ckpttool.integrity",)
 RENDERERS = {f"ckpttool.render.{path.stem}" for path in (ROOT / "ckpttool" / "render").glob("*.py")} - {"ckpttool.render.__init__"}
 
 
@@ -85,10 +97,12 @@ def test_inspect_imports_neither_writers_plans_other_commands_nor_other_renderer
                                                      "ckpttool.render.lora", "ckpttool.render.text"}
 
 
-def test_validate_imports_neither_writers_plans_other_commands_nor_other_renderers(tmp_path):
-    modules = imported(tmp_path, "validate", str(EXAMPLE))
-    assert {"ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.integrity"} <= modules  # it ran
-    assert forbidden(modules, NEVER) == set()
+@pytest.mark.parametrize("args", [("validate",), ("validate", "--json")], ids=["validate", "validate-json"])
+def test_validate_imports_neither_writers_plans_other_commands_nor_other_renderers(tmp_path, args):
+    modules = imported(tmp_path, *args, str(EXAMPLE))
+    assert {"ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.integrity",
+            "ckpttool.integrity_small"} <= modules  # it ran, the small checkpoint's way
+    assert forbidden(modules, SMALL_NEVER) == set()
     assert {m for m in modules if m in RENDERERS} <= {"ckpttool.render.validate", "ckpttool.render.manifest",
                                                      "ckpttool.render.text"}
 
@@ -108,3 +122,53 @@ def test_the_forbidden_lists_name_real_modules():
             path = package.joinpath(*prefix.split(".")[1:])
             assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), prefix
     assert {"ckpttool.render.inspect", "ckpttool.render.validate", "ckpttool.render.convert"} <= RENDERERS
+
+
+def test_validate_deep_still_imports_the_blob_reader_and_numpy(tmp_path):
+    """The small path is for the metadata checks only: --deep decodes blobs (and counts NaN/Inf with numpy)."""
+    modules = imported(tmp_path, "validate", "--deep", str(EXAMPLE))
+    assert {"ckpttool.dcp.blobs", "ckpttool.numerics", "numpy"} <= modules
+
+
+@pytest.mark.parametrize("name", DAMAGE)
+def test_small_claims_give_the_numpy_paths_problems(tmp_path, monkeypatch, name):
+    """`integrity_small` (pure Python, a checkpoint of tuples) against the numpy sort of the same
+    claims (SMALL_CLAIMS 0), on damaged copies of a real checkpoint: the same problems, in order."""
+    from ckpttool import integrity, readers
+
+    path = copy_fixture(tmp_path)
+    DAMAGE[name](path)
+    checkpoint = readers.open_checkpoint(path)
+    assert not any(isinstance(t.chunks, ChunkTable) for t in checkpoint.tensors.values())  # tuples: the small path
+    small = integrity.check(checkpoint).problems
+    monkeypatch.setattr(integrity, "SMALL_CLAIMS", 0)
+    assert integrity.check(checkpoint).problems == small
+    assert small  # each case is damage the gate reports
+
+
+def test_small_claims_order_ties_and_flag_sweeps_as_the_numpy_sort_does():
+    from ckpttool.integrity_small import adjacent, file_claims
+
+    claims = [(1, 0, 8, True), (0, 4, 8, False), (0, 4, 8, True), (0, 0, 4, True), (1, 8, 16, True), (0, 6, 9, True)]
+    assert file_claims(claims) == [(1, [(0, 8, 0, True), (8, 16, 4, True)]),
+                                   (0, [(0, 4, 3, True), (4, 8, 1, False), (4, 8, 2, True), (6, 9, 5, True)])]
+    assert adjacent(file_claims(claims)[0][1]) == (False, [])
+    assert adjacent(file_claims(claims)[1][1]) == (True, [1, 2])  # equal ranges: swept with the blobs resolved
+    assert adjacent([(0, 4, 0, True), (2, 6, 1, False)]) == (False, [0])  # an overlap: one pair
+    assert adjacent([(0, 4, 0, True), (0, 6, 1, True)]) == (True, [0])  # two tensor blobs starting together
+
+
+def test_the_naming_tables_compile_their_patterns_when_first_matched(tmp_path):
+    """Importing the tables (as inspect does for any model) compiles none of their ~100 patterns."""
+    code = ("import re, sys\n"
+            "from ckpttool import naming\n"  # the engine (and what it imports), then the tables
+            "compiled = []\n"
+            "original = re._compile\n"
+            "re._compile = lambda pattern, flags: compiled.append(pattern) or original(pattern, flags)\n"
+            "families = naming.FAMILIES\n"
+            "assert compiled == [] and all(not f._patterns for f in families), compiled\n"
+            "family = next(f for f in families if f.name == 'torchtitan llama3')\n"
+            "rule, values = family.match('layers.3.attention.qkv_linear.wq.weight')\n"
+            "assert rule.hf == 'model.layers.{L}.self_attn.q_proj.weight' and values == {'L': '3'}, (rule, values)\n"
+            "assert len(family._patterns) == len(family.rules) + len(family.ignored)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path)

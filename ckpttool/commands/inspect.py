@@ -16,11 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
 
-from ckpttool import naming, quantization, readers
+from ckpttool import quantization, readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
 from ckpttool.errors import InvalidCheckpoint
-from ckpttool.lora import find_lora, model_shapes
 from ckpttool.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
@@ -30,6 +29,8 @@ from ckpttool.safepaths import is_safe_relative_path
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ckpttool.naming import Family
 
 GROUPS = ("model", "optimizer", "other")
 
@@ -95,6 +96,8 @@ class ChunkInfos(Sequence[ChunkInfo]):
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """One tensor entry: its group, dtype, shape, sizes, how it is sharded, and its chunks."""
+
     fqn: str
     group: str
     dtype: str
@@ -107,6 +110,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ObjectInfo:
+    """One non-tensor entry (a pickled python object) and the file and bytes that hold it."""
+
     fqn: str
     group: str
     file: str | None
@@ -126,6 +131,8 @@ class FileInfo:
 
 @dataclass(frozen=True)
 class GroupInfo:
+    """What one group (model, optimizer, other) holds: entries, elements, element bytes."""
+
     tensors: int
     objects: int
     numel: int
@@ -134,6 +141,8 @@ class GroupInfo:
 
 @dataclass(frozen=True)
 class Summary:
+    """The whole checkpoint's counts, as the first lines of `ckpttool inspect` show them."""
+
     dcp_version: str | None
     metadata_file: str
     tensors: int
@@ -162,6 +171,9 @@ class AdapterInfo:
 
 @dataclass(frozen=True)
 class InspectReport:
+    """What `inspect` returns: the summary, groups, entries (filtered), files and what the
+    model is (its view, LoRA adapters, quantisation, naming family)."""
+
     path: Path
     summary: Summary
     groups: dict[str, GroupInfo]
@@ -369,10 +381,12 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
     )
 
 
-def _family(checkpoint: Checkpoint, view: ModelView) -> tuple[naming.Family | None, dict[str, tuple[str, ...]] | None]:
+def _family(checkpoint: Checkpoint, view: ModelView) -> tuple[Family | None, dict[str, tuple[str, ...]] | None]:
     """Return the framework family the model's names belong to, and fqn -> transformers names."""
     if view.prefix is None:
         return None, None
+    from ckpttool import naming  # the tables: only when there is a model to name
+
     keys = {key: fqn for fqn, key in view.keys.items() if fqn in checkpoint.tensors}
     family = naming.find_family(keys, naming.FAMILIES)
     if family is None:
@@ -399,6 +413,8 @@ def _adapters(checkpoint: Checkpoint, view: ModelView) -> tuple[tuple[AdapterInf
     """Return the model's LoRA adapters, or why its LoRA keys do not form any."""
     if view.prefix is None or not any("lora_" in key or ".modules_to_save." in key for key in view.keys):
         return (), None  # the common case, checked cheaply: a million-tensor model pays one scan of its names
+    from ckpttool.lora import find_lora, model_shapes  # only for a model with LoRA keys
+
     try:
         layout = find_lora(model_shapes(checkpoint, view)[0])
     except InvalidCheckpoint as error:

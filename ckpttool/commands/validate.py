@@ -16,16 +16,17 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool import dtypes, integrity, quantization, readers
 from ckpttool.checkpoint import Blob, Checkpoint, as_path
-from ckpttool.dcp.blobs import (DataFiles, blob_bytes, decode_object, is_safetensors_blob, iter_blocks, locate, read_chunk,
-                                record_problems)
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
 from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.formats.dcp import METADATA_FILENAME
+
+if TYPE_CHECKING:
+    from ckpttool.dcp.blobs import DataFiles
 
 DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
 
@@ -41,6 +42,8 @@ class Numerics:
 
 @dataclass
 class ValidationReport:
+    """Every problem `validate` found, what it counted, and (--deep) the NaN/Inf counts."""
+
     path: Path
     deep: bool
     problems: list[Problem] = field(default_factory=list)
@@ -142,6 +145,8 @@ def _check_record_entries(files: DataFiles, blob: Blob, where: str, fqn: str, re
     off, and damage to the record's zip structure that torch's reader would refuse.
 
     Not for zstd-transformed blobs or safetensors blobs (no zip record to check)."""
+    from ckpttool.dcp.blobs import is_safetensors_blob, record_problems
+
     try:
         if blob.transforms or is_safetensors_blob(files, blob):
             return
@@ -160,6 +165,7 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
     is imported only to decode what must be decoded (zstd, strided records, torch objects).
     """
     from ckpttool import numerics  # numpy: only --deep pays for its import
+    from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, locate, read_chunk  # and the blob reader
 
     broken_files = {p.file for p in report.errors if p.file}
     view = memoryview(bytearray(DEEP_BLOCK))  # one block buffer, refilled in place

@@ -43,7 +43,6 @@ from typing import Any, Iterable, Mapping
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
 from ckpttool.errors import InvalidCheckpoint, UsageError
 from ckpttool.geometry import Box, intersect, row_major_runs, slab_rows
-from ckpttool.plan import unique_chunks
 
 RENAME, PERMUTE_Q, PERMUTE_K, EXPERTS = "rename", "permute-q", "permute-k", "experts"
 SPLIT_HALVES, SPLIT_QKV = "split-halves", "split-qkv"  # rows split into several targets (`hf` joined by "|")
@@ -73,14 +72,13 @@ class Family:
     ignored: tuple[str, ...] = ()
     tied_head: str | None = "lm_head.weight"  # the source key left out under tie_word_embeddings
     settings: tuple[str, ...] = ()  # config.json fields the transforms need
-    _patterns: list = field(default_factory=list, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._patterns.extend((rule, _regex(rule.source)) for rule in self.rules)
-        self._patterns.extend((None, _regex(pattern)) for pattern in self.ignored)
+    _patterns: list = field(default_factory=list, compare=False, repr=False)  # compiled when first matched
 
     def match(self, key: str) -> tuple[Rule | None, dict[str, str]] | None:
         """Return (rule or None for an ignored key, its placeholders' values), or None."""
+        if not self._patterns:  # compiled on first use: importing the tables compiles nothing (`inspect` startup)
+            self._patterns[:] = [(rule, _regex(rule.source)) for rule in self.rules] + \
+                [(None, _regex(pattern)) for pattern in self.ignored]  # whole at once: another thread sees all or none
         for rule, regex in self._patterns:
             found = regex.fullmatch(key)
             if found:
@@ -363,6 +361,8 @@ class _Source:
     row of a strided piece), without intersecting boxes."""
 
     def __init__(self, checkpoint: Checkpoint, fqn: str, located: Mapping[int, Any]):
+        from ckpttool.plan import unique_chunks  # converting only: inspect names a family without it
+
         self.checkpoint, self.fqn, self.located = checkpoint, fqn, located
         self.tensor = tensor = checkpoint.tensors[fqn]
         self.indices = unique_chunks(tensor)

@@ -39,7 +39,8 @@
 #include <unistd.h>
 
 #define MAX_DIMS 64
-#define RECENT 4096  /* a rank's file names and a tensor's fqn are fetched over and over */
+#define RECENT 4096  /* a tensor's fqn and the field names are fetched over and over */
+#define NAMES (1 << 16)  /* every rank's file name is read once per tensor: 10k+ ranks without collisions */
 #define EARLY 1024  /* memo slots below this (the classes and field names, memoized first) are found directly */
 #define LITERAL 64  /* strings up to this long are looked up by their bytes before they are decoded */
 
@@ -81,8 +82,8 @@ typedef struct {
     Py_ssize_t released, release_every;  /* pages of a mapped input handed back so far; 0: never */
     Py_ssize_t recent[RECENT];  /* kept entry + 1 of recently fetched slots, by slot % RECENT */
     Py_ssize_t early[EARLY];  /* kept entry + 1 of the slots below EARLY */
-    PyObject *literals[RECENT];  /* recently read ASCII strings (interned, alive), by a hash of their bytes */
-    Named fqn_cache[RECENT], file_cache[RECENT];  /* fqn and file ids by the str's address */
+    PyObject *literals[NAMES];  /* recently read ASCII strings (interned, alive), by a hash of their bytes */
+    Named fqn_cache[NAMES], file_cache[NAMES];  /* fqn and file ids by the str's address */
     PyObject *fields[F_COUNT];  /* the field names the records have, interned before the scan */
 } P;
 
@@ -194,16 +195,8 @@ static int memo(P *p, int kind, int gid, PyObject *obj) {
     return 0;
 }
 
-/* the kept memo entry a BINGET or LONG_BINGET at the cursor fetches (not consumed), or NULL */
-static Kept *lookup(P *p) {
-    int op = peek(p);
-    int width = op == 'h' ? 1 : op == 'j' ? 4 : 0;
-    if (!width || p->n - p->i < 1 + width) return NULL;
-    uint64_t slot = le(p->p + p->i + 1, width);
-    Py_ssize_t hit = slot < EARLY ? p->early[slot] - 1 : -1;
-    if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
-    hit = p->recent[slot % RECENT] - 1;
-    if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
+/* the kept memo entry of `slot` by a search of them all (remembered in `recent`), or NULL */
+static Kept *search_slot(P *p, uint64_t slot) {
     Py_ssize_t lo = 0, hi = p->nkept;
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
@@ -212,6 +205,25 @@ static Kept *lookup(P *p) {
     if (lo == p->nkept || p->kept[lo].index != slot) return NULL;
     p->recent[slot % RECENT] = lo + 1;
     return &p->kept[lo];
+}
+
+/* the kept memo entry of `slot`, or NULL */
+static inline Kept *lookup_slot(P *p, uint64_t slot) {
+    Py_ssize_t hit = slot < EARLY ? p->early[slot] - 1 : p->recent[slot % RECENT] - 1;
+    if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
+    if (slot < EARLY) {
+        hit = p->recent[slot % RECENT] - 1;
+        if (hit >= 0 && hit < p->nkept && p->kept[hit].index == slot) return &p->kept[hit];
+    }
+    return search_slot(p, slot);
+}
+
+/* the kept memo entry a BINGET or LONG_BINGET at the cursor fetches (not consumed), or NULL */
+static Kept *lookup(P *p) {
+    int op = peek(p);
+    int width = op == 'h' ? 1 : op == 'j' ? 4 : 0;
+    if (!width || p->n - p->i < 1 + width) return NULL;
+    return lookup_slot(p, le(p->p + p->i + 1, width));
 }
 
 /* the kept memo entry a BINGET or LONG_BINGET at the cursor fetches (consumed), or NULL */
@@ -255,9 +267,19 @@ static PyObject *text(P *p) {
     const char *start = (const char *)p->p + p->i + 1 + width;
     PyObject **literal = NULL;
     if (count <= LITERAL) {  /* a string read before (a rank's file name, say): the same object */
-        uint32_t hash = 2166136261u;
-        for (uint64_t k = 0; k < count; k++) hash = (hash ^ (unsigned char)start[k]) * 16777619u;
-        literal = &p->literals[hash % RECENT];
+        uint64_t hash = count;
+        if (count >= 8) {  /* its first, middle and last 8 bytes: rank numbers are in the first */
+            uint64_t first, middle, last;
+            memcpy(&first, start, 8);
+            memcpy(&middle, start + count / 2 - 4, 8);
+            memcpy(&last, start + count - 8, 8);
+            hash = (hash ^ first) * 0x9E3779B97F4A7C15u;
+            hash = (hash ^ middle) * 0xC2B2AE3D27D4EB4Fu;
+            hash = ((hash ^ last) * 0x165667B19E3779F9u) >> 32;
+        } else {
+            for (uint64_t k = 0; k < count; k++) hash = (hash ^ (unsigned char)start[k]) * 16777619u;
+        }
+        literal = &p->literals[hash % NAMES];
         PyObject *known = *literal;
         if (known && PyUnicode_GET_LENGTH(known) == (Py_ssize_t)count && !memcmp(PyUnicode_1BYTE_DATA(known), start, count)) {
             Py_INCREF(known);
@@ -576,12 +598,129 @@ static int chunk_field(P *p, void *context) {
     return which < 0 ? -1 : size(p, c->dims[which], &c->ndim[which]);
 }
 
+/* --- the fast path: a chunk or a storage entry laid out exactly as torch's pickler writes it
+   (classes, field names and torch.Size fetched from the memo, MEMOIZE after each object, one
+   MARK ... SETITEMS per record), read straight from the bytes at a cursor of its own. It
+   accepts only what the parser above reads the same way, with the same memo slots taken;
+   anything else (a FRAME, a PUT, another order of opcodes, a literal where a fetch is usual)
+   consumes nothing and the parser above reads the record. */
+
+/* the opcode `op` at *at: consumed (1) or not (0) */
+static int fast_byte(P *p, Py_ssize_t *at, int op) {
+    if (*at >= p->n || p->p[*at] != op) return 0;
+    (*at)++;
+    return 1;
+}
+
+/* the kept entry of `kind` (and `gid`, if not 0) a BINGET or LONG_BINGET at *at fetches, consumed; or NULL */
+static Kept *fast_fetch(P *p, Py_ssize_t *at, int kind, int gid) {
+    int op = *at < p->n ? p->p[*at] : -1, width = op == 'h' ? 1 : op == 'j' ? 4 : 0;
+    if (!width || p->n - *at < 1 + width) return NULL;
+    Kept *k = lookup_slot(p, le(p->p + *at + 1, width));
+    if (!k || k->kind != kind || (gid && k->gid != gid)) return NULL;
+    *at += 1 + width;
+    return k;
+}
+
+/* an int as `integer` reads it, at *at */
+static int fast_int(P *p, Py_ssize_t *at, int64_t *out) {
+    int op = *at < p->n ? p->p[*at] : -1;
+    Py_ssize_t left = p->n - *at;
+    const unsigned char *arg = p->p + *at + 1;
+    if (op == 'K' && left >= 2) { *out = arg[0]; *at += 2; return 1; }
+    if (op == 'M' && left >= 3) { *out = (int64_t)le(arg, 2); *at += 3; return 1; }
+    if (op == 'J' && left >= 5) { *out = (int32_t)(uint32_t)le(arg, 4); *at += 5; return 1; }
+    if (op == 0x8a && left >= 2 && arg[0] <= 8 && left >= 2 + arg[0]) {
+        int width = arg[0];
+        uint64_t value = le(arg + 1, width);
+        if (width && width < 8 && (arg[width] & 0x80)) value |= ~(uint64_t)0 << (8 * width);
+        *out = (int64_t)value;
+        *at += 2 + width;
+        return 1;
+    }
+    return 0;
+}
+
+static int fast_is_int(P *p, Py_ssize_t at) {
+    int op = at < p->n ? p->p[at] : -1;
+    return op == 'K' || op == 'M' || op == 'J' || op == 0x8a;
+}
+
+/* `size` at *at; *memos counts the MEMOIZEs read */
+static int fast_size(P *p, Py_ssize_t *at, uint64_t *memos, int64_t *dims, int *ndim) {
+    if (!fast_fetch(p, at, K_GLOBAL, G_SIZE)) return 0;
+    int count = 0;
+    if (!fast_byte(p, at, ')')) {
+        int marked = fast_byte(p, at, '(');
+        while (fast_is_int(p, *at)) {
+            if (count == MAX_DIMS || !fast_int(p, at, &dims[count])) return 0;
+            count++;
+        }
+        if (marked ? !fast_byte(p, at, 't') : (count < 1 || count > 3 || !fast_byte(p, at, 0x84 + count))) return 0;
+        *memos += fast_byte(p, at, 0x94);
+    }
+    if (!fast_byte(p, at, 0x85)) return 0;
+    *memos += fast_byte(p, at, 0x94);
+    if (!fast_byte(p, at, 'R')) return 0;
+    *memos += fast_byte(p, at, 0x94);
+    *ndim = count;
+    return 1;
+}
+
+/* `cls()` of a fetched class `gid` and the start of its state: `)`, NEWOBJ, `}`, MARK */
+static int fast_record(P *p, Py_ssize_t *at, uint64_t *memos, int gid) {
+    if (!fast_fetch(p, at, K_GLOBAL, gid) || !fast_byte(p, at, ')') || !fast_byte(p, at, 0x81)) return 0;
+    *memos += fast_byte(p, at, 0x94);
+    if (!fast_byte(p, at, '}')) return 0;
+    *memos += fast_byte(p, at, 0x94);
+    return fast_byte(p, at, '(');
+}
+
+/* which of `names` (field numbers ending with -1) the field name fetched at *at is, each at most once; -1: none */
+static int fast_field(P *p, Py_ssize_t *at, const int *names, unsigned *seen) {
+    Kept *k = fast_fetch(p, at, K_STR, 0);
+    for (int n = 0; k && names[n] >= 0; n++) {
+        if (k->obj != p->fields[names[n]]) continue;
+        if (*seen & (1u << n)) return -1;
+        *seen |= 1u << n;
+        return n;
+    }
+    return -1;
+}
+
+/* the end of a record's state: SETITEMS, BUILD */
+static int fast_end(P *p, Py_ssize_t *at) { return fast_byte(p, at, 'u') && fast_byte(p, at, 'b'); }
+
+/* take the fast path's cursor and memo count (1), or leave the parser's (0: the count would pass its limit) */
+static int fast_commit(P *p, Py_ssize_t at, uint64_t memos) {
+    if (p->memo_count + memos >= UINT32_MAX) return 0;
+    p->memo_count += memos;
+    p->i = at;
+    return 1;
+}
+
+/* a ChunkStorageMetadata into *c: 1, the cursor past it; 0, nothing consumed */
+static int fast_chunk(P *p, ChunkFields *c) {
+    static const int names[] = {F_OFFSETS, F_SIZES, -1};
+    Py_ssize_t at = p->i;
+    uint64_t memos = 0;
+    if (!fast_record(p, &at, &memos, G_CHUNK)) return 0;
+    for (int k = 0; k < 2; k++) {
+        int which = fast_field(p, &at, names, &c->seen);
+        if (which < 0 || !fast_size(p, &at, &memos, c->dims[which], &c->ndim[which])) { c->seen = 0; return 0; }
+    }
+    if (!fast_end(p, &at) || !fast_commit(p, at, memos)) { c->seen = 0; return 0; }
+    return 1;
+}
+
 typedef struct { int ndim; Py_ssize_t count; } ChunkList;
 
 static int chunk(P *p, void *context) {
     ChunkList *list = context;
-    ChunkFields c = {0};
-    if (new_object(p) != G_CHUNK || record_state(p, chunk_field, &c) || c.seen != 3) return fail(p);
+    ChunkFields c;  /* not zeroed whole: 1 kB a chunk; dims are read only up to ndim */
+    c.seen = 0;
+    c.ndim[0] = c.ndim[1] = 0;
+    if (!fast_chunk(p, &c) && (new_object(p) != G_CHUNK || record_state(p, chunk_field, &c) || c.seen != 3)) return fail(p);
     if (c.ndim[0] != c.ndim[1] || (list->ndim >= 0 && c.ndim[0] != list->ndim)) return fail(p);
     list->ndim = c.ndim[0];
     if (p->coords.n + 2 * c.ndim[0] + 3 * (p->ch_file.n + 1) > p->budget || p->ch_file.n >= INT32_MAX) return fail(p);
@@ -702,7 +841,7 @@ static Py_ssize_t number_of(PyObject *ids, PyObject *names, PyObject *name) {
 
 /* number_of through a cache by the str's address (every string read is interned and alive) */
 static Py_ssize_t id_of(Named *cache, PyObject *ids, PyObject *names, PyObject *name) {
-    Named *slot = &cache[((uintptr_t)name >> 4) % RECENT];
+    Named *slot = &cache[((uintptr_t)name >> 4) % NAMES];
     if (slot->name == name) return slot->id;
     Py_ssize_t id = number_of(ids, names, name);
     if (id >= 0) {
@@ -775,15 +914,94 @@ static int info_field(P *p, void *context) {
     return -1;
 }
 
+/* a string at *at on the fast path: fetched (*fetched, borrowed) or a SHORT_BINUNICODE whose
+   reading `text` does when the record is taken (`fast_taken`): its place in *literal */
+typedef struct { Py_ssize_t at; uint64_t memos; } Pending;  /* a literal: where, and the record's MEMOIZEs before it */
+
+static int fast_text(P *p, Py_ssize_t *at, uint64_t *memos, PyObject **fetched, Pending *literal) {
+    Kept *k = fast_fetch(p, at, K_STR, 0);
+    if (k) {
+        *fetched = k->obj;
+        literal->at = -1;
+        return 1;
+    }
+    if (*at >= p->n || p->p[*at] != 0x8c || p->n - *at < 2 || p->p[*at + 1] > p->n - *at - 2) return 0;
+    literal->at = *at;
+    literal->memos = *memos;
+    *at += 2 + p->p[*at + 1];
+    *memos += fast_byte(p, at, 0x94);
+    *fetched = NULL;
+    return 1;
+}
+
+/* a new reference to a string `fast_text` found, in a record starting at memo slot `base` */
+static PyObject *fast_taken(P *p, uint64_t base, PyObject *fetched, const Pending *literal) {
+    if (literal->at < 0) {
+        Py_INCREF(fetched);
+        return fetched;
+    }
+    p->i = literal->at;
+    p->memo_count = base + literal->memos;
+    return text(p);
+}
+
+/* a storage_data entry into *key (offsets written even when 0) and *info: 1, the cursor past it; 0, nothing consumed; -1, an
+   error reading one of its strings (as `stored` would meet it) */
+static int fast_stored(P *p, IndexFields *key, InfoFields *info) {
+    static const int index_names[] = {F_FQN, F_OFFSET, F_INDEX, -1};
+    static const int info_names[] = {F_RELATIVE_PATH, F_OFFSET, F_LENGTH, F_TRANSFORM_DESCRIPTORS, -1};
+    Py_ssize_t at = p->i;
+    uint64_t memos = 0;
+    PyObject *fqn = NULL, *file = NULL;
+    Pending fqn_at = {-1, 0}, file_at = {-1, 0};
+    unsigned key_seen = 0;
+    int ndim = -1;
+    InfoFields f = {0};
+    int64_t ignored;
+    if (!fast_record(p, &at, &memos, G_INDEX)) return 0;
+    while (!fast_byte(p, &at, 'u')) {
+        int which = fast_field(p, &at, index_names, &key_seen);
+        if (which == 0 ? !fast_text(p, &at, &memos, &fqn, &fqn_at) :
+            which == 1 ? !fast_byte(p, &at, 'N') && !fast_size(p, &at, &memos, key->offsets, &ndim) :
+            which == 2 ? !fast_byte(p, &at, 'N') && !fast_int(p, &at, &ignored) : 1)
+            return 0;
+    }
+    if (!fast_byte(p, &at, 'b') || !(key_seen & 1) || !fast_record(p, &at, &memos, G_INFO)) return 0;
+    while (!fast_byte(p, &at, 'u')) {
+        int which = fast_field(p, &at, info_names, &f.seen);
+        if (which == 0 ? !fast_text(p, &at, &memos, &file, &file_at) :
+            which == 1 ? !fast_int(p, &at, &f.offset) :
+            which == 2 ? !fast_int(p, &at, &f.length) :
+            which == 3 ? !fast_byte(p, &at, 'N') && !(fast_byte(p, &at, ']') && (memos += fast_byte(p, &at, 0x94), 1)) : 1)
+            return 0;
+    }
+    if (!fast_byte(p, &at, 'b') || (f.seen & 7) != 7 || p->memo_count + memos >= UINT32_MAX) return 0;
+    uint64_t base = p->memo_count;
+    if (!(key->fqn = fast_taken(p, base, fqn, &fqn_at))) return -1;
+    if (!(info->file = fast_taken(p, base, file, &file_at))) return -1;  /* stored releases key->fqn */
+    p->i = at;
+    p->memo_count = base + memos;
+    key->seen = key_seen;
+    key->ndim = ndim;
+    info->seen = f.seen;
+    info->offset = f.offset;
+    info->length = f.length;
+    return 1;
+}
+
 /* a storage_data entry: MetadataIndex -> _StorageInfo */
 static int stored(P *p, void *context) {
     (void)context;
-    IndexFields key = {0};
+    IndexFields key;  /* not zeroed whole: offsets are read only up to ndim */
     InfoFields info = {0};
+    key.seen = 0;
+    key.fqn = NULL;
     key.ndim = -1;
-    int status = new_object(p) == G_INDEX && record_state(p, index_field, &key) == 0 && key.fqn &&
-                 new_object(p) == G_INFO && record_state(p, info_field, &info) == 0 && info.file &&
-                 (info.seen & 7) == 7 ? 0 : fail(p);
+    int fast = fast_stored(p, &key, &info);
+    if (fast < 0) { Py_XDECREF(key.fqn); return -1; }
+    int status = fast || (new_object(p) == G_INDEX && record_state(p, index_field, &key) == 0 && key.fqn &&
+                          new_object(p) == G_INFO && record_state(p, info_field, &info) == 0 && info.file &&
+                          (info.seen & 7) == 7) ? 0 : fail(p);
     if (!status && (p->st_coords.n + (key.ndim > 0 ? key.ndim : 0) + 7 > p->budget || p->rows >= INT32_MAX)) status = fail(p);
     Py_ssize_t fqn_id = status ? -1 : id_of(p->fqn_cache, p->fqn_ids, p->fqns, key.fqn);
     Py_ssize_t file_id = fqn_id < 0 ? -1 : id_of(p->file_cache, p->file_ids, p->files, info.file);
@@ -957,50 +1175,148 @@ static PyObject *scan(PyObject *module, PyObject *args) {
     PyObject *dtypes;
     int where = 0, mapped = 0;
     if (!PyArg_ParseTuple(args, "y*O!|pp", &view, &PyFrozenSet_Type, &dtypes, &where, &mapped)) return NULL;
-    P p;
-    memset(&p, 0, sizeof p);
-    p.p = view.buf;
-    p.n = view.len;
-    p.budget = view.len / 2 + 64;
-    p.release_every = mapped && (uintptr_t)view.buf % (uintptr_t)sysconf(_SC_PAGESIZE) == 0 ? 32 << 20 : 0;
-    p.dtypes = dtypes;
+    P *p = PyMem_Calloc(1, sizeof(P));  /* 2.5 MB of caches: not on the stack */
+    if (!p) { PyBuffer_Release(&view); return PyErr_NoMemory(); }
+    p->p = view.buf;
+    p->n = view.len;
+    p->budget = view.len / 2 + 64;
+    p->release_every = mapped && (uintptr_t)view.buf % (uintptr_t)sysconf(_SC_PAGESIZE) == 0 ? 32 << 20 : 0;
+    p->dtypes = dtypes;
     PyObject *out = NULL;
-    p.strings = PyDict_New();
-    p.tensors = PyList_New(0);
-    p.objects = PyList_New(0);
-    p.planner = PyDict_New();
-    p.fqn_ids = PyDict_New();
-    p.fqns = PyList_New(0);
-    p.file_ids = PyDict_New();
-    p.files = PyList_New(0);
-    p.seen = PySet_New(NULL);
-    for (int k = 0; p.strings && k < F_COUNT; k++) {
-        p.fields[k] = PyUnicode_InternFromString(FIELD_NAMES[k]);
-        if (!p.fields[k] || PyDict_SetItem(p.strings, p.fields[k], p.fields[k])) Py_CLEAR(p.strings);
+    p->strings = PyDict_New();
+    p->tensors = PyList_New(0);
+    p->objects = PyList_New(0);
+    p->planner = PyDict_New();
+    p->fqn_ids = PyDict_New();
+    p->fqns = PyList_New(0);
+    p->file_ids = PyDict_New();
+    p->files = PyList_New(0);
+    p->seen = PySet_New(NULL);
+    for (int k = 0; p->strings && k < F_COUNT; k++) {
+        p->fields[k] = PyUnicode_InternFromString(FIELD_NAMES[k]);
+        if (!p->fields[k] || PyDict_SetItem(p->strings, p->fields[k], p->fields[k])) Py_CLEAR(p->strings);
     }
-    if (p.strings && p.tensors && p.objects && p.planner && p.fqn_ids && p.fqns && p.file_ids && p.files && p.seen) {
-        int status = parse(&p);
-        if (status == 0) out = result(&p);
-        else if (!PyErr_Occurred()) out = where ? PyLong_FromSsize_t(p.fail_at) : Py_NewRef(Py_None);
+    if (p->strings && p->tensors && p->objects && p->planner && p->fqn_ids && p->fqns && p->file_ids && p->files && p->seen) {
+        int status = parse(p);
+        if (status == 0) out = result(p);
+        else if (!PyErr_Occurred()) out = where ? PyLong_FromSsize_t(p->fail_at) : Py_NewRef(Py_None);
     }
-    while (p.nkept) Py_XDECREF(p.kept[--p.nkept].obj);
-    PyMem_Free(p.kept);
-    I64 *columns[] = {&p.coords, &p.st_fqn, &p.st_ndim, &p.st_cstart, &p.st_coords, &p.st_file, &p.st_off, &p.st_len,
-                      &p.st_row, &p.ch_off, &p.ch_len, &p.t_first, &p.t_count, &p.t_ndim, &p.t_chunk0, &p.t_cursor, &p.t_fqn};
+    while (p->nkept) Py_XDECREF(p->kept[--p->nkept].obj);
+    PyMem_Free(p->kept);
+    I64 *columns[] = {&p->coords, &p->st_fqn, &p->st_ndim, &p->st_cstart, &p->st_coords, &p->st_file, &p->st_off, &p->st_len,
+                      &p->st_row, &p->ch_off, &p->ch_len, &p->t_first, &p->t_count, &p->t_ndim, &p->t_chunk0, &p->t_cursor, &p->t_fqn};
     for (size_t k = 0; k < sizeof columns / sizeof columns[0]; k++) Py_XDECREF(columns[k]->bytes);
-    I32 *narrow[] = {&p.ch_file, &p.ch_row, &p.fqn_tensor, &p.st_log};
+    I32 *narrow[] = {&p->ch_file, &p->ch_row, &p->fqn_tensor, &p->st_log};
     for (size_t k = 0; k < sizeof narrow / sizeof narrow[0]; k++) Py_XDECREF(narrow[k]->bytes);
-    Py_XDECREF(p.strings); Py_XDECREF(p.tensors); Py_XDECREF(p.objects); Py_XDECREF(p.planner);
-    for (int k = 0; k < F_COUNT; k++) Py_XDECREF(p.fields[k]);
-    Py_XDECREF(p.fqn_ids); Py_XDECREF(p.fqns); Py_XDECREF(p.file_ids); Py_XDECREF(p.files); Py_XDECREF(p.seen);
-    Py_XDECREF(p.version); Py_XDECREF(p.save_id);
+    Py_XDECREF(p->strings); Py_XDECREF(p->tensors); Py_XDECREF(p->objects); Py_XDECREF(p->planner);
+    for (int k = 0; k < F_COUNT; k++) Py_XDECREF(p->fields[k]);
+    Py_XDECREF(p->fqn_ids); Py_XDECREF(p->fqns); Py_XDECREF(p->file_ids); Py_XDECREF(p->files); Py_XDECREF(p->seen);
+    Py_XDECREF(p->version); Py_XDECREF(p->save_id);
+    PyMem_Free(p);
     PyBuffer_Release(&view);
+    return out;
+}
+
+/* `json_rows(rows, ndim, offsets, sizes, file, offset, length, nbytes, files)`: the JSON of a tensor's
+   chunks as inspect writes them, `{"offsets": [...], "sizes": [...], "file": ..., "offset": ...,
+   "length": ..., "bytes": ...}` per row, each row followed by ", " (what `json.dumps` writes for
+   the row's dict: ints in decimal, a file id < 0 is no entry: `null` file, offset and length).
+   `offsets` and `sizes` are C-contiguous int64 (rows, ndim), the others int64 per row, `files`
+   a tuple of bytes (each file's name as JSON). */
+static char *put_int(char *at, int64_t value) {
+    uint64_t magnitude = value < 0 ? 0 - (uint64_t)value : (uint64_t)value;
+    char digits[20];
+    int count = 0;
+    if (value < 0) *at++ = '-';
+    do { digits[count++] = (char)('0' + magnitude % 10); magnitude /= 10; } while (magnitude);
+    while (count) *at++ = digits[--count];
+    return at;
+}
+
+static char *put_text(char *at, const char *text, Py_ssize_t length) {
+    memcpy(at, text, (size_t)length);
+    return at + length;
+}
+
+#define PUT(at, literal) put_text(at, literal, (Py_ssize_t)sizeof(literal) - 1)
+
+static int int64_view(PyObject *object, Py_buffer *view, Py_ssize_t items) {
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) return -1;
+    if (view->itemsize != 8 || !view->format || strchr("lq", view->format[strlen(view->format) - 1]) == NULL ||
+        view->len != items * 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "json_rows: columns must be C-contiguous int64 of matching rows");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *json_rows(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objects[6], *files;
+    Py_ssize_t rows, ndim;
+    if (!PyArg_ParseTuple(args, "nnOOOOOOO!", &rows, &ndim, &objects[0], &objects[1], &objects[2], &objects[3],
+                          &objects[4], &objects[5], &PyTuple_Type, &files))
+        return NULL;
+    if (rows < 0 || ndim < 0 || ndim > MAX_DIMS) { PyErr_SetString(PyExc_ValueError, "json_rows: bad shape"); return NULL; }
+    Py_ssize_t nfiles = PyTuple_GET_SIZE(files), longest = 4;  /* null */
+    for (Py_ssize_t k = 0; k < nfiles; k++) {
+        PyObject *name = PyTuple_GET_ITEM(files, k);
+        if (!PyBytes_Check(name)) { PyErr_SetString(PyExc_TypeError, "json_rows: files must be bytes"); return NULL; }
+        if (PyBytes_GET_SIZE(name) > longest) longest = PyBytes_GET_SIZE(name);
+    }
+    Py_buffer views[6];
+    int got = 0;
+    for (; got < 6; got++)
+        if (int64_view(objects[got], &views[got], got < 2 ? rows * ndim : rows)) break;
+    PyObject *out = NULL;
+    /* a row: its fixed text (80 bytes), 2 * ndim + 3 ints of at most 20 characters and their
+       separators, and the longest file text */
+    Py_ssize_t per_row = 80 + (2 * ndim + 3) * 20 + 4 * ndim + longest;
+    if (got == 6 && rows > (PY_SSIZE_T_MAX - 1) / per_row) PyErr_NoMemory();
+    else if (got == 6) out = PyBytes_FromStringAndSize(NULL, rows * per_row);
+    if (out) {
+        const int64_t *offsets = views[0].buf, *sizes = views[1].buf, *file = views[2].buf, *offset = views[3].buf,
+                      *length = views[4].buf, *nbytes = views[5].buf;
+        char *start = PyBytes_AS_STRING(out), *at = start;
+        for (Py_ssize_t r = 0; r < rows && out; r++) {
+            at = PUT(at, "{\"offsets\": [");
+            for (Py_ssize_t d = 0; d < ndim; d++) {
+                if (d) at = PUT(at, ", ");
+                at = put_int(at, offsets[r * ndim + d]);
+            }
+            at = PUT(at, "], \"sizes\": [");
+            for (Py_ssize_t d = 0; d < ndim; d++) {
+                if (d) at = PUT(at, ", ");
+                at = put_int(at, sizes[r * ndim + d]);
+            }
+            at = PUT(at, "], \"file\": ");
+            if (file[r] >= nfiles) {
+                PyErr_SetString(PyExc_IndexError, "json_rows: a file id past the files");
+                Py_CLEAR(out);
+                break;
+            }
+            if (file[r] < 0) {
+                at = PUT(at, "null, \"offset\": null, \"length\": null");
+            } else {
+                PyObject *name = PyTuple_GET_ITEM(files, file[r]);
+                at = put_text(at, PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name));
+                at = put_int(PUT(at, ", \"offset\": "), offset[r]);
+                at = put_int(PUT(at, ", \"length\": "), length[r]);
+            }
+            at = PUT(put_int(PUT(at, ", \"bytes\": "), nbytes[r]), "}, ");
+        }
+        if (out) _PyBytes_Resize(&out, at - start);
+    }
+    while (got) PyBuffer_Release(&views[--got]);
     return out;
 }
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(data, dtypes, where=False, mapped=False) -> columns of a DCP .metadata pickle as torch writes it, or None (see the module source)"},
+    {"json_rows", json_rows, METH_VARARGS,
+     "json_rows(rows, ndim, offsets, sizes, file, offset, length, nbytes, files) -> the JSON of inspect's chunk rows, each followed by ', '"},
     {NULL, NULL, 0, NULL},
 };
 

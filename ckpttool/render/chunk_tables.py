@@ -1,6 +1,7 @@
 """A tensor's chunks read as a ChunkTable, rendered from the table's int64 columns: the
-`--chunks` text (`chunk_table`) and the `chunks` list of inspect's JSON (`ChunkRows`), each
-cell made once per column instead of one object per chunk (100k+ chunks at scale).
+`--chunks` text (`chunk_table`, each cell made once per column) and the `chunks` list of
+inspect's JSON (`ChunkRows`, written by the C reader's `json_rows`: 7M chunks are 900 MB of
+JSON), instead of one object per chunk.
 
 Example:
     >>> print("\n".join(chunk_table(report.tensors[0], {})))     # fixtures/fsdp2_world3_uneven, as tables
@@ -53,38 +54,36 @@ class ChunkRows(ColumnRows):
     def __repr__(self) -> str:
         return f"ChunkRows({self.chunks!r})"
 
-    def json_text(self, file_texts: dict[tuple[str, ...], list[str]] | None = None) -> str:
-        """Return `json.dumps(list(self))`, formatted from the columns: one % per chunk, with
-        the values a column holds in every row (FSDP: sizes, lengths) written into the format.
-        `file_texts` keeps the JSON of each table's file names for the next table."""
+    def json_text(self, file_texts: dict[int, tuple[tuple[str, ...], tuple[bytes, ...]]] | None = None) -> str:
+        """Return `json.dumps(list(self))`, written from the columns by the C reader's
+        `json_rows`, a block of rows at a time (no object per row). `file_texts` keeps the JSON
+        of each table's file names for the next table."""
         table = self.chunks.table
         if not len(table):
             return "[]"
-        stored = bool((table.file >= 0).all())
-        columns: list[list] = []
-
-        def field(column: Any, text: list[str] | None = None) -> str:
-            if column.min() == column.max() and (text is None or stored):
-                return (str(int(column[0])) if text is None else text[0]).replace("%", "%%")
-            columns.append(column.tolist() if text is None else text)
-            return "%s"
+        try:
+            from ckpttool.readers._dcpscan import json_rows
+        except ImportError:  # not built (no compiler at install): no .metadata is read into a table either
+            return json.dumps(list(self))
+        import numpy as np
 
         file_texts = {} if file_texts is None else file_texts
-        if (files := file_texts.get(table.files)) is None:
-            files = file_texts[table.files] = [json.dumps(name) for name in table.files] + ["null"]
-        file_text = [files[i] for i in table.file.tolist()] if len(table.files) > 1 or not stored else files[:1]
-        nulls = [] if stored else (table.file < 0).tolist()
-        # fields in the order of the row: `columns` fills in that order
-        offsets = ", ".join([field(c) for c in table.offsets.T])
-        sizes = ", ".join([field(c) for c in table.sizes.T])
-        file = field(table.file, file_text)
-        offset, length = (field(c) if stored else field(c, ["null" if n else str(v) for v, n in zip(c.tolist(), nulls)])
-                          for c in (table.blob_offset, table.blob_length))
-        row = (f'{{"offsets": [{offsets}], "sizes": [{sizes}], "file": {file}, "offset": {offset}, "length": {length}, '
-               f'"bytes": {field(self.chunks.nbytes)}}}')
-        if not columns:  # every row the same (duplicate chunks)
-            return "[" + ", ".join([row.replace("%%", "%")] * len(table)) + "]"
-        return "[" + ", ".join(map(row.__mod__, zip(*columns))) + "]"
+        # by the tuple's id (the tuple kept beside its texts): hashing 10k names a table costs
+        if (found := file_texts.get(id(table.files))) is None or found[0] is not table.files:
+            found = file_texts[id(table.files)] = (table.files, tuple(json.dumps(name).encode() for name in table.files))
+        files = found[1]
+        ndim = table.offsets.shape[1]
+        blocks = []
+        for start in range(0, len(table), ROWS_PER_BLOCK):
+            rows = slice(start, start + ROWS_PER_BLOCK)
+            offsets, sizes, file, offset, length, nbytes = (
+                np.ascontiguousarray(column[rows], dtype=np.int64) for column in
+                (table.offsets, table.sizes, table.file, table.blob_offset, table.blob_length, self.chunks.nbytes))
+            blocks.append(json_rows(len(file), ndim, offsets, sizes, file, offset, length, nbytes, files))
+        return "[" + b"".join(blocks)[:-2].decode("ascii") + "]"
+
+
+ROWS_PER_BLOCK = 1 << 16  # rows written at once: at most ~30 MB of text at 8 dims
 
 
 def chunk_table(tensor: TensorInfo, names: dict[tuple[str, ...], list[str]]) -> list[str]:
