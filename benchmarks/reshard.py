@@ -14,7 +14,10 @@
      there), on PYTHONPATH; then one run of each into its own folder, every file's SHA-256 compared.
    Page cache: warm for all. The source is read once (`cat > /dev/null`) before the first pair
    and stays cached (it is a few GB on a machine with more RAM); every output is a new file.
-3. With `--load`: load time at `--to` ranks, stock `dcp.load` into a `fully_shard`ed model, of
+3. With `--phases`: one run of each code (after the pairs) with a timestamp at each phase
+   boundary (imports, read, gate, plan, locate, lay out, first copy, copies done, each fsync,
+   `.metadata`), wall and process CPU, measured by wrapping those functions (`phase_run`).
+4. With `--load`: load time at `--to` ranks, stock `dcp.load` into a `fully_shard`ed model, of
    the resharded checkpoint vs the original (DCP resharding at load time), and the files each rank reads.
 
 Prints markdown tables (medians, every run, ratio to cat && sync, the load average before and
@@ -129,6 +132,92 @@ def reshard_command(source: Path, out: Path, world_size: int, code: Path | None)
     return ["env", f"PYTHONPATH={code}", *command] if code is not None else command
 
 
+PHASES = (  # (module, function, label): the boundaries `phase_run` stamps
+    ("ckpttool.readers", "open_checkpoint", "read .metadata"),
+    ("ckpttool.integrity", "gate", "integrity gate"),
+    ("ckpttool.commands.reshard", "plan_reshard", "plan"),
+    ("ckpttool.locating", "locate_chunks", "locate source records"),
+    ("ckpttool.commands.reshard", "plan_writes", "lay out rank files"),
+    ("ckpttool.execute", "run", "copies"),
+    ("ckpttool.commands.reshard", "metadata_bytes", "encode .metadata"),
+)
+
+
+def phase_run(arguments: list[str]) -> None:
+    """Run `ckpttool ARGUMENTS` in this process with the PHASES (and the first record copy,
+    every fsync and the file writes) stamped; print the stamps on stderr: seconds since the
+    process started, and process CPU seconds (all threads)."""
+    import importlib
+    import threading
+
+    with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        started = float(uptime.read().split()[0]) - int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    origin = time.perf_counter() - started
+    stamps: list[tuple[float, float, str]] = []
+    lock = threading.Lock()
+
+    def stamp(label: str) -> None:
+        with lock:
+            stamps.append((time.perf_counter() - origin, time.process_time(), label))
+
+    stamp("interpreter up")
+    from ckpttool import cli, execute, io, record_writes
+
+    stamp("imports done")
+
+    def wrapped(function, label: str, once: bool = False):
+        seen = []
+
+        def run(*args, **kwargs):
+            if not (once and seen):
+                stamp(f"{label} start")
+            seen.append(1)
+            result = function(*args, **kwargs)
+            if not once:
+                stamp(f"{label} done")
+            return result
+        return run
+
+    for module, name, label in PHASES:
+        owner = importlib.import_module(module)
+        setattr(owner, name, wrapped(getattr(owner, name), label))
+    for name in ("write_record", "write_records"):
+        setattr(record_writes, name, wrapped(getattr(record_writes, name), f"first {name}", once=True))
+    sync, synced = io.sync, [0]
+
+    def counted_sync(fd) -> None:
+        sync(fd)
+        synced[0] += 1
+        if synced[0] <= 8:
+            stamp(f"fsync {synced[0]} done")
+        else:
+            stamp("fsync (more) done")
+
+    io.sync = counted_sync
+    execute.write_file = wrapped(execute.write_file, "write small file")
+    try:
+        cli.main(arguments, standalone_mode=False)
+    finally:
+        stamp("end")
+        more = [entry for entry in stamps if entry[2] == "fsync (more) done"]
+        shown = [entry for entry in stamps if entry[2] != "fsync (more) done"]
+        if more:
+            shown.append((*more[-1][:2], f"fsync {synced[0]} (the last) done"))
+        for wall, cpu, label in sorted(shown):
+            print(f"{wall:8.3f} s  cpu {cpu:6.2f} s  {label}", file=sys.stderr)
+
+
+def phases(source: Path, out: Path, world_size: int, code: Path | None) -> str:
+    """Return the per-phase stamps of one reshard by `code` (None: the installed package)."""
+    shutil.rmtree(out / "phases", ignore_errors=True)
+    environment = dict(os.environ, **({"PYTHONPATH": str(code)} if code is not None else {}))
+    done = subprocess.run([sys.executable, __file__, "--phase-run", "reshard", str(source), str(out / "phases"),
+                           "--world", str(world_size), "--quiet"], env=environment, check=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    shutil.rmtree(out / "phases", ignore_errors=True)
+    return done.stderr
+
+
 def digests(directory: Path) -> dict[str, str]:
     return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(directory.iterdir())}
 
@@ -167,6 +256,8 @@ def load_table(source: Path, out: Path, layers: int, args: argparse.Namespace) -
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--phase-run"]:
+        return phase_run(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=4.0)
     parser.add_argument("--world", type=int, default=8)
@@ -175,6 +266,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/reshard-bench"))
     parser.add_argument("--before", type=Path, help="a source tree of the code to compare with (run on PYTHONPATH)")
     parser.add_argument("--load", action="store_true", help="also time stock dcp.load of both at --to ranks")
+    parser.add_argument("--phases", action="store_true", help="also print one run's per-phase timestamps (each code)")
     parser.add_argument("--clean", action="store_true", help="delete --dir at the end (the checkpoint too)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -204,6 +296,11 @@ def main() -> None:
     print(table(results, "cat && sync"))
     if args.before is not None:
         print("\n" + compare_outputs(source, out, args.to, args.before))
+    if args.phases:
+        for name, code in (("reshard", None), ("reshard (before)", args.before)):
+            if name == "reshard" or code is not None:
+                print(f"\n{name}, per phase (load average {os.getloadavg()[0]:.1f}):\n```\n"
+                      f"{phases(source, out, args.to, code)}```")
     if args.load:
         print("\n" + load_table(source, out, layers, args))
     shutil.rmtree(args.dir if args.clean else out, ignore_errors=True)

@@ -65,12 +65,17 @@ def reserve(fd: Output, size: int) -> None:
 
 
 def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
-        max_memory: int, on_done: Callable[[int], None] | None = None) -> None:
+        max_memory: int, on_done: Callable[[int], None] | None = None,
+        on_file_done: Callable[[str], None] | None = None) -> None:
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
     at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
     (one operation, or a batch of small ones: `batches`). From coalesced remote files the
     source ranges of all operations are fetched ahead, in order. A Records operation runs as
-    one task (`record_writes`) from local files into an fd, else as its records."""
+    one task (`record_writes`) from local files into an fd, else as its records.
+
+    `on_file_done(name)` is called once per output, from a worker thread, as soon as every
+    operation writing into it has run (so its fsync can overlap the copies still running),
+    and at the end for outputs no operation wrote (or, from coalesced files, for all)."""
     operations = record_writes.expanded(operations, files, outputs)
     split: list[Record] = []
     if files.coalesced:
@@ -78,11 +83,14 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
         if all(isinstance(fd, int) for fd in outputs.values()):
             operations, split = in_source_order(operations)
         files.expect([span for op in operations for span in source_ranges(op)])
+    finished = _Finished(on_file_done)
+    if on_file_done is not None and not files.coalesced:  # coalesced: split records' tails come last
+        operations = finished.counting(operations)
     # a batch of small operations is interpreter work between short syscalls: several of
     # them at once only contend for the GIL (twice the CPU for the same work), so they take
     # turns; large operations (in-kernel copies, long reads) still run `threads` at once
     turns = threading.Lock()
-    tasks = (_batch_task(batch, files, outputs, turns) for batch in batches(operations))
+    tasks = (finished.task(batch, _batch_task(batch, files, outputs, turns)) for batch in batches(operations))
     run_tasks(tasks, threads, max_memory, on_done)
     for op in split:  # their data is written: the head, and the tail with the data's CRC-32
         layout = record_layout(op.dtype, op.shape)
@@ -90,6 +98,55 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
         data_at = op.offset + layout.data_offset
         write_at(fd, layout.head, op.offset)
         write_at(fd, layout.tail(output_crc(fd, data_at, layout.data_length, op.parts)), data_at + layout.data_length)
+    finished.rest(outputs)
+
+
+class _Finished:
+    """Tells `on_file_done` which outputs are complete: each output's operations are counted
+    up front (`counting`), and a task that ran counts its batch's down (`task`)."""
+
+    def __init__(self, on_file_done: Callable[[str], None] | None):
+        self.on_file_done = on_file_done
+        self.left: dict[str, int] | None = None
+        self.told: set[str] = set()
+        self.lock = threading.Lock()
+
+    def counting(self, operations: Iterable[Operation]) -> list[Operation]:
+        operations = list(operations)
+        self.left = {}
+        for op in operations:
+            self.left[op.dst] = self.left.get(op.dst, 0) + 1
+        return operations
+
+    def task(self, batch: list[Operation], task: Task) -> Task:
+        if self.left is None:
+            return task
+
+        def run_counted() -> int:
+            written = task.run()
+            self._ran(batch)
+            return written
+
+        return Task(run_counted, task.memory)
+
+    def _ran(self, batch: list[Operation]) -> None:
+        left = typing.cast(dict[str, int], self.left)
+        complete = []
+        with self.lock:
+            for op in batch:
+                left[op.dst] -= 1
+                if not left[op.dst]:
+                    complete.append(op.dst)
+                    self.told.add(op.dst)
+        for name in complete:
+            typing.cast(Callable[[str], None], self.on_file_done)(name)
+
+    def rest(self, outputs: Mapping[str, int]) -> None:
+        if self.on_file_done is not None:
+            for name in outputs:
+                if name not in self.told:
+                    self.told.add(name)
+                    self.on_file_done(name)
 
 
 def in_source_order(operations: list[Operation]) -> tuple[list[Operation], list[Record]]:

@@ -163,7 +163,7 @@ def _build(op: Records, views: list[memoryview], span_of: list[int], start_in: l
     heads = [layout.head for layout in layouts]
     lengths = [layout.data_length for layout in layouts]
     sizes = [layout.length for layout in layouts]
-    tails = [layout.tail for layout in layouts]
+    tails = [layout.tail_patches.tail for layout in layouts]  # RecordLayout.tail's, a call less
     crc32 = zlib.crc32
     pieces: list = []
     append = pieces.append

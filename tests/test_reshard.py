@@ -337,6 +337,58 @@ def test_records_copied_in_the_kernel_with_crcs_from_the_stored_ones_equal_recor
             assert got[fqn] == value
 
 
+def test_execute_tells_each_output_done_once_as_soon_as_its_last_operation_ran(tmp_path, monkeypatch):
+    """`execute.run(on_file_done=...)`: each output is named once, when every copy into it has
+    run and before the next output's copies start (outputs written one after another), and an
+    output no operation writes is named at the end."""
+    import numpy as np
+
+    from ckpttool import execute
+    from ckpttool.dcp.blobs import DataFiles
+    from ckpttool.plan.operations import Copy
+
+    source = np.random.default_rng(0).integers(0, 256, 3 * 4096, dtype=np.uint8).tobytes()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "data.bin").write_bytes(source)
+    names = ["a", "b", "c", "empty"]
+    operations = [Copy("data.bin", 4096 * n + 1024 * k, name, 1024 * k, 1024)
+                  for n, name in enumerate(names[:3]) for k in range(4)]
+    monkeypatch.setattr(execute, "SMALL_OPERATION", 0)  # a task per copy
+    fds = {name: os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o644) for name in names}
+    told = []
+
+    def on_file_done(name: str) -> None:
+        # what every output holds at that moment
+        told.append((name, {other: os.pread(fd, 4096, 0) for other, fd in fds.items()}))
+
+    try:
+        with DataFiles(tmp_path / "src") as files:
+            execute.run(operations, files, fds, threads=1, max_memory=1 << 20, on_file_done=on_file_done)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert [name for name, _ in told] == names
+    for number, (name, seen) in enumerate(told[:3]):
+        assert seen[name] == source[4096 * number:4096 * (number + 1)], f"{name} named before it was written"
+        assert all(not seen[later] for later in names[number + 1:3]), f"{name} named after later outputs started"
+
+
+def test_every_rank_file_is_fsynced_exactly_once_before_the_metadata_is_written(tmp_path, monkeypatch):
+    """Rank files are fsynced as each is written through (overlapping the copies into the
+    next ones), each once, all before `.metadata` is written."""
+    from ckpttool import execute, io as ckpt_io
+
+    events = []
+    sync, write_file = ckpt_io.sync, execute.write_file
+    monkeypatch.setattr(ckpt_io, "sync", lambda fd: events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))) or sync(fd))
+    monkeypatch.setattr(execute, "write_file", lambda path, data: events.append(("write", str(path))) or write_file(path, data))
+    reshard(FIXTURES / "fsdp2_world3_uneven", tmp_path / "out", 5)
+    synced = [os.path.basename(path) for kind, path in events if kind == "sync"]
+    assert sorted(synced) == [f"__{rank}_0.distcp" for rank in range(5)]
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["sync"] * len(synced) + ["write"] * (len(kinds) - len(synced)), "a rank file synced after the metadata"
+
+
 # ---------------------------------------------------------------------------------------------
 # consolidate agrees
 

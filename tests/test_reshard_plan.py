@@ -316,3 +316,26 @@ def test_small_records_of_one_raw_run_are_written_by_records_and_the_rest_by_a_r
         assert (len(op.parts) != 1 or not isinstance(op.parts[0], Copy)
                 or record_layout(op.dtype, op.shape).length > RECORDS_RECORD), op
     assert sum(len(op) for op in grouped) + len(alone) == sum(len(f.chunks) for f in plan.files)
+
+
+def test_tensors_chunked_alike_are_planned_once_and_get_the_same_runs(monkeypatch):
+    """A model's layers repeat: ChunkTable tensors of one shape, dtype size and chunking get
+    their runs worked out once (`_geometry`), and the plan is the one worked out tensor by tensor."""
+    import numpy as np
+
+    from ckpttool.plan import reshard as planning
+
+    tabled = with_tables(read_checkpoint(FIXTURES / "fsdp2_world2_adamw"))
+    calls = []
+    run_columns = planning._run_columns
+    monkeypatch.setattr(planning, "_run_columns", lambda tensor, slab: calls.append(tensor.fqn) or run_columns(tensor, slab))
+    shared = plan_reshard(tabled, Mesh(1, 3))
+    assert len(calls) < len(tabled.tensors), "every tensor was planned on its own"
+    calls.clear()
+    monkeypatch.setattr(planning, "_geometry", lambda tensor, slab: None)
+    alone = plan_reshard(tabled, Mesh(1, 3))
+    assert len(calls) == len(tabled.tensors)
+    for column in ("tensor", "box", "start", "rows", "owner", "nbytes", "run_bounds", "run_source",
+                   "run_source_offset", "run_target_offset", "run_length", "by_tensor", "tensor_bounds"):
+        assert np.array_equal(getattr(shared.table, column), getattr(alone.table, column)), column
+    assert shared.table.tensors == alone.table.tensors

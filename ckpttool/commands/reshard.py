@@ -6,9 +6,10 @@ raw bytes (record headers only) -> lay the rank files out (`plan_writes`: object
 verbatim, then one torch.save record per chunk; pure) -> `execute.run` into the
 preallocated files of a temporary directory (a large record's data copied in the kernel, its
 CRC-32 combined from those torch.save stored for the source records; a small one's summed as
-its bytes pass) -> `.metadata` -> optional `--verify` -> rename into place. Memory holds only the blocks in
-flight (`max_memory`); nothing decodes a tensor unless its source blob is transformed (zstd)
-or strided.
+its bytes pass; each rank file fsynced as soon as its last record is written, while the
+copies into the next files run) -> `.metadata` -> optional `--verify` -> rename into place.
+Memory holds only the blocks in flight (`max_memory`); nothing decodes a tensor unless its
+source blob is transformed (zstd) or strided.
 
 Example:
     >>> report = reshard("runs/gpt/step-00000200", None, world_size=3)
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, cast
@@ -135,23 +136,20 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
         for name, size in writes.files:
             execute.reserve(fds[name], size)
 
-    def run_share(operations, fds: dict[str, int]) -> None:
+    def run_share(operations, fds: dict[str, int], syncs: _Syncs | None = None) -> None:
         with write.progress(label, sum(op.output_length for op in operations)) as bar:
-            execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update)
+            execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update,
+                        on_file_done=syncs.start if syncs is not None else None)
         if verify:
             _verify(operations, files, fds, threads, budget)
 
     carried = carried_files(checkpoint)
 
-    def finish(temp: Path, fds: dict[str, int]) -> None:
+    def finish(temp: Path, fds: dict[str, int], syncs: _Syncs | None = None) -> None:
         # `.metadata` is encoded while the data files are flushed: one waits on the disk, the
         # other on the interpreter (each ~0.4 s at 300k chunks)
-        def sync_all() -> None:
-            for fd in fds.values():
-                io.sync(fd)
-
         with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(sync_all)
+            synced = pool.submit(syncs.wait if syncs is not None else _Syncs.all, fds)
             metadata = metadata_bytes(writes.tensors, writes.objects, plan.planner_data, destination, save_id)
             synced.result()
         for name, data in carried:
@@ -169,15 +167,50 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
         else:
             written = time.perf_counter()
             with atomic_directory(destination, force=force, streamed=not verify, notify=write.notify) as output:
-                with output.opened(names) as fds:
+                with output.opened(names) as fds, _Syncs(fds) as syncs:
                     prepare(fds)
-                    run_share(writes.operations, fds)
-                    finish(output.path, fds)
+                    run_share(writes.operations, fds, syncs)
+                    finish(output.path, fds, syncs)
             processes = (ProcessStats(0, sum(op.output_length for op in writes.operations),
                                       time.perf_counter() - written),)
     except OSError as error:
         raise WriteFailed(f"{destination}: writing failed ({error.strerror or error}); nothing was left there") from None
     return writes, processes
+
+
+class _Syncs:
+    """The rank files' fsyncs, each started on a background thread as soon as the file is
+    written through (`start`, `execute.run`'s `on_file_done`): the disk flushes a finished
+    file while the copies into the next ones run, rather than all of them after the last copy
+    (rank files are written one after another, in file order). `wait` returns once every
+    file is on disk; leaving the context waits for any fsync still running (before the fds close)."""
+
+    def __init__(self, fds: dict[str, int]):
+        self.fds = fds
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-fsync")
+        self.started: dict[str, Future] = {}
+
+    def start(self, name: str) -> None:
+        self.started[name] = self.pool.submit(io.sync, self.fds[name])
+
+    def wait(self, fds: dict[str, int]) -> None:
+        for name, fd in fds.items():
+            future = self.started.get(name)
+            if future is None:
+                io.sync(fd)
+            else:
+                future.result()
+
+    @staticmethod
+    def all(fds: dict[str, int]) -> None:
+        for fd in fds.values():
+            io.sync(fd)
+
+    def __enter__(self) -> _Syncs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # files beside the data that describe the checkpoint and go with it to its new layout: PEFT's

@@ -553,8 +553,18 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
     owners, object_owners = _owners({layout.fqn: slab for layout, slab in zip(layouts, slabs)}, object_names, order, mesh)
 
     runs: list[tuple[Any, ...]] = []
+    # a model's layers repeat: tensors of one shape, chunked alike, get the same runs (the
+    # columns are only read from here on), worked out once (2169 tensors, ~40 geometries at 70B)
+    geometries: dict[tuple, tuple[Any, ...]] = {}
     for layout, slab in zip(layouts, slabs):
-        runs.append(_run_columns(checkpoint.tensors[layout.fqn], slab))
+        tensor = checkpoint.tensors[layout.fqn]
+        key = _geometry(tensor, slab)
+        found = geometries.get(key) if key is not None else None
+        if found is None:
+            found = _run_columns(tensor, slab)
+            if key is not None:
+                geometries[key] = found
+        runs.append(found)
     counts = np.array([len(slab.starts) for slab in slabs], dtype=np.int64)
     tensor_of = np.repeat(np.arange(len(slabs), dtype=np.int64), counts)
     row_bytes = np.array([volume(t.shape[1:]) * checkpoint.tensors[t.fqn].itemsize for t in layouts], dtype=np.int64)
@@ -594,6 +604,16 @@ def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str],
                   for rank in range(world))
     planner_data = {fqn: checkpoint.nesting[fqn] for fqn in order if fqn in checkpoint.nesting}
     return ReshardPlan(mesh, files, tuple(layouts), table, planner_data, rule, tuple(keep_whole))
+
+
+def _geometry(tensor: Tensor, slab: _Slabs) -> tuple | None:
+    """Return what `_run_columns` of a ChunkTable tensor depends on, as a key (None for chunk
+    tuples: those take the general sweep, whose errors name the tensor)."""
+    chunks = tensor.chunks
+    if not isinstance(chunks, ChunkTable):
+        return None
+    return (tensor.shape, tensor.itemsize, chunks.offsets.shape, chunks.offsets.tobytes(), chunks.sizes.tobytes(),
+            slab.starts.tobytes(), slab.rows.tobytes())
 
 
 def _run_columns(tensor: Tensor, slab: _Slabs) -> tuple[Any, ...]:

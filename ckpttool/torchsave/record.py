@@ -19,12 +19,13 @@ take a `read(start, count)` callable and the record's length, so they serve any 
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import math
 import struct
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool import dtypes
@@ -76,8 +77,15 @@ class _TailPatches:
     fields: tuple[int, ...]
     crcs_before: bytes  # of the entries before data/0, in write order, packed as uint32s
     crcs_after: bytes  # of those after it, but for the serialization id
+    # blake2b of `crcs_before`, copied for each tail (`archive.serialization_id_from`)
+    digest_before: Any = field(default=None, compare=False, repr=False)
 
     DATA_CRC, IDENTITY, IDENTITY_CRC = 0, 1, 2
+
+    def __post_init__(self) -> None:
+        if self.digest_before is None:
+            object.__setattr__(self, "digest_before",
+                               hashlib.blake2b(self.crcs_before, digest_size=archive.SERIALIZATION_DIGEST))
 
     @classmethod
     def of(cls, layout: archive.Layout, data_end: int) -> "_TailPatches":
@@ -110,7 +118,9 @@ class _TailPatches:
 
     def tail(self, crc32: int) -> bytes:
         crc = crc32.to_bytes(4, "little")
-        identity = archive.serialization_id_of(self.crcs_before + crc + self.crcs_after)
+        digest = self.digest_before.copy()
+        digest.update(crc + self.crcs_after)
+        identity = archive.serialization_id_from(digest)
         values = (crc, identity, zlib.crc32(identity).to_bytes(4, "little"))
         s, f = self.segments, self.fields  # five fields, always (`of`)
         return b"".join((s[0], values[f[0]], s[1], values[f[1]], s[2], values[f[2]], s[3], values[f[3]], s[4],
