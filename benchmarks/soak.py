@@ -11,7 +11,8 @@ S3 faults at a random rate and mix through `tests/fault_proxy.py` (503 SlowDown,
 before and inside a response, bodies cut short, stalls past the read timeout); one torchrun rank
 SIGKILLed. Commands: consolidate to .safetensors / Hub shards / .pt, reshard, export, import,
 consolidate --merge-adapter, push to the loopback Hub; stores: local, s3 source, s3
-destination, both (moto). The core is `tests/soak_harness.py` (tests/test_soak.py runs 50 points).
+destination, both (moto). The core is `tests/soak_harness.py` (tests/test_soak.py runs ~36 points spread over
+every command, fault and store, and 12 disk-full ones).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="first point index")
     parser.add_argument("--minutes", type=float, default=None, help="stop starting points after this long")
     parser.add_argument("--torchrun-share", type=float, default=0.02, help="share of points that kill a torchrun rank")
+    parser.add_argument("--kinds", default="sigkill,sigterm,s3,disk-full",
+                        help="faults drawn, comma-separated (tests/test_soak.py draws some only: replay with its kinds)")
     parser.add_argument("--work", type=Path, default=None, help="sources, outputs and logs (default: a temp dir)")
     parser.add_argument("--jobs", type=int, default=2, help="points run at once (one fault proxy each)")
     parser.add_argument("--quiet", action="store_true", help="print only dirty points and the tables")
@@ -63,7 +66,8 @@ def main() -> int:
     print(f"soak seed {args.seed}: {len(indices)} points in {work}; load average {os.getloadavg()[0]:.2f}", flush=True)
     outcomes = []
     start = time.monotonic()
-    with soak_harness.Soak(work, args.seed, torchrun_share=args.torchrun_share, jobs=args.jobs) as soak:
+    with soak_harness.Soak(work, args.seed, torchrun_share=args.torchrun_share, jobs=args.jobs,
+                           kinds=tuple(args.kinds.split(","))) as soak:
         if not soak.mount_ok:
             print("disk-full points skipped: tmpfs cannot be mounted here (needs root and mount)", flush=True)
         workers: queue.Queue[int] = queue.Queue()
@@ -90,13 +94,21 @@ def main() -> int:
     kills = [o for o in outcomes if o.leftovers_after_kill]
     print(f"\n{len(outcomes)} points in {elapsed / 60:.1f} min ({elapsed / max(len(outcomes), 1):.2f} s a point); "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    phases: dict[str, float] = {}
+    for outcome in outcomes:
+        for name, seconds in outcome.phases.items():
+            phases[name] = phases.get(name, 0.0) + seconds
+    print("harness time per point: " + ", ".join(f"{name} {seconds / max(len(outcomes), 1):.2f} s"
+                                                 for name, seconds in phases.items()))
     print(f"S3 faults injected: {sum(o.injected for o in outcomes)}; SIGKILLed runs that left temporaries or uploads "
           f"the next run removed: {len(kills)}\n")
     print(soak_harness.by_fault(outcomes) + "\n")
     print(soak_harness.table(outcomes))
-    partial = [o for o in outcomes if o.verdict == soak_harness.PARTIAL]
-    print(f"\npartial commits (SIGKILL mid-commit of a multi-file S3 output, known): {len(partial)}" +
-          "".join(f"\n  --seed {args.seed} --only {o.point.index}: {o.point.describe()}" for o in partial))
+    undone = [o for o in outcomes if o.undone]
+    print(f"\nSIGKILLed mid-commit of a multi-file S3 output, the keys made visible listed in the commit record and "
+          f"removed by the next run (no --force): {len(undone)}" +
+          "".join(f"\n  --seed {args.seed} --only {o.point.index}: {o.point.describe()}, {o.undone} keys"
+                  for o in undone))
     print(f"\ndirty: {len(dirty)}" + "".join(f"\n  --seed {args.seed} --only {o.point.index}: {o.point.describe()}"
                                             for o in dirty))
     if not args.work and not dirty:

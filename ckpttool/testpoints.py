@@ -35,7 +35,8 @@ def pause(phase: str) -> None:
     (temporary output created), `copy` (first IO task done), `commit` (written and fsynced,
     before the rename), `remove-old` (a replaced directory partly removed), `upload` (a remote
     output's first file uploaded to its temporary key, or all parts of a streamed one's first
-    file sent)."""
+    file sent), `commit-key` (a remote output's first key made visible by its commit) and
+    `committed` (its last, before its commit record is removed)."""
     setting = os.environ.get(PAUSE_ENV)
     if not setting or phase in _paused:
         return

@@ -12,14 +12,18 @@ run:
 - **identical**: exit 0 and the output byte-identical to the fault-free run's, nothing else left;
 - **clean failure**: exit != 0 with one line on stderr, nothing at the destination (no file, no
   temporary, no object, no unfinished multipart upload, no new Hub commit); after SIGKILL, only
-  what the next run removes (a temporary, an upload beside its marker key);
+  what the next run removes (a temporary, an upload beside its marker key, and, killed while a
+  multi-file S3 output was committed key by key, the data files committed so far, without their
+  index or `.metadata`, each listed in the run's commit record: `undone`, and the next run
+  then goes without --force);
 - and in both cases the source is untouched (hashed before and after) and the next fault-free
   run succeeds, byte-identical, with nothing left over;
 - **dirty**: anything else, printed with its seed to replay (`benchmarks/soak.py --seed S --only N`).
 
 Runs are real processes of ckpttool's CLI, forked from a process that has imported it once
-(`Zygote`: 0.2 s a run instead of 2 s of interpreter start and imports); torchrun points run
-`python -m torch.distributed.run ... -m ckpttool`. One moto server and one proxy serve the soak.
+(`soak_runs.Zygote`: 0.2 s a run instead of 2 s of interpreter start and imports); torchrun
+points run `python -m torch.distributed.run ... -m ckpttool`. One moto server (in a process of
+its own) and one fault proxy per concurrent point serve the soak.
 
 Example:
     >>> with Soak(work, seed=1) as soak:
@@ -44,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from soak_runs import RUN_TIMEOUT, Run, Zygote, moto_process, run_forked, run_torchrun
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FIXTURES = ROOT / "fixtures"
@@ -53,14 +59,10 @@ TEMP_MARK = ".ckpttool-"
 PART_SIZE = 65536  # multipart parts of the soak's uploads (CKPTTOOL_PART_SIZE): several per output
 READ_TIMEOUT = 1.5  # the children's S3 read timeout (config_kwargs); the proxy's stalls are longer
 STALL = 2.0
-RUN_TIMEOUT = 90.0  # a run still going after this is dirty (hung)
 
 STORES = ("local", "s3-src", "s3-dst", "s3")  # where the source and the destination are
-# Known, not fixed: SIGKILL while a multi-file S3 output is being committed (its uploads completed one by one,
-# the index or .metadata put last) leaves the files completed so far visible, without the index: no reader takes
-# it for a checkpoint, and the next run needs --force to replace it. S3 has no atomic commit of several keys.
-PARTIAL = "partial commit"
-VERDICTS = ("identical", "clean failure", PARTIAL, "dirty")
+RECORD_MARK = "/.ckpttool-commit-"  # a run's commit record beside its S3 output (ckpttool/outputs/remote.py)
+VERDICTS = ("identical", "clean failure", "dirty")
 FAULT_KINDS = ("sigkill", "sigterm", "disk-full", "s3", "torchrun-kill")
 
 
@@ -150,224 +152,8 @@ class Outcome:
     stderr: str = ""
     injected: int = 0
     leftovers_after_kill: int = 0  # SIGKILL leftovers the next run removed
-
-
-# ---------------------------------------------------------------------------------------------
-# Runs: forked from a process that imported ckpttool once
-
-
-_ZYGOTE_IMPORTS = ("ckpttool.cli", "ckpttool.commands.consolidate", "ckpttool.commands.reshard",
-                   "ckpttool.commands.export", "ckpttool.commands.import_", "ckpttool.commands.push",
-                   "ckpttool.storage", "ckpttool.s3", "ckpttool.outputs.remote", "s3fs", "aiobotocore.session",
-                   "botocore.session", "huggingface_hub", "numpy", "torch")
-
-
-def zygote_main() -> None:
-    """The zygote's loop (single-threaded, so forking it is safe): a JSON line on stdin forks a
-    run (`args`, `env`, `cwd`, `stdout`, `stderr` paths) and answers `{"pid"}`; each run's end is
-    told as `{"exit": pid, "code": returncode}` (-N: killed by signal N)."""
-    import importlib
-    import select
-
-    for name in _ZYGOTE_IMPORTS:
-        with contextlib.suppress(ImportError):
-            importlib.import_module(name)
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    print(json.dumps({"ready": True}), file=out)
-    buffer = b""
-    running: set[int] = set()
-    parent = os.getppid()
-    while os.getppid() == parent:  # the soak gone (killed): so is its zygote
-        ready, _, _ = select.select([0], [], [], 0.01)
-        if ready:
-            data = os.read(0, 65536)
-            if not data:
-                return
-            buffer += data
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                pid = _fork_run(json.loads(line))
-                running.add(pid)
-                print(json.dumps({"pid": pid}), file=out)
-        for pid in list(running):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                running.discard(pid)
-                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-                print(json.dumps({"exit": pid, "code": code}), file=out)
-
-
-def _fork_run(request: dict) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(number, signal.SIG_DFL)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        import tempfile
-
-        tempfile.tempdir = None  # TMPDIR is read again
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        random.seed()
-        sys.argv = ["ckpttool", *request["args"]]
-        from ckpttool.cli import main
-
-        try:
-            main(args=request["args"], prog_name="ckpttool")
-            code = 0
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-class Zygote:
-    """The process runs are forked from (`run`); `start` it with the environment every run shares."""
-
-    def __init__(self, env: dict[str, str]):
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); import soak_harness; "
-                                   "soak_harness.zygote_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=str(ROOT), text=True, bufsize=1)
-        assert self.process.stdout is not None
-        first = self.process.stdout.readline()
-        if not first.strip():
-            raise RuntimeError("the soak's zygote did not start")
-        self._pids: list[int] = []
-        self._spawning = threading.Lock()  # one request and its pid at a time
-        self._exits: dict[int, int] = {}
-        self._changed = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            message = json.loads(line)
-            with self._changed:
-                if "pid" in message:
-                    self._pids.append(message["pid"])
-                else:
-                    self._exits[message["exit"]] = message["code"]
-                self._changed.notify_all()
-
-    def spawn(self, args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> int:
-        assert self.process.stdin is not None
-        with self._spawning, self._changed:
-            self.process.stdin.write(json.dumps({"args": args, "env": env, "cwd": str(ROOT), "stdout": str(stdout),
-                                                 "stderr": str(stderr)}) + "\n")
-            self.process.stdin.flush()
-            self._changed.wait_for(lambda: self._pids, timeout=30)
-            return self._pids.pop(0)
-
-    def wait(self, pid: int, timeout: float) -> int | None:
-        with self._changed:
-            self._changed.wait_for(lambda: pid in self._exits, timeout=timeout)
-            return self._exits.pop(pid, None)
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
-@dataclass
-class Run:
-    code: int | None  # None: hung (killed by the harness)
-    stdout: str
-    stderr: str
-    seconds: float
-
-
-def run_forked(zygote: Zygote, args: list[str], env: dict[str, str], logs: Path, kill: tuple[float, int] | None = None,
-               timeout: float = RUN_TIMEOUT) -> Run:
-    """Run ckpttool with `args`; with `kill=(seconds, signal)`, send it that signal then."""
-    out, err = logs / "stdout", logs / "stderr"
-    out.write_bytes(b"")  # a run SIGKILLed before it opened them still has them
-    err.write_bytes(b"")
-    start = time.monotonic()
-    pid = zygote.spawn(args, env, out, err)
-    code = None
-    if kill is not None:
-        code = zygote.wait(pid, kill[0])
-        if code is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, kill[1])
-    if code is None:
-        code = zygote.wait(pid, timeout)
-    if code is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        zygote.wait(pid, 10)
-    seconds = time.monotonic() - start
-    return Run(code, out.read_text(errors="replace"), err.read_text(errors="replace"), seconds)
-
-
-def run_torchrun(args: list[str], env: dict[str, str], kill_after: float | None, rng: random.Random,
-                 timeout: float = 180.0) -> Run:
-    """`torchrun --standalone --nproc-per-node 2 -m ckpttool ARGS` (docs/distributed.md); with
-    `kill_after`, one rank (drawn by `rng`) SIGKILLed that many seconds after both ranks started."""
-    start = time.monotonic()
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                "-m", "ckpttool", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**env, "OMP_NUM_THREADS": "1"}, cwd=str(ROOT))
-    if kill_after is not None:
-        threading.Thread(target=_kill_a_rank, args=(process, kill_after, rng.randrange(2)), daemon=True).start()
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-        code: int | None = process.returncode
-    except subprocess.TimeoutExpired:
-        _kill_tree(process.pid)
-        stdout, stderr = process.communicate()
-        code = None
-    return Run(code, stdout, stderr, time.monotonic() - start)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    found.append(int(entry.name))
-    return sorted(found)
-
-
-def _kill_a_rank(process: subprocess.Popen, delay: float, which: int) -> None:
-    deadline = time.monotonic() + 60
-    while process.poll() is None and time.monotonic() < deadline:
-        ranks = _children(process.pid)
-        if len(ranks) >= 2:
-            time.sleep(delay)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(ranks[which], signal.SIGKILL)
-            return
-        time.sleep(0.02)
-
-
-def _kill_tree(pid: int) -> None:
-    for child in _children(pid):
-        _kill_tree(child)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    undone: int = 0  # keys a run SIGKILLed mid-commit had made visible, listed in its commit record
+    phases: dict[str, float] = field(default_factory=dict)  # seconds the harness spent per step of the point
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,31 +232,20 @@ class Soak:
         self._slots_lock = threading.Lock()
         self.mount_ok = mount_available()
         self.references: dict[tuple[str, str], Reference] = {}
+        self._clean: set[tuple[str, str]] = set()  # (command, store) slots cleared after their last point
         self._stack = contextlib.ExitStack()
 
     # -- setup --------------------------------------------------------------------------------
 
     def __enter__(self) -> "Soak":
-        import logging
         import urllib.request
-
-        import moto.s3.models
-        from moto.server import ThreadedMotoServer
 
         from fault_proxy import FaultProxy
         from hub_server import HubServer
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        smallest = moto.s3.models.S3_UPLOAD_PART_MIN_SIZE
-        moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = 1000  # parts of PART_SIZE bytes (this process serves moto)
-        self._stack.callback(setattr, moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", smallest)
         self.work.mkdir(parents=True, exist_ok=True)
         self.sources = self._local_sources()
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        self._stack.callback(server.stop)
-        host, port = server.get_host_and_port()
-        self.moto = f"http://{host}:{port}"
+        self.moto = self._stack.enter_context(moto_process(self.work / "moto.log"))
         urllib.request.urlopen(urllib.request.Request(f"{self.moto}/moto-api/reset", method="POST")).close()
         import s3fs
 
@@ -558,7 +333,8 @@ class Soak:
                 repo = self.hub.repos.get(command.output)
                 tree = dict(repo.trees[repo.branches["main"]]) if repo else {}
             hashes = {name: hashlib.sha256(data).hexdigest() for name, data in sorted(tree.items())}
-            return {"output": hashes or None, "temps": [], "stray": [], "uploads": [], "tmpdir": tmp_left}
+            return {"output": hashes or None, "temps": [], "stray": [], "uploads": [], "tmpdir": tmp_left,
+                    "listed": set()}
         destination = self._destination(command, store)
         if destination.startswith("s3://"):
             return self._remote_state(destination, tmp_left)
@@ -568,7 +344,7 @@ class Soak:
         inner = [p.name for p in path.rglob(TEMP_MARK + "*")] if path.is_dir() else []
         stray = [name for name in entries if name != path.name and name not in temps and name != "lost+found"]
         return {"output": tree_hashes(path) if path.exists() else None, "temps": temps + inner, "stray": stray,
-                "uploads": [], "tmpdir": tmp_left}
+                "uploads": [], "tmpdir": tmp_left, "listed": set()}
 
     def _remote_state(self, destination: str, tmp_left: list[str]) -> dict[str, Any]:
         key = destination[len("s3://"):]
@@ -584,13 +360,22 @@ class Soak:
         if mine:
             output = {("" if k == key else k[len(key) + 1:]): hashlib.sha256(self.fs.cat_file(k)).hexdigest()
                       for k in mine}
-        return {"output": output, "temps": temps, "stray": stray, "uploads": uploads, "tmpdir": tmp_left}
+        listed = set()  # the output's names the commit records beside it list
+        for record in (k for k in temps if RECORD_MARK in k):
+            with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                listed |= {("" if k == key else k[len(key) + 1:]) for k in json.loads(self.fs.cat_file(record))["keys"]
+                           if k == key or k.startswith(key + "/")}
+        return {"output": output, "temps": temps, "stray": stray, "uploads": uploads, "tmpdir": tmp_left,
+                "listed": listed}
 
-    def source_hashes(self, command: Command, store: str) -> dict[str, str]:
+    def source_hashes(self, command: Command, store: str) -> dict[str, Any]:
+        """What tells the source changed: each local file's SHA-256; each S3 key's size, ETag
+        (the MD5 of its bytes, or of its parts') and LastModified, from one listing (a run that
+        wrote any source key, even with the same bytes, changes its LastModified)."""
         if store in ("s3-src", "s3"):
             self.fs.invalidate_cache()
-            prefix = f"{BUCKET}/src/{command.source}"
-            return {k: hashlib.sha256(self.fs.cat_file(k)).hexdigest() for k in sorted(self.fs.find(prefix))}
+            found = self.fs.find(f"{BUCKET}/src/{command.source}", detail=True)
+            return {key: (info["size"], info.get("ETag"), str(info.get("LastModified"))) for key, info in sorted(found.items())}
         return tree_hashes(self.sources[command.source])
 
     def clear(self, command: Command, store: str) -> None:
@@ -633,6 +418,7 @@ class Soak:
             size = self._output_size(command, store)
             self.references[slot] = Reference(state["output"], run.seconds, size)
             self.clear(command, store)
+            self._clean.add(slot)
         return self.references[slot]
 
     def _output_size(self, command: Command, store: str) -> int:
@@ -651,9 +437,10 @@ class Soak:
         logs.mkdir(parents=True, exist_ok=True)
         return logs
 
-    def run_point(self, index: int, worker: int = 0) -> Outcome:
-        """Point `index`, its S3 requests through proxy `worker` (one per concurrent caller)."""
-        point = draw(self.seed, index, self.mount_ok, self.torchrun_share, self.kinds)
+    def run_point(self, index: int, worker: int = 0, kinds: tuple[str, ...] | None = None) -> Outcome:
+        """Point `index`, its S3 requests through proxy `worker` (one per concurrent caller), its
+        fault drawn from `kinds` (default: the soak's)."""
+        point = draw(self.seed, index, self.mount_ok, self.torchrun_share, kinds or self.kinds)
         with self._slots_lock:
             slot = self._slots.setdefault((point.command, point.store), threading.Lock())
         with slot:
@@ -661,23 +448,59 @@ class Soak:
 
     def _run_point(self, point: Point, proxy: Any) -> Outcome:
         command = BY_NAME[point.command]
-        reference = self.reference(command, point.store, proxy)
-        self.clear(command, point.store)
-        before = self.source_hashes(command, point.store)
-        initial = self.state(command, point.store)
-        run, mounted = self._faulted_run(point, command, reference, proxy)
+        phases: dict[str, float] = {}
+        with _timed(phases, "reference"):
+            reference = self.reference(command, point.store, proxy)
+        with _timed(phases, "look"):
+            if (command.name, point.store) not in self._clean:
+                self.clear(command, point.store)
+            self._clean.discard((command.name, point.store))
+            before = self.source_hashes(command, point.store)
+            initial = self.state(command, point.store)
+        with _timed(phases, "faulted run"):
+            run, mounted = self._faulted_run(point, command, reference, proxy)
         injected = len(proxy.injected)
         proxy.configure(seed=0, rate=0.0)
         outcome = Outcome(point, "", code=run.code, seconds=run.seconds, stderr=run.stderr.strip()[-2000:],
-                          injected=injected)
-        state = mounted if mounted is not None else self.state(command, point.store)
-        self._classify(outcome, command, reference, state, initial)
-        if self.source_hashes(command, point.store) != before:
-            outcome.reasons.append("the source changed")
-        self._recover(outcome, command, reference, proxy)
+                          injected=injected, phases=phases)
+        with _timed(phases, "look"):
+            state = mounted if mounted is not None else self.state(command, point.store)
+            self._classify(outcome, command, reference, state, initial)
+            if self.source_hashes(command, point.store) != before:
+                outcome.reasons.append("the source changed")
+        with _timed(phases, "next run"):
+            self._recover(outcome, command, reference, proxy)
         outcome.verdict = "dirty" if outcome.reasons else outcome.verdict
-        self.clear(command, point.store)
+        with _timed(phases, "look"):
+            self.clear(command, point.store)
+        self._clean.add((command.name, point.store))
         return outcome
+
+    def killed_at(self, command: Command, store: str, phase: str, recover: bool = True) -> tuple[Outcome, dict]:
+        """Run `command` on `store`, SIGKILL it where it pauses at `phase` (`testpoints.pause`),
+        classify the run as a soak point's, then (`recover`) run it again as `_recover` does;
+        also return what the killed run left."""
+        proxy, point = self.proxies[0], Point(-1, self.seed, command.name, store, "sigkill")
+        reference = self.reference(command, store, proxy)
+        self.clear(command, store)
+        before, initial = self.source_hashes(command, store), self.state(command, store)
+        env = {**self._run_env(command, store, proxy), "CKPTTOOL_TEST_PAUSE": f"{phase}:60"}
+        run = run_forked(self.zygote, self._args(command, store), env, self._logs(f"killed-at-{phase}"),
+                         kill_at=f"ckpttool-test: paused at {phase}")
+        outcome = Outcome(point, "", code=run.code, seconds=run.seconds, stderr=run.stderr.strip())
+        left = self.state(command, store)
+        self._classify(outcome, command, reference, left, initial)
+        if self.source_hashes(command, store) != before:
+            outcome.reasons.append("the source changed")
+        if recover:
+            self._recover(outcome, command, reference, proxy)
+            outcome.verdict = "dirty" if outcome.reasons else outcome.verdict
+        return outcome, left
+
+    def run(self, command: Command, store: str, force: bool = False) -> Run:
+        """A fault-free run of `command` on `store`."""
+        return run_forked(self.zygote, self._args(command, store, force=force),
+                          self._run_env(command, store, self.proxies[0]), self._logs("run"))
 
     def _faulted_run(self, point: Point, command: Command, reference: Reference, proxy: Any
                      ) -> tuple[Run, dict | None]:
@@ -721,7 +544,11 @@ class Soak:
             outcome.verdict = "clean failure"
             signalled = killed or point.fault == "sigterm"
             if killed and point.store in ("s3-dst", "s3") and _partial_commit(state["output"], reference.hashes):
-                outcome.verdict = PARTIAL  # known: see PARTIAL
+                # killed mid-commit: the keys made visible so far, each listed in the run's commit record
+                unlisted = sorted(set(state["output"]) - state["listed"])
+                if unlisted:
+                    outcome.reasons.append(f"a partial commit not listed in a commit record: {unlisted[:4]}")
+                outcome.undone = len(state["output"])
             elif state["output"] not in (None, initial["output"]) and not (signalled and state["output"] == reference.hashes):
                 outcome.reasons.append(f"exit {outcome.code} and something at the destination: "
                                        f"{_difference(state['output'], reference.hashes)}")
@@ -737,7 +564,8 @@ class Soak:
 
     def _recover(self, outcome: Outcome, command: Command, reference: Reference, proxy: Any) -> None:
         """The next fault-free run succeeds with no clean-up by hand (with --force where the
-        output is there), byte-identical, leaving nothing beside it."""
+        output is there, but not where it is a partial commit the run removes first),
+        byte-identical, leaving nothing beside it."""
         store = outcome.point.store
         if outcome.point.fault == "disk-full":  # the tmpfs is gone: its leftovers were looked at
             shutil.rmtree(self._tmpdir(command, store), ignore_errors=True)
@@ -745,7 +573,7 @@ class Soak:
         if outcome.point.fault in ("sigkill", "torchrun-kill") or outcome.code == -signal.SIGTERM:
             # TMPDIR leftovers of a killed run are not the destination's
             shutil.rmtree(self._tmpdir(command, store), ignore_errors=True)
-        present = self.state(command, store)["output"] is not None and command.verb != "push"
+        present = self.state(command, store)["output"] is not None and command.verb != "push" and not outcome.undone
         run = run_forked(self.zygote, self._args(command, store, force=present), self._run_env(command, store, proxy),
                          self._logs(f"point-{outcome.point.index}-next"))
         after = self.state(command, store)
@@ -756,6 +584,15 @@ class Soak:
         left = after["temps"] + after["uploads"] + after["stray"] + after["tmpdir"]
         if left:
             outcome.reasons.append(f"left after the next run: {left[:4]}")
+
+
+@contextlib.contextmanager
+def _timed(phases: dict[str, float], name: str):
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.monotonic() - start
 
 
 def _partial_commit(found: dict[str, str] | None, expected: dict[str, str]) -> bool:
@@ -774,7 +611,7 @@ def _difference(found: dict[str, str] | None, expected: dict[str, str]) -> str:
 
 def table(outcomes: list[Outcome], key=lambda point: (point.fault, point.command, point.store),
           names: tuple[str, ...] = ("fault", "command", "store")) -> str:
-    """Faults by kind x command x store: identical / clean failure / partial commit / dirty (markdown)."""
+    """Faults by kind x command x store: identical / clean failure / dirty (markdown)."""
     rows: dict[tuple, list[int]] = {}
     for outcome in outcomes:
         rows.setdefault(key(outcome.point), [0] * len(VERDICTS))[VERDICTS.index(outcome.verdict)] += 1

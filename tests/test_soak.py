@@ -5,8 +5,11 @@ The regression tests put `fault_proxy.FaultProxy` between the commands and a mot
 script its faults: the first LIST page cut short (it was read as "malformed XML" and failed the
 command), every LIST cut short (one line naming the URL after a bounded number of tries), a
 CreateMultipartUpload whose answer is lost (botocore sends it again; the first upload was left
-unfinished). The soak subset draws 50 points (SIGKILL, SIGTERM, S3 faults; the disk full only
-as root with `mount`) and asserts none is dirty.
+unfinished). A run SIGKILLed between the first and the last key of a multi-file S3 commit (and
+after the last, before its commit record is removed) is killed at a `testpoints.pause`. The
+soak subset, sharing one soak (sources, servers, fault-free references) with those, runs ~36
+seeded points chosen so that every command meets every fault (SIGKILL, SIGTERM, S3 faults)
+and runs on every store, and 12 disk-full points as root with `mount`; none may be dirty.
 """
 
 from __future__ import annotations
@@ -176,33 +179,94 @@ def test_sigterm_while_a_staged_upload_is_in_flight_leaves_no_temporary_key(moto
 # The soak, a seeded subset
 
 
-SEED = 32  # the issue's number: any seed works, this one is replayed as `benchmarks/soak.py --seed 32 --only N`
+SEED = 32  # the issue's number: any seed works
+KINDS = ("sigkill", "sigterm", "s3")
+STAGED_SHARDS = soak_harness.Command("shards-staged", "dcp", "hub", ("--max-shard-size", "64KB", "--verify"))
 
 
-def run_soak(tmp_path_factory, kinds: tuple[str, ...], points: range) -> list:
-    work = tmp_path_factory.mktemp("soak")
-    with soak_harness.Soak(work, SEED, torchrun_share=0.0, jobs=2, kinds=kinds) as soak:
-        import concurrent.futures
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory):
+    """One soak for the module: its sources, moto server, proxies, zygote and fault-free
+    reference outputs are made once and shared by every test below."""
+    with soak_harness.Soak(tmp_path_factory.mktemp("soak"), SEED, torchrun_share=0.0, jobs=2) as soak:
+        yield soak
 
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            return list(pool.map(soak.run_point, points, [index % 2 for index in points]))
+
+def spread(kinds: tuple[str, ...], mount_ok: bool) -> list[int]:
+    """The first points of the seed that each bring a (fault, command) or a (command, store) not
+    drawn before, until every one is: every command under every fault and on every store, in
+    about 30 points (50 drawn at random left some out and repeated others)."""
+    chosen, pairs = [], set()
+    for index in range(2000):
+        point = soak_harness.draw(SEED, index, mount_ok, 0.0, kinds)
+        new = {(point.fault, point.command), (point.command, point.store)} - pairs
+        if new:
+            chosen.append(index)
+            pairs |= new
+    return chosen
 
 
-def test_fifty_seeded_fault_points_are_identical_or_clean_failures(tmp_path_factory):
+def run_soak(soak, kinds: tuple[str, ...], points: list[int]) -> list:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda index: soak.run_point(index, index % 2, kinds), points))
+
+
+def dirty(outcomes: list, kinds: tuple[str, ...]) -> list[str]:
+    replay = f"python benchmarks/soak.py --seed {SEED} --kinds {','.join(kinds)} --torchrun-share 0 --only"
+    return [f"{o.point.describe()}: {'; '.join(o.reasons)} (replay: {replay} {o.point.index})"
+            for o in outcomes if o.verdict == "dirty"]
+
+
+@pytest.mark.parametrize("command", [soak_harness.BY_NAME["shards"], STAGED_SHARDS, soak_harness.BY_NAME["reshard"]],
+                         ids=["shards-streamed", "shards-staged", "reshard-streamed"])
+def test_sigkill_between_the_first_and_last_committed_key_is_undone_by_the_next_run(soak, command):
+    """A directory's commit on S3 makes its keys visible one by one (S3 has no atomic commit of
+    several): SIGKILL after the first one, before the index or .metadata. The keys left are each
+    listed in the run's commit record, and the next run, without --force, removes them first
+    (it used to fail: "already exists"), then writes the output byte-identical, nothing beside it."""
+    outcome, left = soak.killed_at(command, "s3-dst", "commit-key")
+    assert outcome.code == -9 and outcome.undone >= 1, left  # killed with keys visible: a partial output
+    assert not any(name.endswith((".index.json", ".metadata")) for name in left["output"])
+    assert set(left["output"]) <= left["listed"]
+    assert outcome.reasons == [] and outcome.verdict == "clean failure", outcome.reasons
+
+
+def test_a_complete_commit_whose_record_was_left_is_kept_by_the_next_run(soak):
+    """SIGKILL after the last key was put, before the commit record was removed: the record's
+    last key holds the recorded bytes, so the next run keeps the output (it needs --force to
+    replace it, as for any output) and removes only the record."""
+    command = soak_harness.BY_NAME["reshard"]
+    outcome, left = soak.killed_at(command, "s3", "committed", recover=False)
+    reference = soak.references[(command.name, "s3")]
+    assert left["output"] == reference.hashes and [k for k in left["temps"] if soak_harness.RECORD_MARK in k]
+    run = soak.run(command, "s3")
+    assert run.code == 2 and "already exists; pass --force" in run.stderr, run.stderr
+    after = soak.state(command, "s3")
+    assert after["output"] == reference.hashes and after["temps"] == [] and after["uploads"] == []
+    soak.clear(command, "s3")
+
+
+def test_seeded_fault_points_over_every_command_and_store_are_identical_or_clean_failures(soak):
     """SIGKILL or SIGTERM at a random time, or S3 faults at a random rate and mix, over every
-    command and store: each run is byte-identical to the fault-free one or a clean failure
-    (one line, nothing at the destination, the source untouched), and the next run succeeds."""
-    outcomes = run_soak(tmp_path_factory, ("sigkill", "sigterm", "s3"), range(50))
-    dirty = [f"{o.point.describe()}: {'; '.join(o.reasons)}" for o in outcomes if o.verdict == "dirty"]
-    assert dirty == [], "\n".join(dirty)
+    command under every fault and on every store: each run is byte-identical to the fault-free
+    one or a clean failure (one line, nothing at the destination, the source untouched), and
+    the next run succeeds."""
+    points = spread(KINDS, soak.mount_ok)
+    outcomes = run_soak(soak, KINDS, points)
+    drawn = {(o.point.fault, o.point.command) for o in outcomes} | {(o.point.command, o.point.store) for o in outcomes}
+    commands = soak_harness.COMMANDS
+    assert drawn == {(fault, c.name) for fault in KINDS for c in commands if fault != "s3" or c.stores != ("local",)} \
+        | {(c.name, store) for c in commands for store in c.stores}
+    assert dirty(outcomes, KINDS) == [], "\n".join(dirty(outcomes, KINDS))
     verdicts = {o.verdict for o in outcomes}
     assert {"identical", "clean failure"} <= verdicts, soak_harness.table(outcomes)  # both kinds were reached
 
 
 @pytest.mark.skipif(not soak_harness.mount_available(), reason="the disk-full points mount a tmpfs: root and `mount` needed")
-def test_a_disk_full_at_random_offsets_fails_cleanly(tmp_path_factory):
+def test_a_disk_full_at_random_offsets_fails_cleanly(soak):
     """A tmpfs sized to fill at a random byte of the output (or of what is staged in TMPDIR)."""
-    outcomes = run_soak(tmp_path_factory, ("disk-full",), range(1000, 1012))
-    dirty = [f"{o.point.describe()}: {'; '.join(o.reasons)}" for o in outcomes if o.verdict == "dirty"]
-    assert dirty == [], "\n".join(dirty)
+    outcomes = run_soak(soak, ("disk-full",), list(range(1000, 1012)))
+    assert dirty(outcomes, ("disk-full",)) == [], "\n".join(dirty(outcomes, ("disk-full",)))
     assert any(o.verdict == "clean failure" for o in outcomes), soak_harness.table(outcomes)

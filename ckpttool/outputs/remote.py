@@ -14,17 +14,32 @@ Two ways (`remote_output`):
   destination, then copied to the final keys (data files first, `.metadata` and indexes last)
   and the temporary keys deleted; any failure or SIGTERM deletes them instead.
 
-A killed run's leftovers (temporary keys, a streamed run's marker key and unfinished uploads)
-are removed by the next run that writes the same destination (`remove_stale_temps`).
+S3 cannot make several keys visible at once, so a directory's commit makes them visible one
+by one, data files first and `.metadata` and indexes last. Before the first one, the run puts
+a *commit record* beside the destination, `.ckpttool-commit-NAME.HOST.PID.TOKEN`: the keys it
+is about to make (ckpttool's own: never a user's file it writes over) and the size and
+SHA-256 of the last one. It is removed once the commit is complete. A run that stops
+mid-commit (SIGKILL, a request failing for good) thus leaves a record naming every key it
+made visible; whoever finds the record of a dead run (`undo_commit`) removes those keys,
+unless the last key is there with the recorded bytes (the commit completed and only the
+record's removal was lost): then it keeps the output and removes the record.
+
+A killed run's leftovers (temporary keys, a streamed run's marker key and unfinished uploads,
+a commit record and the keys it lists) are removed by the next run that writes the same
+destination (`remove_stale_temps`), before it looks whether the destination exists: it needs
+no `--force` and no clean-up by hand.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from ckpttool import testpoints
 from ckpttool.errors import OutputExists, StorageError
@@ -38,6 +53,7 @@ from ckpttool.storage import RemotePath, request_errors
 
 SETTLE_SECONDS = 10  # a request still running when a run fails is waited for this long, then cancelled
 LAST_KEYS = (".metadata", ".index.json")  # copied last: a reader sees the checkpoint only when all else is there
+RECORD_FORMAT = "ckpttool-commit/1"  # a commit record's "format"
 
 
 def check(path: RemotePath, force: bool, notify: Notify = ignore) -> None:
@@ -67,11 +83,16 @@ def remove_stale_temps(target: RemotePath) -> list[StaleTemp]:
     alone."""
     fs, parent = target.filesystem, target.parent.key
     try:
+        _abort_temp_uploads(target)
         names = [name.rstrip("/").rsplit("/", 1)[-1] for name in fs.ls(parent, detail=False, refresh=True)]
-    except FileNotFoundError:
+    except FileNotFoundError:  # no bucket: `check` says so
         return []
     dead, found = dead_entries(names, target.name, kinds=("tmp",))
     removed = []
+    if len(dead) == found:  # no live run writes `target`: the keys a dead run's record lists are its own
+        for entry in dead_entries(names, target.name, kinds=("commit",))[0]:
+            undone = undo_commit(target, f"{parent}/{entry.name}")
+            removed.append(StaleTemp(target.parent / entry.name, target, entry.pid, keys=undone))
     for entry in dead:
         marker = f"{parent}/{entry.name}"
         if len(dead) == found and fs.isfile(marker) and not fs.size(marker):
@@ -80,6 +101,98 @@ def remove_stale_temps(target: RemotePath) -> list[StaleTemp]:
         fs.rm(marker, recursive=True)
         removed.append(StaleTemp(target.parent / entry.name, target, entry.pid))
     return removed
+
+
+def _abort_temp_uploads(target: RemotePath) -> None:
+    """Abort the unfinished multipart uploads to temporary keys of dead runs beside `target`
+    (a staged run SIGKILLed while it uploaded): before the keys are listed, so that a
+    CompleteMultipartUpload the run had sent just before it died cannot make its temporary key
+    appear after the listing (it fails, or it has landed and the listing sees the key)."""
+    fs = target.filesystem
+    if not hasattr(fs, "call_s3"):
+        return
+    bucket, prefix, _ = fs.split_path(f"{target.parent.key}/{WRITING_PREFIX}{target.name}.")
+    parent = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    entries = {upload["Key"][len(parent):].split("/", 1)[0] for upload in uploads}
+    dead = {entry.name for entry in dead_entries(entries, target.name, kinds=("tmp",))[0]}
+    for upload in uploads:
+        if upload["Key"][len(parent):].split("/", 1)[0] in dead:
+            with contextlib.suppress(FileNotFoundError):  # NoSuchUpload: completed or aborted meanwhile
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+
+def undo_commit(target: RemotePath, record: str) -> int:
+    """Return how many keys of `target` were removed after reading the commit record at
+    `record` (see the module docstring): the keys it lists that exist, unless its last key
+    holds the recorded bytes (the commit completed); then the record itself. A record that is
+    not one (unreadable) only is removed, and a listed key outside `target` never."""
+    fs = target.filesystem
+    try:
+        document = json.loads(fs.cat_file(record))
+        keys, last = list(document["keys"]), document["last"]
+        if document["format"] != RECORD_FORMAT:
+            raise ValueError(document["format"])
+    except FileNotFoundError:
+        return 0
+    except (ValueError, KeyError, TypeError):
+        keys, last = [], None
+    removed = 0
+    if last is not None and not _holds(fs, last):
+        fs.invalidate_cache(target.key)
+        present = set(fs.find(target.key)) | ({target.key} if fs.isfile(target.key) else set())
+        for key in keys:
+            if key in present and (key == target.key or key.startswith(target.key + "/")):
+                fs.rm_file(key)
+                removed += 1
+        fs.invalidate_cache(target.key)
+    fs.rm_file(record)
+    return removed
+
+
+def _holds(fs: Any, last: dict) -> bool:
+    """True when the key `last["key"]` exists with `last["size"]` bytes whose SHA-256 is
+    `last["sha256"]` (the size alone when that is None)."""
+    fs.invalidate_cache(last["key"])
+    try:
+        size = fs.size(last["key"])
+    except FileNotFoundError:
+        return False
+    if size != last["size"]:
+        return False
+    if last["sha256"] is None:
+        return True
+    with fs.open(last["key"], "rb") as handle:
+        return _sha256(handle) == last["sha256"]
+
+
+def _sha256(handle: Any) -> str:
+    """The SHA-256 (hex) of what `handle` reads, in 8 MiB blocks (a `.metadata` may be large)."""
+    digest = hashlib.sha256()
+    while block := handle.read(8 << 20):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The keys a directory's commit makes visible, in order, what the last one is made from
+    (a local file, or the size of a multipart upload's object), and where its commit record
+    goes."""
+
+    keys: Sequence[str]
+    last: Path | int
+    record: str
+
+    def document(self, listed: Sequence[str]) -> bytes:
+        """The commit record listing `listed` (the keys it may remove)."""
+        if isinstance(self.last, Path):
+            with open(self.last, "rb") as handle:
+                size, digest = self.last.stat().st_size, _sha256(handle)
+        else:
+            size, digest = self.last, None
+        last = {"key": self.keys[-1], "size": size, "sha256": digest}
+        return json.dumps({"format": RECORD_FORMAT, "keys": list(listed), "last": last}, indent=1).encode()
 
 
 def _abort_uploads(target: RemotePath, key: str) -> None:
@@ -114,8 +227,8 @@ def _abort_orphans(target: RemotePath, temp: str) -> None:
 class Streams:
     """The multipart uploads of one streamed output, by file name (`sink` opens one)."""
 
-    def __init__(self, target: RemotePath, directory: bool, notify: Notify = ignore):
-        self.target, self.directory, self.notify = target, directory, notify
+    def __init__(self, target: RemotePath, directory: bool, record: str, notify: Notify = ignore):
+        self.target, self.directory, self.record, self.notify = target, directory, record, notify
         self.sinks: dict[str, MultipartSink] = {}
 
     def key(self, name: str) -> str:
@@ -135,13 +248,19 @@ class Streams:
         small = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) if self.directory else []
         small.sort(key=lambda name: name.endswith(LAST_KEYS))
         fs, target = self.target.filesystem, self.target
-        with request_errors(str(target)), deferred(), _replacing(target, force, self.directory, self.notify) as made:
+        keys = [self.key(name) for name in [*self.sinks, *small]]
+        last = local / small[-1] if small else self.sinks[next(reversed(self.sinks))].size if self.sinks else 0
+        commit = Commit(keys, last, self.record) if self.directory else None
+        with request_errors(str(target)), deferred(), _replacing(target, force, self.directory, self.notify,
+                                                                 commit) as made:
             for name, sink in self.sinks.items():
                 sink.complete()
                 made.append(self.key(name))
+                testpoints.pause("commit-key")
             for name in small:
                 put(fs, local / name, self.key(name))
                 made.append(self.key(name))
+                testpoints.pause("commit-key")
 
     def abort(self) -> None:
         for sink in self.sinks.values():
@@ -164,11 +283,13 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
     object at the destination key.
     """
     check(target, force, notify)
-    fs, temp = target.filesystem, f"{target.parent.key}/{temp_name(target.name, 'tmp', new_token())}"
-    streams = Streams(target, directory, notify) if streamed and hasattr(fs, "call_s3") else None
+    fs, token = target.filesystem, new_token()
+    temp, record = (f"{target.parent.key}/{temp_name(target.name, kind, token)}" for kind in ("tmp", "commit"))
+    streams = Streams(target, directory, record, notify) if streamed and hasattr(fs, "call_s3") else None
     local: Path | None = None
     try:
-        local = Path(tempfile.mkdtemp(prefix=WRITING_PREFIX))  # in the try: a signal right after it still removes it
+        with deferred():  # a signal inside mkdtemp, after its mkdir, would leave a directory nobody noted
+            local = Path(tempfile.mkdtemp(prefix=WRITING_PREFIX))
         output = local / target.name
         if streams is not None:  # an empty key naming this run: a later run aborts our uploads if we are killed
             with request_errors(str(target)):
@@ -182,11 +303,13 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
         if streams is not None:
             streams.commit(output, force)
             with deferred(), contextlib.suppress(Exception):  # the output is complete: a failure here is the next run's
+                _remove_late_temps(target, notify)
                 _abort_orphans(target, temp)
                 fs.rm_file(temp)  # only when the orphans are gone: else the next run aborts them
         else:
-            _upload(output, target, temp, force, directory, notify)
+            _upload(output, target, temp, record, force, directory, notify)
             with deferred(), contextlib.suppress(Exception):
+                _remove_late_temps(target, notify)
                 _abort_orphans(target, temp)
     except BaseException:
         with deferred():  # network calls: a signal now (torchrun stopping us) must not cut them short
@@ -203,6 +326,13 @@ def remote_output(target: RemotePath, force: bool, directory: bool, streamed: bo
         with deferred():  # a signal during the removal would leave the rest of it in $TMPDIR
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
+
+
+def _remove_late_temps(target: RemotePath, notify: Notify) -> None:
+    """`remove_stale_temps` once more, as the run ends: a request a killed run had sent just
+    before it died (its temporary key's PUT) may have landed after this run's first look."""
+    for stale in remove_stale_temps(target):
+        notify(stale)
 
 
 def _settle(fs: Any) -> None:
@@ -243,43 +373,62 @@ def _written(output: Path, directory: bool, streams: Streams | None) -> Iterator
 
 
 @contextlib.contextmanager
-def _replacing(target: RemotePath, force: bool, directory: bool, notify: Notify) -> Iterator[list[str]]:
+def _replacing(target: RemotePath, force: bool, directory: bool, notify: Notify,
+               commit: Commit | None = None) -> Iterator[list[str]]:
     """Yield the list the block appends each key it makes visible at `target` to (both commit
     paths). Before: with `force`, the old output's index and `.metadata` keys are removed (so
     no reader pairs them with new data; the old checkpoint is unreadable, never mixed), an old
-    directory where one file goes removed. After: what is left of ckpttool's own files of the
-    old output is removed, and everything else kept (`replacing.replacement`); the keys
-    replaced that were not ckpttool's are told to `notify` (`notices.Replaced`). Should the block fail,
-    the keys it made are deleted again, so a new destination stays empty."""
+    directory where one file goes removed; then, for a `commit` of several keys, its record
+    is put (listing the keys that are not a user's file written over). After: what is left of
+    ckpttool's own files of the old output is removed, and everything else kept
+    (`replacing.replacement`); the keys replaced that were not ckpttool's are told to `notify`
+    (`notices.Replaced`); then the record is removed. Should the block fail, the keys it made
+    are deleted again, so a new destination stays empty (and the record removed once they
+    are: else the next run finishes the job, `undo_commit`)."""
     fs, prefix = target.filesystem, target.key + "/"
     found = set(fs.find(target.key)) if force and directory else set()  # the prefix's keys; or one object at it
     old = {key[len(prefix):] for key in found if key.startswith(prefix)}
     first = {name for name in old if is_ours(name) and name.endswith(LAST_KEYS)}
     made: list[str] = []
+    recorded = False
     try:
         for name in sorted(first):
             fs.rm_file(prefix + name)
         if force and not directory and fs.isdir(target.key):
             fs.rm(target.key, recursive=True)
+        if commit is not None and len(commit.keys) > 1:
+            listed = [key for key in commit.keys if key[len(prefix):] not in old or is_ours(key[len(prefix):])]
+            fs.pipe_file(commit.record, commit.document(listed))
+            recorded = True
         yield made
     except BaseException:
         for key in made:
             if key[len(prefix):] not in old or is_ours(key[len(prefix):]):  # a user's file now holds the new one: keep it
                 with contextlib.suppress(Exception):
                     fs.rm_file(key)
+        if recorded and commit is not None:
+            with contextlib.suppress(Exception):
+                undo_commit(target, commit.record)
         raise
-    written = {key[len(prefix):] for key in made}
-    plan = replacement(old, written)
-    for name in sorted(old - set(plan.keep) - written - first):
-        fs.rm_file(prefix + name)
-    for key in found - {prefix + name for name in old}:  # an object where a directory now goes
-        fs.rm_file(key)
-    fs.invalidate_cache()
-    if plan.replaced:
-        notify(Replaced(str(target), plan.replaced))
+    try:
+        written = {key[len(prefix):] for key in made}
+        plan = replacement(old, written)
+        for name in sorted(old - set(plan.keep) - written - first):
+            fs.rm_file(prefix + name)
+        for key in found - {prefix + name for name in old}:  # an object where a directory now goes
+            fs.rm_file(key)
+        fs.invalidate_cache()
+        if plan.replaced:
+            notify(Replaced(str(target), plan.replaced))
+    finally:
+        testpoints.pause("committed")
+        if recorded and commit is not None:  # the commit is complete: a record left is kept by `undo_commit`
+            with contextlib.suppress(Exception):
+                fs.rm_file(commit.record)
 
 
-def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: bool, notify: Notify) -> None:
+def _upload(local: Path, target: RemotePath, temp: str, record: str, force: bool, directory: bool,
+            notify: Notify) -> None:
     fs = target.filesystem
     if directory:
         names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
@@ -291,10 +440,12 @@ def _upload(local: Path, target: RemotePath, temp: str, force: bool, directory: 
             put(fs, local / name if name else local, f"{temp}/{name}" if name else temp)
             if position == 0:
                 testpoints.pause("upload")
+        finals = [f"{target.key}/{name}" if name else target.key for name in names]
+        commit = Commit(finals, local / names[-1], record) if directory and names else None
         with deferred():  # from here the destination changes: finish before any signal is handled
-            with _replacing(target, force, directory, notify) as made:
-                for name in names:
-                    final = f"{target.key}/{name}" if name else target.key
+            with _replacing(target, force, directory, notify, commit) as made:
+                for name, final in zip(names, finals):
                     fs.copy(f"{temp}/{name}" if name else temp, final)
                     made.append(final)
+                    testpoints.pause("commit-key")
             fs.rm(temp, recursive=True)

@@ -2,7 +2,9 @@
 
 While NAME is written it exists as `.ckpttool-tmp-NAME.HOST.PID.TOKEN` beside it (a directory,
 a file where no unnamed file could be used, or for object storage a temporary key or an empty
-marker key); while the NAME it replaced is removed, as `.ckpttool-old-NAME.HOST.PID.TOKEN`.
+marker key); while the NAME it replaced is removed, as `.ckpttool-old-NAME.HOST.PID.TOKEN`;
+while an object-storage directory is committed key by key, its commit record
+`.ckpttool-commit-NAME.HOST.PID.TOKEN` lists them (`remote.undo_commit`).
 A run that was killed (SIGKILL, power loss) leaves them; the next run writing the same NAME on
 the same host removes those whose process is gone (`remove_stale_temps`).
 
@@ -30,7 +32,7 @@ OLD_PREFIX = TEMP_PREFIX + "old-"
 HOST = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:32]
 _ENTRY = re.compile(  # host, pid and token hold no dot, so the name may
     re.escape(TEMP_PREFIX)
-    + r"(?P<kind>tmp|old)-(?P<name>.+)\.(?P<host>[A-Za-z0-9_-]*)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})"
+    + r"(?P<kind>tmp|old|commit)-(?P<name>.+)\.(?P<host>[A-Za-z0-9_-]*)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]{8})"
 )
 _tokens: set[str] = set()  # tokens of the entries this process created (to tell its own from a dead run's)
 
@@ -43,7 +45,7 @@ def new_token() -> str:
 
 
 def temp_name(name: str, kind: str, token: str) -> str:
-    """Return the name of this process's `kind` ("tmp" or "old") entry for output `name`."""
+    """Return the name of this process's `kind` ("tmp", "old" or "commit") entry for output `name`."""
     return f"{TEMP_PREFIX}{kind}-{name}.{HOST}.{os.getpid()}.{token}"
 
 
@@ -84,16 +86,21 @@ def _is_dead(host: str, pid: int, token: str) -> bool:
 @dataclass(frozen=True)
 class StaleTemp:
     """An entry a killed run left beside `target`, now dealt with: removed, or (`restored`) a
-    previous output that the run had moved aside just before it died, put back."""
+    previous output that the run had moved aside just before it died, put back; for a commit
+    record, with the `keys` of `target` it listed, which the run had made visible, removed."""
 
     path: PurePath  # a local Path, or an object store's RemotePath
     target: PurePath
     pid: int
     restored: bool = False
+    keys: int = 0
 
     def __str__(self) -> str:
         if self.restored:
             return f"restored {self.target} from {self.path}, moved aside by a killed run (pid {self.pid})"
+        if self.keys:
+            return (f"removed the {self.keys} keys of {self.target} a killed run (pid {self.pid}) had committed "
+                    f"before it died, listed in {self.path}")
         return f"removed stale temp {self.path} left by a killed run (pid {self.pid})"
 
 
