@@ -338,8 +338,8 @@ def main() -> None:
     args = parser.parse_args()
     trees = [(label, Path(path)) for label, _, path in (t.partition("=") for t in args.tree)] or [("", None)]
     args.dir.mkdir(parents=True, exist_ok=True)
-    print("| checkpoint | command | tree | wall s | x torch | peak RSS MB | x torch | CPU s | load |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| checkpoint | command | tree | wall s | x torch | peak RSS MB | x torch | CPU s | x first tree (wall, CPU) | load |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.only.split(","):
         case = CASES[name]
         path = ensure(args.dir, case, args.scale)
@@ -350,9 +350,12 @@ def main() -> None:
             rows = measure(case, path, trees, args.repeat, Path(scratch), not args.no_torch)
         base_wall, base_rss = rows[0][2], rows[0][3]
         load = os.getloadavg()[1]  # the last 5 minutes: the machine's share of the runs
+        first = {}  # each command's row of the first tree: the A/B ratio of the others
         for command, label, wall, rss, cpu in rows:
+            first.setdefault(command, (wall, cpu))
+            to_first = f"{wall / first[command][0]:.2f}x, {cpu / first[command][1]:.2f}x"
             print(f"| {name} ({chunks} chunks) | {command} | {label} | {wall:.2f} | {wall / base_wall:.2f}x | "
-                  f"{rss:.0f} | {rss / base_rss:.2f}x | {cpu:.2f} | {load:.1f} |", flush=True)
+                  f"{rss:.0f} | {rss / base_rss:.2f}x | {cpu:.2f} | {to_first} | {load:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -325,7 +325,10 @@ def column_volumes(sizes: "np.ndarray") -> "np.ndarray | None":
         return None
     if int(sizes.max()) >= 1 << (61 // ndim) and float(np.prod(sizes.astype(np.float64), axis=1).max()) >= COLUMN_LIMIT / 2:
         return None
-    return sizes[:, 0].copy() if ndim == 1 else np.prod(sizes, axis=1, dtype=np.int64)
+    volumes = sizes[:, 0].astype(np.int64)  # a column at a time: np.prod along a short axis is slow
+    for dim in range(1, ndim):
+        volumes *= sizes[:, dim]
+    return volumes
 
 
 def column_shape(shape: Sequence[int]) -> "np.ndarray | None":
@@ -413,7 +416,7 @@ def classify_columns(sizes: "np.ndarray", shape: Sequence[int], volumes: "np.nda
     if len(nonempty) <= 1:
         whole = len(nonempty) == 1 and bool((nonempty[0] == extent).all())
         return Sharding("replicated" if whole else "partial", False, empty)
-    split_dims = (nonempty != extent).any(axis=0).nonzero()[0].tolist()
+    split_dims = [dim for dim in range(len(shape)) if (nonempty[:, dim] != extent[dim]).any()]  # .any(axis=0) is slow
     if len(split_dims) == 1:
         extents = nonempty[:, split_dims[0]]
         return Sharding(f"dim{split_dims[0]}", bool((extents != extents[0]).any()), empty)

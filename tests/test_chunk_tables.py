@@ -580,13 +580,78 @@ def test_tables_checked_in_batches_report_what_each_table_checked_alone_reports(
         assert integrity.check(checkpoint).problems == expected
 
 
-def test_file_bytes_summed_in_batches_of_tables_are_the_sums_of_all_tables(monkeypatch):
+def test_file_bytes_summed_from_table_columns_are_the_sums_of_each_chunk(monkeypatch):
+    """The C reader's `file_sums` (every table's rows added where they lie) gives what adding
+    chunk by chunk gives, and so does inspect without it (not built)."""
+    import sys
+
     checkpoint = with_tables(readers.open_checkpoint(FIXTURES / "fsdp2_world2_adamw"))
-    expected = inspect_command.build_report(checkpoint).files
+    expected = inspect_command.build_report(with_tuples(checkpoint)).files
     assert sum(len(f.tensor_bytes) for f in expected) > 2
-    monkeypatch.setattr(inspect_command, "FILE_BYTES_BATCH", 1)
     assert inspect_command.build_report(checkpoint).files == expected
-    assert expected == inspect_command.build_report(with_tuples(checkpoint)).files
+    assert inspect_command.build_report(with_shared_files(checkpoint)).files == expected
+    monkeypatch.setitem(sys.modules, "ckpttool.readers._dcpscan", None)  # not built: `import` fails
+    assert inspect_command.build_report(checkpoint).files == expected
+
+
+def test_file_bytes_past_int64_are_summed_exactly(tmp_path):
+    """Blob lengths whose sum in one file passes 2**63 - 1 (a hostile `.metadata`): the C sums
+    give up and inspect adds them as Python ints, as it does for tuples."""
+    chunks = [Chunk((0,), (4,), Blob("__0_0.distcp", 0, 2**62)), Chunk((4,), (4,), Blob("__0_0.distcp", 16, 2**62)),
+              Chunk((8,), (4,), Blob("__1_0.distcp", 0, 16)), Chunk((12,), (4,), None)]
+    checkpoint = synthetic(tmp_path, {"model.w": ((16,), chunks)}, {"__0_0.distcp": 64, "__1_0.distcp": 64})
+    files = inspect_command.build_report(with_tables(checkpoint)).files
+    assert [(f.file, f.referenced_bytes, f.tensor_bytes) for f in files] == [
+        ("__0_0.distcp", 2**63, {"model": 32}), ("__1_0.distcp", 16, {"model": 16})]
+    assert files == inspect_command.build_report(checkpoint).files
+
+
+def test_the_c_writers_read_columns_in_any_strides_and_refuse_other_types():
+    """`json_rows` and `file_sums` read a table's columns where they are (views of the scanned
+    columns: strided, int32 file ids) as they read contiguous copies; other types are refused."""
+    np = pytest.importorskip("numpy")
+    _dcpscan = pytest.importorskip("ckpttool.readers._dcpscan")
+    coords = np.arange(-40, 40, dtype=np.int64).reshape(20, 4) * 7919
+    offsets, sizes = coords[:, :2], coords[::-1, 2:]  # interleaved rows, one of them read backwards
+    file = np.array([r % 3 - 1 for r in range(20)], dtype=np.int32)
+    offset, length, nbytes = coords[:, 0], coords[:, 3], coords[::-1, 1]
+    files = tuple(json.dumps(f"__{r}_0.distcp").encode() for r in range(2))
+    strided = _dcpscan.json_rows(20, 2, offsets, sizes, file, offset, length, nbytes, files, True)
+    copies = [np.ascontiguousarray(c, dtype=np.int64) for c in (offsets, sizes, file, offset, length, nbytes)]
+    assert strided == _dcpscan.json_rows(20, 2, *copies, files, True) == _dcpscan.json_rows(20, 2, *copies, files)[:-2]
+    rows = json.loads(b"[" + strided + b"]")
+    assert [r["file"] for r in rows[:3]] == [None, "__0_0.distcp", "__1_0.distcp"] and rows[5]["sizes"] == sizes[5].tolist()
+    with pytest.raises(ValueError):
+        _dcpscan.json_rows(20, 2, offsets.astype(np.float64), sizes, file, offset, length, nbytes, files)
+    with pytest.raises(ValueError):
+        _dcpscan.json_rows(20, 2, offsets, sizes, file, offset.astype(np.int32), length, nbytes, files)
+    totals = [np.zeros(6, dtype=np.int64) for _ in range(3)]
+    assert _dcpscan.file_sums(20, file, length, nbytes, np.array([0, 3]), 1, *totals)
+    for bin_number, name in ((1, 0), (4, 1)):
+        mine = file == name
+        assert [t[bin_number] for t in totals] == [mine.sum(), length[mine].sum(), nbytes[mine].sum()]
+    assert sum(int(t.sum()) for t in totals) == sum(int(t[1] + t[4]) for t in totals)
+    with pytest.raises(IndexError):
+        _dcpscan.file_sums(20, file, length, nbytes, np.array([0, 5]), 1, *totals)
+
+
+def test_json_written_as_bytes_under_a_text_stream_is_the_text_written_in_order():
+    """`emit_json` writes a table's chunks as bytes to a text stream's buffer: after what was
+    written as text before, before what is written after, the same bytes as the text path."""
+    checkpoint = with_tables(readers.open_checkpoint(FIXTURES / "fsdp2_world3_uneven"))
+    document = inspect_document(inspect_command.build_report(checkpoint))
+    as_text = io.StringIO()
+    emit_json(document, as_text)
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="utf-8", newline="\n")
+    stream.write("before\n")
+    emit_json(document, stream)
+    stream.write("after\n")
+    stream.flush()
+    assert raw.getvalue().decode() == "before\n" + as_text.getvalue() + "after\n"
+    plain = {**document, "tensors": [{**t, "chunks": list(t["chunks"])} for t in document["tensors"]]}
+    assert as_text.getvalue() == json.dumps(plain) + "\n"
+    assert any(type(t["chunks"]).__name__ == "ChunkRows" and len(t["chunks"]) > 1 for t in document["tensors"])
 
 
 def test_chunk_json_from_the_c_writer_is_json_dumps_of_the_rows_in_any_block_size(tmp_path, monkeypatch):

@@ -255,45 +255,34 @@ def _add_file_bytes(tensors: list[TensorInfo], referenced: Counter[str], per_fil
                     per_file_group[chunk.file][GROUPS[group]] += chunk.nbytes
 
 
-FILE_BYTES_BATCH = 256  # tables summed at once by `_add_table_file_bytes`
-
-
 def _add_table_file_bytes(tables: list[tuple[int, ChunkInfos]], referenced: Counter[str],
                           per_file_group: dict[str, Counter[str]]) -> bool:
-    """`_add_file_bytes` for tables: one np.bincount per sum over every row of every table;
-    False, with nothing added, when a sum might not be exact (bincount adds in float64, exact
-    for integers below 2**53)."""
+    """`_add_file_bytes` for tables: each table's rows added into int64 totals per file and
+    group where they lie, by the C reader's `file_sums` (no array made per table); False, with
+    nothing added, when the C reader is not built or a sum would pass int64."""
+    try:
+        from ckpttool.readers._dcpscan import file_sums
+    except ImportError:  # not built: no .metadata is read into tables either
+        return False
     import numpy as np
 
     names: dict[str, int] = {}
-    numbers: dict[tuple[str, ...], Any] = {}  # a table's files -> their numbers in `names`
-    columns: list[tuple[Any, ...]] = []
+    bins: dict[int, tuple[tuple[str, ...], Any]] = {}  # id of a table's files -> (them, their first bins)
+    for _, chunks in tables:
+        files = chunks.table.files
+        # by the tuple's id (the tuple kept beside its bins): hashing 10k names a table costs
+        if (found := bins.get(id(files))) is None or found[0] is not files:
+            numbers = [names.setdefault(name, len(names)) for name in files]
+            bins[id(files)] = (files, np.array(numbers, dtype=np.int64) * len(GROUPS))
+    counts, length_totals, byte_totals = (np.zeros(len(names) * len(GROUPS), dtype=np.int64) for _ in range(3))
     for group_number, chunks in tables:
         table = chunks.table
-        if (known := numbers.get(table.files)) is None:
-            known = numbers[table.files] = np.array([names.setdefault(n, len(names)) for n in table.files] + [-1], dtype=np.int64)
-        if len(table) and int(table.file.min()) >= 0:
-            bins = known[table.file] * len(GROUPS) + group_number
-            columns.append((bins, table.blob_length, chunks.nbytes))
-        else:
-            stored = table.file >= 0
-            columns.append((known[table.file[stored]] * len(GROUPS) + group_number, table.blob_length[stored], chunks.nbytes[stored]))
-    size = len(names) * len(GROUPS)
-    counts, length_totals, byte_totals = (np.zeros(size, dtype=np.int64) for _ in range(3))
-    length_bound = byte_bound = 0.0
-    for begin in range(0, len(columns), FILE_BYTES_BATCH):  # batches of tables: 7M rows at once would take 300 MB
-        bins, length, nbytes = (np.concatenate([c[k] for c in columns[begin:begin + FILE_BYTES_BATCH]]) for k in range(3))
-        length_bound += float(np.abs(length.astype(np.float64)).sum())
-        byte_bound += float(nbytes.sum(dtype=np.float64))
-        if length_bound >= 2.0 ** 53 or byte_bound >= 2.0 ** 53:
+        if not file_sums(len(table), table.file, table.blob_length, chunks.nbytes, bins[id(table.files)][1],
+                         group_number, counts, length_totals, byte_totals):
             return False
-        counts += np.bincount(bins, minlength=size)
-        length_totals += np.bincount(bins, weights=length, minlength=size).astype(np.int64)
-        byte_totals += np.bincount(bins, weights=nbytes, minlength=size).astype(np.int64)
     used = np.flatnonzero(counts)
-    length_sums, byte_sums = length_totals[used].tolist(), byte_totals[used].tolist()
     file_names = list(names)
-    for bin_number, length_sum, byte_sum in zip(used.tolist(), length_sums, byte_sums):
+    for bin_number, length_sum, byte_sum in zip(used.tolist(), length_totals[used].tolist(), byte_totals[used].tolist()):
         name = file_names[bin_number // len(GROUPS)]
         referenced[name] += length_sum
         per_file_group[name][GROUPS[bin_number % len(GROUPS)]] += byte_sum

@@ -1217,20 +1217,35 @@ static PyObject *scan(PyObject *module, PyObject *args) {
     return out;
 }
 
-/* `json_rows(rows, ndim, offsets, sizes, file, offset, length, nbytes, files)`: the JSON of a tensor's
-   chunks as inspect writes them, `{"offsets": [...], "sizes": [...], "file": ..., "offset": ...,
-   "length": ..., "bytes": ...}` per row, each row followed by ", " (what `json.dumps` writes for
-   the row's dict: ints in decimal, a file id < 0 is no entry: `null` file, offset and length).
-   `offsets` and `sizes` are C-contiguous int64 (rows, ndim), the others int64 per row, `files`
-   a tuple of bytes (each file's name as JSON). */
+/* `json_rows(rows, ndim, offsets, sizes, file, offset, length, nbytes, files, last=False)`: the JSON
+   of a tensor's chunks as inspect writes them, `{"offsets": [...], "sizes": [...], "file": ...,
+   "offset": ..., "length": ..., "bytes": ...}` per row, each row followed by ", " but the last
+   when `last` (what `json.dumps` writes for the row's dict: ints in decimal, a file id < 0 is no
+   entry: `null` file, offset and length). `offsets` and `sizes` are int64 (rows, ndim) arrays,
+   the others int64 per row (`file` int32 or int64), in any strides (a table's views of the
+   scanned columns are read where they are); `files` a tuple of bytes (each file's name as
+   JSON). */
+static const char DIGIT_PAIRS[] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+/* `value` in decimal at `at`, two digits a step from the end back; past it returned */
 static char *put_int(char *at, int64_t value) {
-    uint64_t magnitude = value < 0 ? 0 - (uint64_t)value : (uint64_t)value;
-    char digits[20];
-    int count = 0;
+    uint64_t magnitude = value < 0 ? 0 - (uint64_t)value : (uint64_t)value, bound = 10;
+    int count = 1;
     if (value < 0) *at++ = '-';
-    do { digits[count++] = (char)('0' + magnitude % 10); magnitude /= 10; } while (magnitude);
-    while (count) *at++ = digits[--count];
-    return at;
+    while (count < 20 && magnitude >= bound) { count++; bound *= 10; }
+    char *end = at + count;
+    while (magnitude >= 100) {
+        unsigned pair = (unsigned)(magnitude % 100);
+        magnitude /= 100;
+        end -= 2;
+        memcpy(end, DIGIT_PAIRS + 2 * pair, 2);
+    }
+    if (magnitude >= 10) memcpy(end - 2, DIGIT_PAIRS + 2 * magnitude, 2);
+    else end[-1] = (char)('0' + magnitude);
+    return at + count;
 }
 
 static char *put_text(char *at, const char *text, Py_ssize_t length) {
@@ -1240,23 +1255,45 @@ static char *put_text(char *at, const char *text, Py_ssize_t length) {
 
 #define PUT(at, literal) put_text(at, literal, (Py_ssize_t)sizeof(literal) - 1)
 
-static int int64_view(PyObject *object, Py_buffer *view, Py_ssize_t items) {
-    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) return -1;
-    if (view->itemsize != 8 || !view->format || strchr("lq", view->format[strlen(view->format) - 1]) == NULL ||
-        view->len != items * 8) {
-        PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "json_rows: columns must be C-contiguous int64 of matching rows");
+/* a column read in place: `rows` items (any number for rows < 0) (times `width` for a 2-d one) of 4 or 8 bytes, any strides */
+typedef struct { Py_buffer view; const char *buf; Py_ssize_t row_step, item_step; int itemsize; } Column;
+
+static int column_view(PyObject *object, Column *c, Py_ssize_t rows, Py_ssize_t width, int allow32, const char *who) {
+    if (PyObject_GetBuffer(object, &c->view, PyBUF_STRIDES | PyBUF_FORMAT)) return -1;
+    Py_buffer *v = &c->view;
+    const char *format = v->format ? v->format : "B";
+    char kind = format[strlen(format) - 1];
+    int wide = v->itemsize == 8 && (kind == 'l' || kind == 'q');
+    int narrow = allow32 && v->itemsize == 4 && (kind == 'i' || (kind == 'l' && sizeof(long) == 4));
+    int shaped = width < 0 ? v->ndim == 1 && (rows < 0 || v->shape[0] == rows)
+                           : v->ndim == 2 && v->shape[0] == rows && v->shape[1] == width;
+    if (!(wide || narrow) || !shaped || (strlen(format) > 1 && format[0] != '@' && format[0] != '=')) {  /* native order only */
+        PyBuffer_Release(v);
+        PyErr_Format(PyExc_ValueError, "%s: columns must be int64 arrays of matching rows", who);
         return -1;
     }
+    c->buf = v->buf;
+    c->itemsize = (int)v->itemsize;
+    c->row_step = v->strides ? v->strides[0] : v->itemsize * (width < 0 ? 1 : width);
+    c->item_step = width < 0 ? 0 : v->strides ? v->strides[1] : v->itemsize;
     return 0;
+}
+
+static inline int64_t column_at(const Column *c, Py_ssize_t row, Py_ssize_t item) {
+    const char *at = c->buf + row * c->row_step + item * c->item_step;
+    if (c->itemsize == 4) { int32_t v; memcpy(&v, at, 4); return v; }
+    int64_t v;
+    memcpy(&v, at, 8);
+    return v;
 }
 
 static PyObject *json_rows(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *objects[6], *files;
     Py_ssize_t rows, ndim;
-    if (!PyArg_ParseTuple(args, "nnOOOOOOO!", &rows, &ndim, &objects[0], &objects[1], &objects[2], &objects[3],
-                          &objects[4], &objects[5], &PyTuple_Type, &files))
+    int last = 0;
+    if (!PyArg_ParseTuple(args, "nnOOOOOOO!|p", &rows, &ndim, &objects[0], &objects[1], &objects[2], &objects[3],
+                          &objects[4], &objects[5], &PyTuple_Type, &files, &last))
         return NULL;
     if (rows < 0 || ndim < 0 || ndim > MAX_DIMS) { PyErr_SetString(PyExc_ValueError, "json_rows: bad shape"); return NULL; }
     Py_ssize_t nfiles = PyTuple_GET_SIZE(files), longest = 4;  /* null */
@@ -1265,10 +1302,10 @@ static PyObject *json_rows(PyObject *module, PyObject *args) {
         if (!PyBytes_Check(name)) { PyErr_SetString(PyExc_TypeError, "json_rows: files must be bytes"); return NULL; }
         if (PyBytes_GET_SIZE(name) > longest) longest = PyBytes_GET_SIZE(name);
     }
-    Py_buffer views[6];
+    Column columns[6];
     int got = 0;
     for (; got < 6; got++)
-        if (int64_view(objects[got], &views[got], got < 2 ? rows * ndim : rows)) break;
+        if (column_view(objects[got], &columns[got], rows, got < 2 ? ndim : -1, got == 2, "json_rows")) break;
     PyObject *out = NULL;
     /* a row: its fixed text (80 bytes), 2 * ndim + 3 ints of at most 20 characters and their
        separators, and the longest file text */
@@ -1276,39 +1313,95 @@ static PyObject *json_rows(PyObject *module, PyObject *args) {
     if (got == 6 && rows > (PY_SSIZE_T_MAX - 1) / per_row) PyErr_NoMemory();
     else if (got == 6) out = PyBytes_FromStringAndSize(NULL, rows * per_row);
     if (out) {
-        const int64_t *offsets = views[0].buf, *sizes = views[1].buf, *file = views[2].buf, *offset = views[3].buf,
-                      *length = views[4].buf, *nbytes = views[5].buf;
+        const Column *offsets = &columns[0], *sizes = &columns[1], *file = &columns[2], *offset = &columns[3],
+                     *length = &columns[4], *nbytes = &columns[5];
         char *start = PyBytes_AS_STRING(out), *at = start;
         for (Py_ssize_t r = 0; r < rows && out; r++) {
             at = PUT(at, "{\"offsets\": [");
             for (Py_ssize_t d = 0; d < ndim; d++) {
                 if (d) at = PUT(at, ", ");
-                at = put_int(at, offsets[r * ndim + d]);
+                at = put_int(at, column_at(offsets, r, d));
             }
             at = PUT(at, "], \"sizes\": [");
             for (Py_ssize_t d = 0; d < ndim; d++) {
                 if (d) at = PUT(at, ", ");
-                at = put_int(at, sizes[r * ndim + d]);
+                at = put_int(at, column_at(sizes, r, d));
             }
             at = PUT(at, "], \"file\": ");
-            if (file[r] >= nfiles) {
+            int64_t id = column_at(file, r, 0);
+            if (id >= nfiles) {
                 PyErr_SetString(PyExc_IndexError, "json_rows: a file id past the files");
                 Py_CLEAR(out);
                 break;
             }
-            if (file[r] < 0) {
+            if (id < 0) {
                 at = PUT(at, "null, \"offset\": null, \"length\": null");
             } else {
-                PyObject *name = PyTuple_GET_ITEM(files, file[r]);
+                PyObject *name = PyTuple_GET_ITEM(files, id);
                 at = put_text(at, PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name));
-                at = put_int(PUT(at, ", \"offset\": "), offset[r]);
-                at = put_int(PUT(at, ", \"length\": "), length[r]);
+                at = put_int(PUT(at, ", \"offset\": "), column_at(offset, r, 0));
+                at = put_int(PUT(at, ", \"length\": "), column_at(length, r, 0));
             }
-            at = PUT(put_int(PUT(at, ", \"bytes\": "), nbytes[r]), "}, ");
+            at = PUT(put_int(PUT(at, ", \"bytes\": "), column_at(nbytes, r, 0)), "}");
+            if (!last || r + 1 < rows) at = PUT(at, ", ");
         }
         if (out) _PyBytes_Resize(&out, at - start);
     }
-    while (got) PyBuffer_Release(&views[--got]);
+    while (got) PyBuffer_Release(&columns[--got].view);
+    return out;
+}
+
+/* `file_sums(rows, file, length, nbytes, bins, group, counts, lengths, totals)`: inspect's bytes per
+   data file and group, added in place: for each row with a file id >= 0, bin `bins[file] + group`
+   gets one count, the row's `length` and its `nbytes` (int64 columns, `file` int32 or int64,
+   any strides; `bins` int64 per file id; the three totals writable C-contiguous int64). False,
+   with the totals partly added, when a sum would pass int64: the caller adds in Python. */
+static PyObject *file_sums(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *objects[7];
+    Py_ssize_t rows, group;
+    if (!PyArg_ParseTuple(args, "nOOOOnOOO", &rows, &objects[0], &objects[1], &objects[2], &objects[3], &group,
+                          &objects[4], &objects[5], &objects[6]))
+        return NULL;
+    Column columns[4];
+    Py_buffer totals[3];
+    int got = 0, held = 0;
+    for (; got < 4; got++)
+        if (column_view(objects[got], &columns[got], got < 3 ? rows : -1, -1, got == 0, "file_sums")) break;
+    for (; got == 4 && held < 3; held++) {
+        if (PyObject_GetBuffer(objects[4 + held], &totals[held], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT)) break;
+        const char *format = totals[held].format ? totals[held].format : "B";
+        if (totals[held].itemsize != 8 || strchr("lq", format[strlen(format) - 1]) == NULL ||
+            totals[held].len != totals[0].len) {
+            PyBuffer_Release(&totals[held]);
+            PyErr_SetString(PyExc_ValueError, "file_sums: totals must be int64 arrays of one length");
+            break;
+        }
+    }
+    PyObject *out = NULL;
+    if (got == 4 && held == 3) {
+        Py_ssize_t nbins = totals[0].len / 8, nfiles = columns[3].view.shape[0];
+        int64_t *counts = totals[0].buf, *lengths = totals[1].buf, *sums = totals[2].buf;
+        int exact = 1;
+        out = Py_True;
+        for (Py_ssize_t r = 0; r < rows && out; r++) {
+            int64_t id = column_at(&columns[0], r, 0);
+            if (id < 0) continue;
+            int64_t bin = id < nfiles ? column_at(&columns[3], id, 0) + group : -1;
+            if (bin < 0 || bin >= nbins) {
+                PyErr_SetString(PyExc_IndexError, "file_sums: a file id past the bins");
+                out = NULL;
+                break;
+            }
+            counts[bin] += 1;
+            exact &= !__builtin_add_overflow(lengths[bin], column_at(&columns[1], r, 0), &lengths[bin]);
+            exact &= !__builtin_add_overflow(sums[bin], column_at(&columns[2], r, 0), &sums[bin]);
+        }
+        if (out) out = exact ? Py_True : Py_False;
+        Py_XINCREF(out);
+    }
+    while (held) PyBuffer_Release(&totals[--held]);
+    while (got) PyBuffer_Release(&columns[--got].view);
     return out;
 }
 
@@ -1316,7 +1409,9 @@ static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(data, dtypes, where=False, mapped=False) -> columns of a DCP .metadata pickle as torch writes it, or None (see the module source)"},
     {"json_rows", json_rows, METH_VARARGS,
-     "json_rows(rows, ndim, offsets, sizes, file, offset, length, nbytes, files) -> the JSON of inspect's chunk rows, each followed by ', '"},
+     "json_rows(rows, ndim, offsets, sizes, file, offset, length, nbytes, files, last=False) -> the JSON of inspect's chunk rows, each followed by ', ' (but the last, when last)"},
+    {"file_sums", file_sums, METH_VARARGS,
+     "file_sums(rows, file, length, nbytes, bins, group, counts, lengths, totals) -> True, or False when a sum passed int64 (see the module source)"},
     {NULL, NULL, 0, NULL},
 };
 

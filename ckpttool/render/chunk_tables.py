@@ -55,32 +55,37 @@ class ChunkRows(ColumnRows):
         return f"ChunkRows({self.chunks!r})"
 
     def json_text(self, file_texts: dict[int, tuple[tuple[str, ...], tuple[bytes, ...]]] | None = None) -> str:
-        """Return `json.dumps(list(self))`, written from the columns by the C reader's
-        `json_rows`, a block of rows at a time (no object per row). `file_texts` keeps the JSON
-        of each table's file names for the next table."""
+        """Return `json.dumps(list(self))` (`json_blocks` joined, as text)."""
+        return b"".join(self.json_blocks(file_texts)).decode("ascii")
+
+    def json_blocks(self, file_texts: dict[int, tuple[tuple[str, ...], tuple[bytes, ...]]] | None = None) -> Iterator[bytes]:
+        """Yield `json.dumps(list(self))` as ASCII bytes in pieces, written from the columns where
+        they are by the C reader's `json_rows`, a block of rows at a time (no object per row, no
+        copy of a column). `file_texts` keeps the JSON of each table's file names for the next
+        table."""
         table = self.chunks.table
         if not len(table):
-            return "[]"
+            yield b"[]"
+            return
         try:
             from ckpttool.readers._dcpscan import json_rows
         except ImportError:  # not built (no compiler at install): no .metadata is read into a table either
-            return json.dumps(list(self))
-        import numpy as np
-
+            yield json.dumps(list(self)).encode("ascii")
+            return
         file_texts = {} if file_texts is None else file_texts
         # by the tuple's id (the tuple kept beside its texts): hashing 10k names a table costs
         if (found := file_texts.get(id(table.files))) is None or found[0] is not table.files:
             found = file_texts[id(table.files)] = (table.files, tuple(json.dumps(name).encode() for name in table.files))
-        files = found[1]
-        ndim = table.offsets.shape[1]
-        blocks = []
-        for start in range(0, len(table), ROWS_PER_BLOCK):
-            rows = slice(start, start + ROWS_PER_BLOCK)
+        files, ndim, count = found[1], table.offsets.shape[1], len(table)
+        yield b"["
+        for start in range(0, count, ROWS_PER_BLOCK):
+            rows = slice(start, start + ROWS_PER_BLOCK)  # the whole table (views, no copies) when it is one block
             offsets, sizes, file, offset, length, nbytes = (
-                np.ascontiguousarray(column[rows], dtype=np.int64) for column in
+                column[rows] for column in
                 (table.offsets, table.sizes, table.file, table.blob_offset, table.blob_length, self.chunks.nbytes))
-            blocks.append(json_rows(len(file), ndim, offsets, sizes, file, offset, length, nbytes, files))
-        return "[" + b"".join(blocks)[:-2].decode("ascii") + "]"
+            yield json_rows(len(file), ndim, offsets, sizes, file, offset, length, nbytes, files,
+                            start + ROWS_PER_BLOCK >= count)
+        yield b"]"
 
 
 ROWS_PER_BLOCK = 1 << 16  # rows written at once: at most ~30 MB of text at 8 dims
