@@ -17,13 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ckpttool import dtypes, storage
 from ckpttool.errors import UsageError
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
-from ckpttool.keys import KeyRules, Rename
 from ckpttool.outputs.notices import Notify, ignore
+
+if TYPE_CHECKING:  # keys.py is imported when a ConvertOptions is built: inspect and validate never build one
+    from ckpttool.keys import KeyRules
 
 DTYPE_CHOICES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -118,6 +120,8 @@ class ConvertOptions:
     shard_bytes: int | None = field(init=False, repr=False, compare=False)  # max_shard_size parsed
 
     def __post_init__(self) -> None:
+        from ckpttool.keys import KeyRules, Rename
+
         for name in ("filters", "renames", "dtype_map"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         rules = KeyRules(self.everything, not self.keep_keys, tuple(Rename.parse(r) for r in self.renames), self.filters)

@@ -6,7 +6,10 @@ package importing every reader) fails here. Neither imports numpy for a small ch
 bundled example: its import alone costs more than the whole command): `validate` checks a few
 hundred claimed byte ranges in pure Python (`integrity_small`, the same findings as the numpy
 path, checked here on damaged copies), and the naming tables compile their patterns only when
-a key is matched.
+a key is matched. Neither imports the checking unpickler for a `.metadata` torch wrote: the C
+reader reads a small one into tuples of Chunk (the loader's checkpoint, checked here on every
+fixture and on mutants), and `validate` imports the quantisation code only where it could find
+something (checked against `quantization.find`).
 
 Checked in a fresh interpreter per command, as the `ckpttool` script and `python -m ckpttool`
 run it: the CLI's main in-process, then `sys.modules` written to a file.
@@ -61,12 +64,19 @@ NEVER = (
     "ckpttool.commands.manifest", "ckpttool.manifest", "ckpttool.shard_map",
     "ckpttool.readers.deepspeed", "ckpttool.readers.megatron", "ckpttool.readers.verl", "ckpttool.readers.torch_pt",
 )
-# a small checkpoint (the example): no numpy, no LoRA finder for a model without LoRA keys, and
-# (validate without --deep reads metadata and file sizes) no blob reader or torch.save code
+# a small checkpoint (the example): no numpy, no LoRA finder for a model without LoRA keys,
+# (validate without --deep reads metadata and file sizes) no blob reader or torch.save code, and
+# (the C reader reads the .metadata torch wrote, as tuples of Chunk) neither the checking
+# unpickler nor the readers of other layouts
 SMALL_NEVER = NEVER + ("numpy", "ckpttool.plan", "ckpttool.lora", "ckpttool.dcp.blobs", "ckpttool.torchsave", "ckpttool.spans",
-                       "ckpttool.numerics")
+                       "ckpttool.numerics", "ckpttool.safepickle", "ckpttool.readers.dcp_records", "ckpttool.readers.dcp_hf",
+                       "ckpttool.readers.hub_folder", "ckpttool.readers.safetensors", "ckpttool.formats.safetensors",
+                       "ckpttool.formats.hub")
 # inspect reads metadata only: no integrity gate either
 INSPECT_NEVER = SMALL_NEVER + ("ckpttool.integrity",)
+# validate of a checkpoint with no quantised weights and no config.json: no quantisation code,
+# and no key rules (only a ConvertOptions, which validate never builds, needs them)
+VALIDATE_NEVER = SMALL_NEVER + ("ckpttool.quantization", "ckpttool.keys")
 RENDERERS = {f"ckpttool.render.{path.stem}" for path in (ROOT / "ckpttool" / "render").glob("*.py")} - {"ckpttool.render.__init__"}
 
 
@@ -102,7 +112,7 @@ def test_validate_imports_neither_writers_plans_other_commands_nor_other_rendere
     modules = imported(tmp_path, *args, str(EXAMPLE))
     assert {"ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.integrity",
             "ckpttool.integrity_small"} <= modules  # it ran, the small checkpoint's way
-    assert forbidden(modules, SMALL_NEVER) == set()
+    assert forbidden(modules, VALIDATE_NEVER) == set()
     assert {m for m in modules if m in RENDERERS} <= {"ckpttool.render.validate", "ckpttool.render.manifest",
                                                      "ckpttool.render.text"}
 
@@ -117,7 +127,7 @@ def test_help_imports_no_command_reader_or_renderer(tmp_path):
 def test_the_forbidden_lists_name_real_modules():
     """A renamed module would make its entry here pass silently: every prefix is on disk."""
     package = ROOT / "ckpttool"
-    for prefix in INSPECT_NEVER:
+    for prefix in INSPECT_NEVER + VALIDATE_NEVER:
         if prefix.startswith("ckpttool."):
             path = package.joinpath(*prefix.split(".")[1:])
             assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), prefix
@@ -172,3 +182,79 @@ def test_the_naming_tables_compile_their_patterns_when_first_matched(tmp_path):
             "assert rule.hf == 'model.layers.{L}.self_attn.q_proj.weight' and values == {'L': '3'}, (rule, values)\n"
             "assert len(family._patterns) == len(family.rules) + len(family.ignored)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path)
+
+
+ALL_METADATA = sorted(FIXTURES.glob("**/.metadata"))
+
+
+def test_a_small_metadata_read_by_the_c_reader_is_the_checkpoint_the_loader_reads():
+    """A small `.metadata` is read by the C reader into tuples of Chunk (`columns.small_checkpoint`,
+    no numpy) instead of by the checking Python loader: the same checkpoint, field for field and
+    type for type, on every fixture the C reader reads, and on 250 seeded mutants of three that
+    both read (or both refuse alike)."""
+    import random
+
+    from test_metadata_columns import _loader, _mutant, _outcome, _plain
+
+    from ckpttool.errors import CheckpointError
+    from ckpttool.readers import dcp
+
+    def small(path, raw):
+        scanned = dcp.scan_columns(raw)
+        return None if scanned is None else dcp.columns.small_checkpoint(path.parent, path, scanned)
+
+    read = 0
+    for path in ALL_METADATA:
+        raw = path.read_bytes()
+        checkpoint = small(path, raw)
+        if checkpoint is None:
+            continue  # declined: read by the loader, as before
+        read += 1
+        loaded = _loader(path, raw)
+        assert _plain(checkpoint) == _plain(loaded), path
+        assert [type(c) for t in checkpoint.tensors.values() for c in t.chunks] == \
+            [type(c) for t in loaded.tensors.values() for c in t.chunks]
+        assert list(checkpoint.tensors) == list(loaded.tensors) and list(checkpoint.objects) == list(loaded.objects)
+    assert read >= 20
+    assert isinstance(dcp.read_checkpoint(EXAMPLE).tensors["model.embed.weight"].chunks, tuple)
+
+    rng = random.Random(3)
+    sources = [FIXTURES / name / ".metadata" for name in ("fsdp2_world2", "fsdp2_world3_uneven", "llama_world2/checkpoint")]
+    outcomes = {"read": 0, "declined": 0, "refused": 0}
+    for number in range(250):
+        path = rng.choice(sources)
+        raw = _mutant(path.read_bytes(), rng)
+        try:
+            checkpoint = small(path, raw)
+        except CheckpointError as error:
+            assert _outcome(_loader, path, raw) == ("refused", type(error).__name__), f"mutant {number} of {path}"
+            outcomes["refused"] += 1
+            continue
+        if checkpoint is None:
+            outcomes["declined"] += 1
+            continue
+        outcomes["read"] += 1
+        assert ("read", _plain(checkpoint)) == _outcome(_loader, path, raw), f"mutant {number} of {path}"
+    assert outcomes["read"] > 20 and outcomes["declined"] > 60, outcomes
+
+
+def test_validate_skips_the_quantisation_code_only_where_it_would_find_nothing():
+    """`may_be_quantized` is False only where `quantization.find` (with the config beside the
+    checkpoint) returns None: on every DCP fixture and on the quantised ones."""
+    from ckpttool import quantization
+    from ckpttool.commands.validate import may_be_quantized
+    from ckpttool.errors import CheckpointError
+    from ckpttool.readers import open_checkpoint
+
+    skipped = kept = 0
+    for path in ALL_METADATA + sorted((FIXTURES / "quantized").glob("*/")):
+        try:
+            checkpoint = open_checkpoint(path.parent if path.name == ".metadata" else path)
+        except CheckpointError:
+            continue
+        if may_be_quantized(checkpoint):
+            kept += 1
+            continue
+        skipped += 1
+        assert quantization.find(checkpoint, quantization.config_beside(checkpoint.path)) is None, path
+    assert skipped >= 15 and kept >= 3, (skipped, kept)

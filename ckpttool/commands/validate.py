@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool import dtypes, integrity, quantization, readers
+from ckpttool import dtypes, integrity, readers
 from ckpttool.checkpoint import Blob, Checkpoint, as_path
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
@@ -126,6 +126,10 @@ def _check_quantization(checkpoint: Checkpoint, report: ValidationReport) -> Non
     """Report quantised weights whose scale is missing or does not fit them (`quantization.find`):
     errors when the config names a quantisation or other weights are quantised, else warnings
     (a float8 tensor alone may be a plain float8 tensor)."""
+    if not may_be_quantized(checkpoint):
+        return  # the common case, checked without importing the quantisation code
+    from ckpttool import quantization
+
     try:
         config = quantization.config_beside(checkpoint.path)
         found = quantization.find(checkpoint, config)
@@ -137,6 +141,19 @@ def _check_quantization(checkpoint: Checkpoint, report: ValidationReport) -> Non
     severity = ERROR if found.config is not None or found.weights else WARNING
     for fqn, message in found.problems:
         report.add(severity, "quantization", f"{checkpoint.path}: {message}", fqn=fqn)
+
+
+def may_be_quantized(checkpoint: Checkpoint) -> bool:
+    """Return False only when `quantization.find` would find nothing: no config.json beside a
+    local checkpoint (`quantization.config_beside`), no float8 tensor and no tensor named as a
+    quantised weight's part (MXFP4's blocks and scales, FP8's block scale)."""
+    from ckpttool.formats import fp8, mxfp4
+    from ckpttool.readers.detect import HUB_CONFIG
+
+    if isinstance(checkpoint.path, Path) and os.path.isfile(checkpoint.path / HUB_CONFIG):
+        return True
+    parts = (mxfp4.BLOCKS, mxfp4.SCALES, fp8.BLOCK_SCALE)
+    return any(tensor.dtype in fp8.FLOAT8 or fqn.endswith(parts) for fqn, tensor in checkpoint.tensors.items())
 
 
 def _check_record_entries(files: DataFiles, blob: Blob, where: str, fqn: str, report: ValidationReport,

@@ -8,7 +8,7 @@ torch's HuggingFaceStorageWriter output (`dcp-hf`), single `.safetensors` files 
 folders read from their safetensors headers; torch.save files (`torch-pt`) and verl's per-rank
 files from their zip directory and checked data.pkl. No torch is imported, and a reader that
 detection does not need is imported only when its layout is read (`_read`): `inspect` of a DCP
-checkpoint loads no torch.save, DeepSpeed or Megatron code.
+checkpoint loads no safetensors, torch.save, DeepSpeed or Megatron code.
 
 Example:
     >>> detection, checkpoint = read("runs/x")      # a run directory: its newest checkpoint
@@ -26,11 +26,8 @@ from ckpttool.checkpoint import Blob, Checkpoint, Object, Tensor, as_path
 from ckpttool.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
-from ckpttool.readers.dcp_hf import read_dcp_hf
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
                                      LAYOUTS, MEGATRON, SAFETENSORS, TORCH_PT, VERL, Detection, _detect, detect)
-from ckpttool.readers.hub_folder import read_hub_folder
-from ckpttool.readers.safetensors import read_safetensors
 
 
 # layouts that hold only the model, its fqns at the top level (model_view.find_model finds the
@@ -97,13 +94,19 @@ def _moved(blob: Blob | None, sub: str) -> Blob | None:
 def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
     if detection.layout in DCP_LAYOUTS:
         return read_checkpoint(detection.path)
+    # every other reader (safetensors headers, torch.save zips): imported for its own layout only
     if detection.layout == DCP_HF:
+        from ckpttool.readers.dcp_hf import read_dcp_hf
+
         return read_dcp_hf(detection.path, follow_symlinks)
     if detection.layout == HUB_FOLDER:
+        from ckpttool.readers.hub_folder import read_hub_folder
+
         return read_hub_folder(detection.path, follow_symlinks)
     if detection.layout == SAFETENSORS:
+        from ckpttool.readers.safetensors import read_safetensors
+
         return read_safetensors(detection.path, follow_symlinks)
-    # the readers of torch.save zips (verl, DeepSpeed, .pt): imported for their own layout only
     if detection.layout == VERL:
         from ckpttool.readers.verl import read_verl
 

@@ -1,5 +1,6 @@
 """A checkpoint from the columns the C reader of `.metadata` gives (`_dcpscan.c`, called by
-readers/dcp.py): each tensor's chunks as a `ChunkTable`, with no Python object per chunk.
+readers/dcp.py): each tensor's chunks as a `ChunkTable`, with no Python object per chunk
+(`checkpoint`), or, for a small file, as a tuple of Chunk built without numpy (`small_checkpoint`).
 
 The C reader matches each storage entry with the next chunk of its tensor as torch writes
 them (in the same order) and flags a tensor `clean` when every chunk took one entry, in
@@ -63,6 +64,66 @@ def checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
 
 
 _CHUNK_DTYPES = ("int32", "int64", "int64", "int32")  # the C reader's chunk columns: file, offset, length, row
+
+
+def small_checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
+    """Return the checkpoint of `scanned` with each tensor's chunks as a tuple of Chunk, in pure
+    Python: a small `.metadata` (below dcp.COLUMNS_FROM_BYTES, ~15k chunks), where importing numpy
+    for chunk tables costs more than the whole read. Each tensor's chunks take their storage entries by
+    the Python loader's rules (`latest`, then `match_storage` in offsets order), so the result
+    is the one that loader reads (tests/test_startup_imports.py compares them on every fixture)."""
+    version, save_id, tensor_rows, object_fqns, planner, fqns, files, coords, chunk_columns, storage = scanned
+    coords = memoryview(coords).cast("q").tolist()
+    files = tuple(files)
+    file32, offset64, length64, row32 = (memoryview(column) for column in chunk_columns)  # _CHUNK_DTYPES
+    chunk_file, chunk_row = file32.cast("i").tolist(), row32.cast("i").tolist()
+    chunk_offset, chunk_length = offset64.cast("q").tolist(), length64.cast("q").tolist()
+    stored: dict[int, list] = {}  # fqn id -> its entries no chunk took: (storage row, offsets or None, blob)
+    fqn, ndim, start, keys, file, offset, length, row = (memoryview(column).cast("q").tolist() for column in storage)
+    for k, number in enumerate(fqn):
+        key = None if ndim[k] < 0 else tuple(keys[start[k]:start[k] + ndim[k]])
+        stored.setdefault(number, []).append((row[k], key, Blob(files[file[k]], offset[k], length[k], ())))
+    by_fqn = {name: number for number, name in enumerate(fqns)}
+    tensors: dict[str, Tensor] = {}
+    objects: dict[str, Object] = {}
+    orphans: list[tuple[str, Blob]] = []
+    names = [entry[0] for entry in tensor_rows] + list(object_fqns)
+    entries: dict[str, tuple | None] = {entry[0]: entry for entry in tensor_rows}
+    entries.update((name, None) for name in object_fqns)
+    for name in sorted(entries):
+        mine = stored.pop(by_fqn.pop(name, -1), [])
+        entry = entries[name]
+        if entry is None:
+            unkeyed, keyed = latest((key, blob) for _, key, blob in mine)
+            objects[name] = Object(name, unkeyed)
+            orphans.extend((name, blob) for _, blob in keyed)
+            continue
+        _, dtype, shape, first, count, chunk, _ = entry
+        width = len(shape)
+        boxes = []
+        for k in range(count):
+            at, taken = first + 2 * width * k, chunk + k
+            box = (tuple(coords[at:at + width]), tuple(coords[at + width:at + 2 * width]))
+            boxes.append(box)
+            if chunk_row[taken] >= 0:  # the entry the C reader matched with this chunk: its offsets are the chunk's
+                blob = Blob(files[chunk_file[taken]], chunk_offset[taken], chunk_length[taken], ())
+                mine.append((chunk_row[taken], box[0], blob))
+        mine.sort(key=_first)  # storage order, as the loader meets the entries
+        unkeyed, keyed = latest((key, blob) for _, key, blob in mine)
+        if unkeyed is not None:
+            orphans.append((name, unkeyed))
+        boxes.sort(key=_first)
+        tensors[name] = Tensor(name, dtype, shape, match_storage(name, boxes, keyed, orphans))
+    for name, number in by_fqn.items():  # storage entries of no state_dict_metadata entry
+        unkeyed, keyed = latest((key, blob) for _, key, blob in stored.pop(number, []))
+        if unkeyed is not None:
+            orphans.append((name, unkeyed))
+        orphans.extend((name, blob) for _, blob in keyed)
+    refuse_bad_names(source, names, {blob.file for _, blob in orphans}, tensors, objects)
+    return Checkpoint(
+        path=root, metadata_file=source.name, version=version, tensors=tensors, objects=objects,
+        nesting=planner, orphan_blobs=tuple(sorted(orphans, key=str)), save_id=save_id,
+    )
 
 
 class _Matched:

@@ -43,10 +43,7 @@ from pathlib import Path
 from ckpttool import storage
 from ckpttool.checkpoint import Checkpoint, as_path
 from ckpttool.errors import CheckpointError, NotACheckpoint
-from ckpttool.formats.safetensors import SUFFIX
-from ckpttool.readers import dcp_hf, hub_folder
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
-from ckpttool.readers.safetensors import read_header
 
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
@@ -153,6 +150,8 @@ def _read_path(layout: str, path: Path) -> Path:
 
 
 def _file_layout(path: Path) -> str | None:
+    from ckpttool.formats.safetensors import SUFFIX  # the safetensors code: only where a layout may be one
+
     if path.name.endswith(SUFFIX):
         return SAFETENSORS
     if path.name.endswith(TORCH_PT_SUFFIXES):
@@ -255,6 +254,9 @@ def verl_files(path: Path) -> list[str]:
 
 
 def _safetensors_layout(path: Path) -> str | None:
+    from ckpttool.readers import dcp_hf, hub_folder
+    from ckpttool.readers.safetensors import read_header
+
     if dcp_hf.shard_files(path):
         return DCP_HF
     files = hub_folder.safetensors_files(path)
@@ -299,6 +301,8 @@ def _run_entry_order(name: str) -> tuple[int, str]:
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
+    from ckpttool.readers import hub_folder
+
     return (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR) or any(verl_files(path / s) for s in VERL_SUBDIRS)
             or is_deepspeed(path) or is_deepspeed_universal(path)
             or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
