@@ -3,9 +3,9 @@
 Reshard's common case is 300k+ records of a few KiB each. One `Record` (and one `Copy`)
 per record costs a read, a few objects and a write per record; here a whole operation
 reads its source bytes in a few large preads (neighbouring runs coalesced into spans,
-`READ_GAP` and `READ_SPAN`), builds each record from views of those spans (head, data,
-tail holding the data's CRC-32) and writes the output in pwrites of about
-`RECORDS_WRITE_BLOCK` bytes. What it writes is what `Records.records()` writes, byte for
+`READ_GAP` and `READ_SPAN`), builds the records end to end in a buffer (head, data, tail
+holding the data's CRC-32: `torchsave.assembly`, in C when built) and writes the output in
+pwrites of about `RECORDS_WRITE_BLOCK` bytes. What it writes is what `Records.records()` writes, byte for
 byte; operations it cannot run this way (remote sources, outputs without an fd) are
 expanded into those records by `expanded` and take the general path.
 
@@ -34,6 +34,8 @@ from ckpttool.dcp.blobs import DataFiles
 from ckpttool.errors import CorruptBlob
 from ckpttool.io import Output, copy_range, thread_buffer, write_at
 from ckpttool.plan.operations import RECORDS_WRITE_BLOCK, STREAM_BLOCK, Copy, Operation, Record, Records
+from ckpttool.torchsave import native
+from ckpttool.torchsave.assembly import assemble
 from ckpttool.torchsave.crc32 import crc32_combine, crc32_slice
 from ckpttool.torchsave.record import record_layout
 
@@ -41,7 +43,6 @@ from ckpttool.torchsave.record import record_layout
 # one 64 KiB read costs less than a second syscall and its Python around it
 READ_GAP = 64 << 10
 READ_SPAN = 8 << 20  # the longest span read at once (a few of them per operation, at most)
-IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in getattr(os, "sysconf_names", {}) else 16  # pieces a pwritev takes
 
 
 def runs_fast(op: Operation, files: DataFiles, outputs: Mapping[str, Output]) -> bool:
@@ -66,13 +67,21 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
     Runs are taken in (file, offset) order; a run joins the span before it when the gap is
     at most READ_GAP, the span stays within READ_SPAN, and the gap bytes read through so far
     stay within `op.read_through` (so the spans hold at most the records' data and that
-    many bytes more: `Records.memory` counts on it).
+    many bytes more: `Records.memory` counts on it). A record with no source file (an empty
+    chunk's) reads nothing: its span and start are 0.
 
     Example:
         >>> source_spans(op)  # two records' runs 100 bytes apart in one file
         ([('__0_0.distcp', 704, 4900)], [0, 0], [0, 2148])
     """
     lengths = [record_layout(dtype, shape).data_length for dtype, shape in op.shapes]
+    if native.records is not None:  # the same loop in C (a reshard runs it for 300k+ records)
+        return native.records.spans(op.src, op.src_offset, op.kind, lengths, READ_GAP, READ_SPAN, op.read_through)
+    return source_spans_in_python(op, lengths)
+
+
+def source_spans_in_python(op: Records, lengths: list[int]) -> tuple[list[tuple[str, int, int]], list[int], list[int]]:
+    """`source_spans` without the C module (`lengths`: each kind's data bytes)."""
     kind, src, src_offset = op.kind, op.src, op.src_offset
     count = len(kind)
     gap_budget = op.read_through  # bytes read through between runs: spans hold at most data + this
@@ -83,6 +92,8 @@ def source_spans(op: Records) -> tuple[list[tuple[str, int, int]], list[int], li
     start_in = [0] * count
     file, start, end = None, 0, 0
     for i in order:
+        if not src[i]:  # an empty chunk: no data
+            continue
         at = src_offset[i]
         stop = at + lengths[kind[i]]
         gap = at - end if at > end else 0  # runs that overlap (a run read twice) join at no cost
@@ -112,8 +123,8 @@ def write_records(op: Records, files: DataFiles, fd: int, turns: AbstractContext
     record alone raises (naming the file and the record's byte range).
     """
     with turns if turns is not None else nullcontext():
-        views, span_of, start_in = _sources(op, files)
-        _build(op, views, span_of, start_in, functools.partial(_write_pieces, fd))
+        source, positions = _sources(op, files)
+        _build(op, source, positions, functools.partial(_write_pieces, fd))
     return op.output_length
 
 
@@ -121,9 +132,9 @@ def records_match(op: Records, files: DataFiles, fd: int) -> bool:
     """Return True when `fd` holds exactly what `write_records` writes for `op`: the records
     built again from the source, compared a block at a time (a pread and one comparison per
     few MiB, not a check per record). The caller finds and names a difference record by record."""
-    views, span_of, start_in = _sources(op, files)
+    source, positions = _sources(op, files)
     try:
-        _build(op, views, span_of, start_in, functools.partial(_compare_pieces, fd))
+        _build(op, source, positions, functools.partial(_compare_pieces, fd))
     except _Differs:
         return False
     return True
@@ -138,50 +149,36 @@ def _compare_pieces(fd: int, pieces: list, offset: int, length: int) -> None:
         raise _Differs
 
 
-def _sources(op: Records, files: DataFiles) -> tuple[list[memoryview], list[int], list[int]]:
-    """Read `op`'s source spans (`source_spans`); return views of them, and for each record its
-    span and where its data starts there."""
+def _sources(op: Records, files: DataFiles) -> tuple[memoryview, list[int]]:
+    """Read `op`'s source spans (`source_spans`) end to end into this thread's buffer; return
+    a view of them and where each record's data starts in it."""
     spans, span_of, start_in = source_spans(op)
     # into this thread's reused buffer: a fresh MiB-sized bytes per span is a fresh mapping
     # whose every page faults in (that doubled the time of the reads)
-    buffer = memoryview(thread_buffer(sum(end - start for _, start, end in spans), "records"))
-    views, at = [], 0
+    total = sum(end - start for _, start, end in spans)
+    buffer = memoryview(thread_buffer(total, "records"))[:total]
+    bases, at = [], 0
     for span in spans:
-        view = buffer[at:at + span[2] - span[1]]
-        _read_span(op, files, span, view)
-        views.append(view)
-        at += len(view)
-    return views, span_of, start_in
+        _read_span(op, files, span, buffer[at:at + span[2] - span[1]])
+        bases.append(at)
+        at += span[2] - span[1]
+    if not bases:  # every record is an empty chunk's
+        return buffer, [0] * len(span_of)
+    return buffer, [bases[span] + start for span, start in zip(span_of, start_in)]
 
 
-def _build(op: Records, views: list[memoryview], span_of: list[int], start_in: list[int],
-           put: Callable[[list, int, int], None]) -> None:
-    """Build `op`'s records from the source views and hand them to `put(pieces, offset, length)`
-    a block of about RECORDS_WRITE_BLOCK bytes at a time (at most IOV_MAX pieces)."""
+def _build(op: Records, source: memoryview, positions: list[int], put: Callable[[list, int, int], None]) -> None:
+    """Build `op`'s records from the source bytes (each record's data at `positions[i]`) and
+    hand them to `put(pieces, offset, length)` a block of about RECORDS_WRITE_BLOCK bytes at a
+    time (`torchsave.assembly`: in C when built)."""
     layouts = [record_layout(dtype, shape) for dtype, shape in op.shapes]
-    # this loop runs once per record (300k+ in a reshard): everything it needs is a local
-    heads = [layout.head for layout in layouts]
-    lengths = [layout.data_length for layout in layouts]
-    sizes = [layout.length for layout in layouts]
-    tails = [layout.tail_patches.tail for layout in layouts]  # RecordLayout.tail's, a call less
-    crc32 = zlib.crc32
-    pieces: list = []
-    append = pieces.append
-    most = IOV_MAX - 3  # a record is three pieces
-    block_start, pending = op.offset, 0
-    for kind, span, start in zip(op.kind, span_of, start_in):
-        data = views[span][start:start + lengths[kind]]
-        append(heads[kind])
-        append(data)
-        append(tails[kind](crc32(data)))
-        pending += sizes[kind]
-        if pending >= RECORDS_WRITE_BLOCK or len(pieces) > most:
-            put(pieces, block_start, pending)
-            block_start += pending
-            pending = 0
-            pieces.clear()
-    if pieces:
-        put(pieces, block_start, pending)
+    size = min(op.length, RECORDS_WRITE_BLOCK + max((layout.length for layout in layouts), default=0))
+    out = memoryview(thread_buffer(size, "records-out"))
+    first, at = 0, op.offset
+    while first < len(op.kind):
+        first, written = assemble(out, source, op.kind, positions, layouts, first, RECORDS_WRITE_BLOCK)
+        put([out[:written]], at, written)
+        at += written
 
 
 def _write_pieces(fd: int, pieces: list, offset: int, length: int) -> None:

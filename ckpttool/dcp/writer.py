@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
 from ckpttool.checkpoint import paused_gc
 from ckpttool.formats.dcp import DATA_FILE_SUFFIX
 from ckpttool.geometry import positions_in_groups
+from ckpttool.torchsave import native
 from ckpttool.torchsave.pickle import Fragment, Global, LazyDict, LazyList, NewObject, Reduce, Writer, dumps, int_bytes
 
 
@@ -577,6 +578,19 @@ def _joined_rows(segments: Sequence, rows: int) -> tuple[bytes, Any]:
         else:
             merged.append(segment)
     widths = [len(segment) if isinstance(segment, bytes) else len(segment[0]) for segment in merged]
+    if native.records is not None:  # in C: each row's bytes in turn, straight from the columns
+        lengths = np.zeros(rows, np.int64)
+        columns: list = []
+        for segment, width in zip(merged, widths):
+            if isinstance(segment, bytes):
+                lengths += width
+                columns.append(segment)
+                continue
+            encoded, counts = segment
+            counts = np.ascontiguousarray(np.broadcast_to(counts, (rows,)), np.int64)
+            lengths += counts
+            columns.append((np.ascontiguousarray(np.broadcast_to(encoded, (width, rows)), np.uint8), counts))
+        return native.records.join(columns, rows, int(lengths.sum())), lengths
     # every row at its segments' widest, then the bytes past each row's own lengths left out
     table = np.empty((sum(widths), rows), np.uint8)
     keep = np.empty((sum(widths), rows), bool)

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ckpttool import dtypes
@@ -161,10 +162,12 @@ class Records:
     """torch.save records of chunks laid end to end in `dst` from byte `offset`, record `i`
     holding a `shapes[kind[i]]` chunk of `fqn[i]` whose first row is `start[i]` (its other
     offsets 0), its data the `length` raw bytes at `src_offset[i]` of data file `src[i]`
-    (`length` = the record layout's `data_length`).
+    (`length` = the record layout's `data_length`). A record of an empty chunk (no data)
+    reads nothing: its `src` is "" and its `src_offset` 0.
 
-    `records()` gives the same writes as one `Record` (with one `Copy` part) per record: what
-    they write is what these write, byte for byte. Equal by identity (its columns are long).
+    `records()` gives the same writes as one `Record` (with one `Copy` part, none for an empty
+    chunk) per record: what they write is what these write, byte for byte. Equal by identity
+    (its columns are long).
     """
 
     dst: str
@@ -183,10 +186,10 @@ class Records:
     def __post_init__(self) -> None:
         layouts = [record_layout(dtype, shape) for dtype, shape in self.shapes]
         lengths = [layout.length for layout in layouts]
-        total = sum(lengths[kind] for kind in self.kind)
-        data = [layout.data_length for layout in layouts]
+        counts = Counter(self.kind)  # counted in C: a reshard makes 300k+ records
+        total = sum(lengths[kind] * count for kind, count in counts.items())
         object.__setattr__(self, "length", total)
-        object.__setattr__(self, "output_length", sum(data[kind] for kind in self.kind))
+        object.__setattr__(self, "output_length", sum(layouts[kind].data_length * count for kind, count in counts.items()))
         object.__setattr__(self, "read_through", max(total, RECORDS_READ_THROUGH))
         # held at once while it runs: the source spans (the records' data and the gaps read
         # through between runs: record_writes.source_spans), and the output block being built
@@ -205,8 +208,8 @@ class Records:
             dtype, shape = self.shapes[kind]
             layout = layouts[kind]
             chunk_offsets = (start, *(0 for _ in shape[1:])) if shape else ()
-            copy = Copy(src, src_offset, self.dst, at + layout.data_offset, layout.data_length)
-            out.append(Record(self.dst, at, fqn, chunk_offsets, dtype, shape, (copy,)))
+            copy = (Copy(src, src_offset, self.dst, at + layout.data_offset, layout.data_length),) if layout.data_length else ()
+            out.append(Record(self.dst, at, fqn, chunk_offsets, dtype, shape, copy))
             at += layout.length
         return out
 

@@ -2,8 +2,8 @@
 
 Each rank file holds its objects, copied verbatim, then one torch.save record per chunk
 (`torchsave.record`), in the plan's order; `.metadata` records where each lies. A chunk
-filled by one run of raw source bytes, in a record of at most `RECORDS_RECORD` bytes, goes
-into a `Records` operation with its neighbours (the common case: hundreds of thousands of
+filled by one run of raw source bytes (or empty), in a record of at most `RECORDS_RECORD`
+bytes, goes into a `Records` operation with its neighbours (the common case: hundreds of thousands of
 small records as columns); any other chunk gets its own `Record` (several runs, a decoded
 source, a large record streamed).
 
@@ -96,7 +96,9 @@ def _plan_writes(plan: ReshardPlan, checkpoint: Checkpoint, located: Mapping[str
     source = base[table.tensor[single]] + table.run_source[run[single]]
     raw_file[single] = source_file[source]
     raw_offset[single] = source_offset[source] + table.run_source_offset[run[single]]
-    simple = (raw_file >= 0) & (length <= RECORDS_RECORD)
+    # (an empty chunk reads nothing: a Records holds it too, with no source file)
+    data_length = np.array([layout.data_length for layout in layouts], dtype=np.int64)[kind]
+    simple = ((raw_file >= 0) | (data_length == 0)) & (length <= RECORDS_RECORD)
 
     columns = _Columns(table, kinds, kind, offset, raw_file, raw_offset, names, source_names)
     operations: list[Operation] = []

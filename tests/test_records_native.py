@@ -1,0 +1,174 @@
+"""Reshard's records built in C (`torchsave/_records.c`) are the bytes the Python code builds:
+the serialization id's BLAKE2b, whole records end to end, the coalesced source spans, and a
+whole reshard of a real checkpoint with and without the C module (empty chunks included)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import zlib
+
+import pytest
+
+from conftest import FIXTURES
+
+from ckpttool import record_writes
+from ckpttool.commands.reshard import reshard
+from ckpttool.plan.operations import Record, Records
+from ckpttool.plan.rank_files import plan_writes
+from ckpttool.plan.reshard import Mesh, plan_reshard
+from ckpttool.readers.dcp import read_checkpoint
+from ckpttool.torchsave import archive, assembly
+from ckpttool.torchsave import native as native_module
+from ckpttool.torchsave.record import record_layout
+
+native = pytest.importorskip("ckpttool.torchsave._records", reason="the C module is not built (no compiler)")
+
+SHAPES = [("float32", (4,)), ("bfloat16", (3, 5)), ("float32", ()), ("int64", (2, 2, 2)), ("float32", (0, 64)),
+          ("float8_e4m3fn", (17,))]
+
+
+def test_the_serialization_id_in_c_is_the_blake2b_one_for_any_length():
+    generator = random.Random(0)
+    for length in [*range(0, 300), 1024, 4099]:  # one block, several, and exactly 128 and 256 bytes
+        packed = generator.randbytes(length)
+        expected = b"%040d" % int.from_bytes(hashlib.blake2b(packed, digest_size=16).digest(), "little")
+        assert native.serialization_id_of(packed) == expected == archive.serialization_id_of(packed), length
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_records_built_in_c_are_the_records_built_in_python_block_by_block(seed):
+    generator = random.Random(seed)
+    layouts = [record_layout(dtype, shape) for dtype, shape in SHAPES]
+    source = generator.randbytes(20_000)
+    kinds = [generator.randrange(len(layouts)) for _ in range(400)]
+    positions = [generator.randrange(0, 19_000) for _ in kinds]
+    expected = b"".join(layouts[k].head + source[p:p + layouts[k].data_length]
+                        + layouts[k].tail(zlib.crc32(source[p:p + layouts[k].data_length])) for k, p in zip(kinds, positions))
+    limit = (1, 5000, 1 << 30)[seed]  # a record a call, a few, all at once
+    pieces = {}
+    for build in (assembly.assemble, assembly.assemble_in_python):
+        out, first, joined = bytearray(min(limit, len(expected)) + max(layout.length for layout in layouts)), 0, []
+        while first < len(kinds):
+            first, written = build(out, source, kinds, positions, layouts, first, limit)
+            joined.append(bytes(out[:written]))
+        pieces[build] = joined
+    assert pieces[assembly.assemble] == pieces[assembly.assemble_in_python]
+    assert b"".join(pieces[assembly.assemble]) == expected
+
+
+@pytest.mark.parametrize("build", [assembly.assemble, assembly.assemble_in_python])
+def test_records_past_the_source_or_the_output_are_refused_before_anything_is_written(build):
+    layout = record_layout("float32", (4,))
+    out = bytearray(3 * layout.length)
+    with pytest.raises(ValueError, match="runs past the source"):
+        build(out, bytes(40), [0, 0, 0], [0, 16, 32], [layout], 0, len(out))
+    with pytest.raises(ValueError, match="do not fit"):
+        build(bytearray(layout.length), bytes(48), [0, 0], [0, 16], [layout], 0, 1 << 20)
+    assert out == bytearray(len(out))
+
+
+def test_source_spans_in_c_are_those_of_the_python_loop(monkeypatch):
+    generator = random.Random(5)
+    for trial in range(800):
+        count = generator.randrange(0, 30)
+        shapes = (("float32", (generator.randrange(1, 2000),)), ("bfloat16", (generator.randrange(1, 900), 3)),
+                  ("float32", (0, 8)))
+        kinds = tuple(generator.randrange(3) for _ in range(count))
+        files = tuple("" if kind == 2 else f"__{generator.randrange(3)}_0.distcp" for kind in kinds)
+        op = Records("out", 0, shapes, kinds, ("w",) * count, (0,) * count, files,
+                     tuple(0 if kind == 2 else generator.randrange(0, 100_000) for kind in kinds))
+        monkeypatch.setattr(record_writes, "READ_GAP", generator.choice([0, 100, 1 << 16]))
+        monkeypatch.setattr(record_writes, "READ_SPAN", generator.choice([500, 1 << 20]))
+        lengths = [record_layout(dtype, shape).data_length for dtype, shape in shapes]
+        assert record_writes.source_spans(op) == record_writes.source_spans_in_python(op, lengths), trial
+
+
+def written_files(source, destination, world_size: int) -> dict[str, bytes]:
+    reshard(source, destination, world_size=world_size)
+    found = {path.name: path.read_bytes() for path in sorted(destination.iterdir())}
+    for path in destination.iterdir():
+        path.unlink()
+    destination.rmdir()
+    return found
+
+
+def test_a_reshard_without_the_c_module_writes_the_same_bytes_empty_chunks_included(tmp_path, monkeypatch):
+    source = FIXTURES / "fsdp2_world3_uneven"
+    checkpoint = read_checkpoint(source)
+    plan = plan_reshard(checkpoint, Mesh(1, 16))  # more ranks than some tensors have rows: empty chunks
+    writes = plan_writes(plan, checkpoint, {fqn: {index: None for index in range(len(tensor.chunks))}
+                                            for fqn, tensor in checkpoint.tensors.items()})
+    assert not [op for op in writes.operations if type(op) is Record and not op.output_length], \
+        "a record of an empty chunk is grouped into a Records"
+    empty = [op for op in writes.operations if type(op) is Records and "" in op.src]
+    assert empty, "the plan has empty chunks in Records operations"
+    with_c = written_files(source, tmp_path / "out", 16)
+    monkeypatch.setattr(native_module, "records", None)
+    without = written_files(source, tmp_path / "out", 16)
+    assert with_c.keys() == without.keys() and len(with_c) == 17
+    assert with_c == without
+
+
+def test_record_headers_compared_in_c_match_the_numpy_comparison_on_damaged_blocks(monkeypatch):
+    """`ParsedRecords.match_block` with the C comparison and without: the same layout and
+    CRC-32 for every record of blocks of three layouts of one length, damaged anywhere."""
+    import numpy as np
+
+    from ckpttool.torchsave.record import ParsedRecords, record_bytes
+
+    generator = random.Random(11)
+    shapes = [(4, 8), (8, 4), (32,)]
+    goods = [record_bytes("float32", shape, bytes(128)) for shape in shapes]
+    length = len(goods[0])
+    hits = misses = 0
+    for trial in range(40):
+        records = []
+        for _ in range(60):
+            record = bytearray(record_bytes("float32", generator.choice(shapes), generator.randbytes(128)))
+            for _ in range(generator.choice((0, 0, 1, 3))):
+                record[generator.choice((generator.randrange(4), generator.randrange(len(record))))] = generator.randrange(256)
+            records.append(bytes(record))
+        lead, gap = generator.randrange(8), generator.choice((0, 1, 7))
+        block = np.frombuffer(bytes(lead) + b"".join(record + bytes(gap) for record in records) + bytes(8), np.uint8)
+        starts = np.array([lead + i * (length + gap) for i in range(len(records))], dtype=np.int64)
+        parsed = ParsedRecords()
+        for good in goods[:generator.choice((1, 2, 3))]:
+            parsed.parse(lambda start, count, good=good: good[start:start + count], length, "test", 0)
+        answers = []
+        for module in (native, None):
+            monkeypatch.setattr(native_module, "records", module)
+            which, crcs, layouts = parsed.match_block(block, starts, length)
+            answers.append((which.tolist(), crcs.tolist(), layouts))
+        assert answers[0] == answers[1], trial
+        hits += sum(number >= 0 for number in answers[0][0])
+        misses += sum(number < 0 for number in answers[0][0])
+    assert hits > 500 and misses > 100
+    with pytest.raises(IndexError):
+        native.match(np.zeros(16, np.uint8), np.array([12], np.int64), [(0, 2, np.zeros(2, "<u8"), None)])
+
+
+def test_metadata_rows_joined_in_c_are_the_numpy_join(monkeypatch):
+    """`dcp.writer._joined_rows`: fixed bytes and encoded columns (each row its own count of
+    a column's bytes) joined row by row, in C and by numpy's mask, on random columns."""
+    import numpy as np
+
+    from ckpttool.dcp import writer
+
+    generator = np.random.default_rng(3)
+    for rows in (0, 1, 7, 64, 65, 1000):
+        segments: list = [b"\x80\x02"]
+        for width in (1, 4, 10, 3):
+            segments.append((generator.integers(0, 256, (width, rows), dtype=np.uint8),
+                             generator.integers(0, width + 1, rows, dtype=np.int64)))
+            segments.append(b"q" * int(generator.integers(0, 3)))
+        segments.append((np.full((1, rows), 40, np.uint8), np.ones(rows, np.int64)))
+        joined = []
+        for module in (native, None):
+            monkeypatch.setattr(native_module, "records", module)
+            data, lengths = writer._joined_rows(segments, rows)
+            joined.append((data, lengths.tolist()))
+        assert joined[0] == joined[1], rows
+        assert len(joined[0][0]) == sum(joined[0][1])
+    with pytest.raises(ValueError, match="past its segment's width"):
+        native.join([(np.zeros((2, 3), np.uint8), np.array([1, 3, 0], np.int64))], 3, 4)
