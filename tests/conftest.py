@@ -7,6 +7,8 @@ runs (see fixtures/generate.py); tests that need other layouts write them once p
 from __future__ import annotations
 
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,33 @@ def assert_same_bytes(actual, expected, name: str = "") -> None:
     assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
     assert tuple(actual.shape) == tuple(expected.shape), f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert tensor_bytes(actual) == tensor_bytes(expected), f"{name}: bytes differ"
+
+
+@pytest.fixture(scope="session")
+def trainer_checkpoint(tmp_path_factory):
+    """`trainer_checkpoint(*args, nproc=2)` -> the last step directory of a tiny 2-step run of
+    the real trainer (`trainer_runs.run_trainer`) with `args`, run once per session for every
+    file that asks for the same run (read-only: copy it before changing it). Safe to call from
+    several threads at once: a second caller of a run in progress waits for it."""
+    from trainer_runs import latest_step, run_trainer
+
+    runs: dict[tuple, Future] = {}
+    lock = threading.Lock()
+
+    def get(*args, nproc: int = 2) -> Path:
+        key = (tuple(str(arg) for arg in args), nproc)
+        with lock:
+            started = key in runs
+            future = runs.setdefault(key, Future())
+        if not started:
+            try:
+                directory = tmp_path_factory.mktemp("trainer-" + "-".join(a.strip("-") for a in key[0])[:40])
+                future.set_result(latest_step(run_trainer(directory, *args, nproc=nproc)))
+            except BaseException as error:
+                future.set_exception(error)
+        return future.result()
+
+    return get
 
 
 @pytest.fixture(scope="module")

@@ -35,11 +35,11 @@ import socket
 import struct
 import threading
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Iterable, Mapping, Sequence
 from urllib.parse import parse_qs, urlsplit
 
-from s3_proxy import BLOCK, HOP_HEADERS
+from s3_proxy import Relay
 
 FAULTS = ("slowdown", "internal", "reset", "reset-mid", "short", "stall", "slow")
 REQUEST_TYPES = ("LIST", "HEAD", "GET", "PUT", "CREATE", "PART", "COMPLETE", "ABORT", "DELETE")
@@ -140,10 +140,8 @@ class FaultProxy(ThreadingHTTPServer):
         self.server_close()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(Relay):
     server: FaultProxy
-    _upstream: http.client.HTTPConnection | None = None
 
     def _handle(self) -> None:
         with self.server.lock:
@@ -173,65 +171,6 @@ class _Handler(BaseHTTPRequestHandler):
             self._cut(response, reset=fault == "reset-mid")
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-    def _request_body(self) -> bytes | None:
-        if "chunked" in (self.headers.get("transfer-encoding") or "").lower():
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if not size:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    return b"".join(chunks)
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-        length = int(self.headers.get("content-length") or 0)
-        return self.rfile.read(length) if length else None
-
-    def _forward(self, body: bytes | None) -> http.client.HTTPResponse:
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS | {"expect"}}
-        if body is not None:
-            headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
-            headers["Content-Length"] = str(len(body))
-        for attempt in range(2):
-            if self._upstream is None:
-                self._upstream = http.client.HTTPConnection(*self.server.target, timeout=60)
-            try:
-                self._upstream.request(self.command, self.path, body=body, headers=headers)
-                return self._upstream.getresponse()
-            except (ConnectionError, http.client.HTTPException):
-                self._upstream.close()
-                self._upstream = None
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _headers(self, response: http.client.HTTPResponse, length: int | None) -> bytes:
-        lines = [f"HTTP/1.1 {response.status} {response.reason}"]
-        lines += [f"{name}: {value}" for name, value in response.getheaders()
-                  if name.lower() not in HOP_HEADERS | {"content-length"}]
-        if length is not None:
-            lines.append(f"Content-Length: {length}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-    def _bodiless(self, response: http.client.HTTPResponse) -> bool:
-        return self.command == "HEAD" or response.status in (204, 304) or response.status < 200
-
-    def _stream(self, response: http.client.HTTPResponse) -> None:
-        declared = response.getheader("content-length")
-        chunked = declared is None and not self._bodiless(response)
-        head = self._headers(response, int(declared) if declared is not None else None)
-        if chunked:
-            head = head[:-2] + b"Transfer-Encoding: chunked\r\n\r\n"
-        self.wfile.write(head)
-        while not self._bodiless(response):
-            block = response.read(BLOCK)
-            if not block:
-                break
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block) if chunked else block)
-        if chunked:
-            self.wfile.write(b"0\r\n\r\n")
-        self._done_upstream(response)
 
     def _cut(self, response: http.client.HTTPResponse, reset: bool) -> None:
         """Send the response in part (into the body when it has one, else into the headers),
@@ -272,17 +211,8 @@ class _Handler(BaseHTTPRequestHandler):
             pass
         self.close_connection = True
 
-    def _done_upstream(self, response: http.client.HTTPResponse) -> None:
-        if response.will_close and self._upstream is not None:
-            self._upstream.close()
-            self._upstream = None
-
     def finish(self) -> None:
         try:
             super().finish()
         except OSError:
             pass
-
-    def log_message(self, *args: object) -> None:
-        pass
-

@@ -2,12 +2,13 @@
 model wrapped with `fully_shard` (FSDP2, or HSDP on a 2-D mesh) + AdamW: the fixtures'
 TinyModel, or (`model="gpt"`) the trainer's GPT built from the config the checkpoint stores.
 
-One `load_all(jobs, world_size, out)` call spawns the ranks once and runs every job, so a
-test session pays the process start-up once per world size. For each job rank 0 writes
-`out/<name>.pt` (the loaded state gathered to full tensors: `{"model", "optim", "extra"}`),
-every rank writes `out/<name>.reads.<rank>.json` (each chunk it read: fqn, offsets and
-file, seen by a counting `FileSystemReader`), and with `save_to` the loaded state is saved
-again by torch's own `dcp.save` (torch's layout at this world size, to compare with ours).
+One `load_all(jobs, world_size, out)` call starts the ranks once (forked from one process that
+imported torch) and runs every job, so a test session pays the start-up once per world size.
+For each job rank 0 writes `out/<name>.pt` (the loaded state gathered to full tensors:
+`{"model", "optim", "extra"}`), every rank writes `out/<name>.reads.<rank>.json` (each chunk it
+read: fqn, offsets and file, seen by a counting `FileSystemReader`), and with `save_to` the
+loaded state is saved again by torch's own `dcp.save` (torch's layout at this world size, to
+compare with ours).
 
 Example:
     >>> load_all([LoadJob("w3", "/tmp/ckpt-world3", optimizer=True)], 3, Path("/tmp/out"))
@@ -145,12 +146,30 @@ def exit_spawned_rank() -> None:
     os._exit(0)
 
 
+# Run in a fresh process: import what every rank needs once, then fork the ranks (spawned ranks
+# would each import torch again, seconds apiece; a fork of the test process itself could inherit
+# its OpenMP and server threads).
+_FORK_RANKS = """
+import pickle, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2], sys.argv[3]]
+import torch, torch.distributed.checkpoint, torch.distributed.checkpoint.state_dict, torch.distributed.fsdp
+import torch.multiprocessing as mp
+import generate, train_minimal.checkpoint, train_minimal.model
+from fsdp_loads import _free_port, _worker
+jobs, world_size, out = pickle.loads(sys.stdin.buffer.read())
+mp.start_processes(_worker, args=(world_size, _free_port(), jobs, out), nprocs=world_size, start_method="fork")
+"""
+
+
 def load_all(jobs: list[LoadJob], world_size: int, out: Path) -> Path:
-    """Run every job on `world_size` spawned gloo ranks; return `out`."""
-    import torch.multiprocessing as mp
+    """Run every job on `world_size` gloo ranks forked from one fresh process; return `out`."""
+    import pickle
+    import subprocess
 
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world_size, _free_port(), jobs, str(out)), nprocs=world_size)
+    here = Path(__file__).resolve().parent
+    subprocess.run([sys.executable, "-c", _FORK_RANKS, str(here), str(FIXTURES), str(here.parent)],
+                   input=pickle.dumps((jobs, world_size, str(out))), check=True, timeout=900)
     return out
 
 

@@ -1,4 +1,9 @@
-"""Google Cloud Storage and Azure Blob Storage emulators on 127.0.0.1, for the gs:// and az:// tests.
+"""Object storage on 127.0.0.1 for the s3://, gs:// and az:// tests: moto's S3 server, and the Google
+Cloud Storage and Azure Blob Storage emulators.
+
+`moto_s3()` runs moto's S3 server mode in this process (a thread) on a free port, its buckets
+emptied first; `aws_environment(endpoint)` points botocore's AWS_* variables at a test server
+(moto's fixed test credentials) and puts the environment back afterwards.
 
 `gcs_emulator()` runs gcp-storage-emulator (PyPI: `pip install gcp-storage-emulator`) and
 `azurite()` runs Azurite's blob service (npm: `npm install -g azurite`, or a local install whose
@@ -9,6 +14,8 @@ When an emulator is not installed the tests that need it are skipped with the in
 `CKPTTOOL_REQUIRE_EMULATORS=1` (CI sets it): then they fail, so a CI that lost an emulator says so.
 
 Example:
+    >>> with moto_s3() as endpoint, aws_environment(endpoint):
+    ...     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     >>> with gcs_emulator() as endpoint:
     ...     fs = gcsfs.GCSFileSystem(endpoint_url=endpoint, token="anon")
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -90,6 +99,42 @@ def _running(command: list[str], port: int, name: str, log: Path, env: dict[str,
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def moto_s3() -> Iterator[str]:
+    """Yield the endpoint URL of moto's S3 server (server mode, a thread of this process) on a
+    free port of 127.0.0.1, with no bucket: moto keeps its buckets per process, not per server,
+    so another module's server may have left some; they are reset first."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def aws_environment(endpoint: str | None = None) -> Iterator[None]:
+    """Set moto's test credentials and region in the AWS_* variables botocore reads, and
+    AWS_ENDPOINT_URL to `endpoint` (unset when None); restore the whole environment on exit."""
+    saved = dict(os.environ)
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    if endpoint is None:
+        os.environ.pop("AWS_ENDPOINT_URL", None)
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @contextlib.contextmanager

@@ -95,11 +95,15 @@ def _save_layouts(rank: int, port: int, directory: str) -> None:
     exit_spawned_rank()
 
 
-def _spawn_layouts(directory: Path) -> Path:
-    import torch.multiprocessing as mp
+_FORK_LAYOUTS = ("import sys; sys.path.insert(0, sys.argv[1]); import torch.multiprocessing as mp; "
+                 "from test_consolidate import _free_port, _save_layouts; "
+                 "mp.start_processes(_save_layouts, args=(_free_port(), sys.argv[2]), nprocs=4, start_method='fork')")
 
-    mp.spawn(_save_layouts, args=(_free_port(), str(directory)), nprocs=4)
-    return directory
+
+def _start_layouts(directory: Path) -> subprocess.Popen:
+    """Start `_save_layouts` on 4 ranks forked from one fresh process (which imports torch once;
+    spawned ranks would each import it again); the process exits 0 when `directory` is written."""
+    return subprocess.Popen([sys.executable, "-c", _FORK_LAYOUTS, str(Path(__file__).parent), str(directory)])
 
 
 TRAINER_LAYOUTS = {
@@ -111,18 +115,21 @@ TRAINER_LAYOUTS = {
 
 
 @pytest.fixture(scope="session")
-def written(tmp_path_factory) -> dict[str, Path]:
-    """name -> checkpoint directory, for the trainer's layouts and the spawned one."""
-    from trainer_runs import latest_step, run_trainer
-
-    root = tmp_path_factory.mktemp("layouts")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = {
-            name: pool.submit(run_trainer, root / name, *args, nproc=nproc)
-            for name, (args, nproc) in TRAINER_LAYOUTS.items()
-        }
-        spawned = _spawn_layouts(root / "block_tied_buffers")
-        paths = {name: latest_step(run.result()) for name, run in runs.items()}
+def written(tmp_path_factory, trainer_checkpoint) -> dict[str, Path]:
+    """name -> checkpoint directory, for the trainer's layouts (shared with other files through
+    conftest's `trainer_checkpoint`) and the spawned one."""
+    spawned = tmp_path_factory.mktemp("layouts") / "block_tied_buffers"
+    layouts = _start_layouts(spawned)
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            runs = {name: pool.submit(trainer_checkpoint, *args, nproc=nproc)
+                    for name, (args, nproc) in TRAINER_LAYOUTS.items()}
+            paths = {name: run.result() for name, run in runs.items()}
+        assert layouts.wait(timeout=600) == 0, "the world-4 save of the spawned layouts failed (its stderr is above)"
+    finally:
+        if layouts.poll() is None:
+            layouts.kill()
+            layouts.wait()
     paths["block_tied_buffers"] = spawned
     return paths
 

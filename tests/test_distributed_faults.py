@@ -16,7 +16,6 @@ run as one process (no torch): what a dead process left must not stop them.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import re
 import socket
@@ -24,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,25 +137,14 @@ def watch(job: Job) -> list[threading.Thread]:
 def s3(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 and the environment pointing at it; yields an s3fs filesystem."""
     pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
-    saved = dict(os.environ)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    pytest.importorskip("moto.server")
     import s3fs
+    from storage_emulators import aws_environment, moto_s3
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    try:
+    with moto_s3() as endpoint, aws_environment(endpoint):
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
         yield fs
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        server.stop()
 
 
 @pytest.fixture(scope="module")

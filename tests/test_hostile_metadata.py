@@ -164,15 +164,16 @@ _MEASURE = ("import os, subprocess, sys\n"
             "sys.exit(os.waitstatus_to_exitcode(status))\n")
 
 
-def run_cli(args: list[str], cwd: Path) -> tuple[int, str, str, float, float]:
-    """Run `python -m ckpttool ARGS`; return (exit code, stdout, stderr, seconds, peak RSS MB)."""
+def run_cli(args: list[str], cwd: Path, timeout: float = TIMEOUT_S) -> tuple[int, str, str, float, float]:
+    """Run `python -m ckpttool ARGS`, killed after `timeout` seconds; return (exit code, stdout,
+    stderr, seconds, peak RSS MB)."""
     stdout_path, stderr_path, rss_path = cwd / "stdout.txt", cwd / "stderr.txt", cwd / "rss.txt"
     with open(stderr_path, "wb") as stderr, open(stdout_path, "wb") as stdout:
         started = time.monotonic()
         process = subprocess.Popen([sys.executable, "-c", _MEASURE, str(rss_path), sys.executable, "-m", "ckpttool", *args],
                                    stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True)
         try:
-            process.wait(timeout=TIMEOUT_S)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()

@@ -8,9 +8,7 @@ module); outputs are compared byte for byte with the same command run on local p
 from __future__ import annotations
 
 import json
-import logging
 import os
-import urllib.request
 import signal
 import subprocess
 import sys
@@ -22,11 +20,12 @@ import pytest
 from conftest import FIXTURES
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 from ckpttool import storage  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
 from ckpttool.outputs import multipart  # noqa: E402
+from storage_emulators import aws_environment, moto_s3  # noqa: E402
 
 BUCKET = "ckpts"
 SOURCE = FIXTURES / "fsdp2_world2"
@@ -38,29 +37,15 @@ MARKER = "ckpttool-test: paused at "
 def s3(tmp_path_factory):
     """A moto S3 server on a free port, the environment pointing at it, the fixture uploaded;
     yields an s3fs filesystem for looking at what the commands left."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    # moto keeps its buckets per process, not per server: start from none (another module's
-    # server, e.g. test_open's use of this fixture, may have left this bucket behind)
-    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
-    saved = dict(os.environ)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://{host}:{port}")
     import s3fs
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    for folder, prefix in ((SOURCE, "src"), (FIXTURES / "dcp_hf_world2_consolidated", "hub")):
-        for path in sorted(folder.iterdir()):
-            fs.put_file(str(path), f"{BUCKET}/{prefix}/{path.name}")
-    try:
+    with moto_s3() as endpoint, aws_environment(endpoint):
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        for folder, prefix in ((SOURCE, "src"), (FIXTURES / "dcp_hf_world2_consolidated", "hub")):
+            for path in sorted(folder.iterdir()):
+                fs.put_file(str(path), f"{BUCKET}/{prefix}/{path.name}")
         yield fs
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        server.stop()
 
 
 def run_cli(*args) -> tuple[int, str, str]:

@@ -7,18 +7,18 @@ as the same command on the local copy. `spans` (merging ranges, the store) is te
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
 import pytest
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 from ckpttool import spans  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
 from dcp_world import write as write_world  # noqa: E402
 from s3_proxy import LatencyProxy  # noqa: E402
+from storage_emulators import aws_environment, moto_s3  # noqa: E402
 
 BUCKET = "coalesced"
 MiB = 1 << 20
@@ -36,25 +36,12 @@ def proxy(world8):
     the AWS_* environment points at the proxy."""
     import boto3
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    client = boto3.client("s3", endpoint_url=f"http://{host}:{port}", aws_access_key_id="testing",
-                          aws_secret_access_key="testing", region_name="us-east-1")
-    client.create_bucket(Bucket=BUCKET)
-    for path in sorted(world8.iterdir()):
-        client.upload_file(str(path), BUCKET, f"w8/{path.name}")
-    saved = dict(os.environ)
-    with LatencyProxy(f"http://{host}:{port}") as forward:
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                          AWS_ENDPOINT_URL=forward.endpoint)
-        try:
-            yield forward
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-            server.stop()
+    with moto_s3() as endpoint, LatencyProxy(endpoint) as forward, aws_environment(forward.endpoint):
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=BUCKET)
+        for path in sorted(world8.iterdir()):
+            client.upload_file(str(path), BUCKET, f"w8/{path.name}")
+        yield forward
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import http.server
 import json
-import logging
 import sys
 import threading
 import urllib.parse
 
 import pytest
 
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 botocore_auth = pytest.importorskip("botocore.auth")
 
 from ckpttool import s3  # noqa: E402
+from storage_emulators import moto_s3  # noqa: E402
 
 BUCKET = "native-reads"
 BLOB = bytes(range(256)) * 40 + b"tail"  # 10244 bytes: pieces of a 1000-byte buffer end short
@@ -37,24 +37,17 @@ def moto(tmp_path_factory):
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                          region_name="us-east-1")
-    client.create_bucket(Bucket=BUCKET)
-    for key, body in ((ODD_KEY, BLOB), ("runs/step 1/.metadata", b"meta"), ("runs/step 10/x", b"sibling"),
-                      ("runs/step 1", b"an object at the prefix itself")):
-        client.put_object(Bucket=BUCKET, Key=key, Body=body)
-    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]  # the in-process server's store: 1001 PUTs over HTTP take ~10 s
-    for index in range(MANY):
-        backend.put_object(BUCKET, f"many/{index:05d}", b"%d" % index)
-    try:
+    with moto_s3() as endpoint:
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                              aws_secret_access_key="testing", region_name="us-east-1")
+        client.create_bucket(Bucket=BUCKET)
+        for key, body in ((ODD_KEY, BLOB), ("runs/step 1/.metadata", b"meta"), ("runs/step 10/x", b"sibling"),
+                          ("runs/step 1", b"an object at the prefix itself")):
+            client.put_object(Bucket=BUCKET, Key=key, Body=body)
+        backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]  # the in-process server's store: 1001 PUTs over HTTP take ~10 s
+        for index in range(MANY):
+            backend.put_object(BUCKET, f"many/{index:05d}", b"%d" % index)
         yield endpoint
-    finally:
-        server.stop()
 
 
 def native(endpoint: str, **options) -> s3.S3Client:
@@ -233,6 +226,29 @@ def test_pieces_from_several_threads_each_on_its_own_connection(moto):
     with ThreadPoolExecutor(4) as pool:
         for start, data in pool.map(read, range(0, 6000, 1000)):
             assert data == BLOB[start:start + 4000]
+
+
+@pytest.mark.parametrize("proxy", ["s3_proxy.LatencyProxy", "fault_proxy.FaultProxy"])
+def test_the_test_proxies_relay_a_204_as_headers_alone(moto, proxy):
+    """The relay the test proxies share: moto answers a DELETE with 204 and no length; the
+    proxy must send the headers alone (it once added `Transfer-Encoding: chunked` and a chunk
+    terminator, which a 204 may not have), so the next answer on the connection follows them."""
+    import importlib
+    import socket
+
+    module, name = proxy.split(".")
+    request = f"DELETE /{BUCKET}/no-such-key HTTP/1.1\r\nHost: s3\r\nContent-Length: 0\r\n\r\n".encode()
+    with getattr(importlib.import_module(module), name)(moto) as forward:
+        host, port = urllib.parse.urlsplit(forward.endpoint).netloc.split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            received = b""
+            for answers in (1, 2):  # S3 answers 204 for a missing key too
+                connection.sendall(request)
+                while received.count(b"\r\n\r\n") < answers:
+                    received += connection.recv(65536)
+    first, second = received.split(b"\r\n\r\n")[:2]
+    assert first.startswith(b"HTTP/1.1 204 ") and b"transfer-encoding" not in first.lower(), first
+    assert second.startswith(b"HTTP/1.1 204 "), f"bytes after the first 204's headers: {second[:40]!r}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,9 +14,6 @@ and runs on every store, and 12 disk-full points as root with `mount`; none may 
 
 from __future__ import annotations
 
-import logging
-import os
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,10 +21,11 @@ import pytest
 from conftest import FIXTURES
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 import soak_harness  # noqa: E402
 from fault_proxy import FaultProxy  # noqa: E402
+from storage_emulators import aws_environment, moto_s3  # noqa: E402
 
 from ckpttool import s3  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
@@ -39,27 +37,14 @@ SOURCE = FIXTURES / "fsdp2_world2"
 @pytest.fixture(scope="module")
 def moto(tmp_path_factory):
     """A moto server with SOURCE uploaded under s3://faults/src; yields (endpoint, s3fs on it)."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
-    saved = dict(os.environ)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    os.environ.pop("AWS_ENDPOINT_URL", None)
     import s3fs
 
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-    fs.call_s3("create_bucket", Bucket=BUCKET)
-    for path in sorted(SOURCE.iterdir()):
-        fs.put_file(str(path), f"{BUCKET}/src/{path.name}")
-    try:
+    with moto_s3() as endpoint, aws_environment(None):
+        fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+        fs.call_s3("create_bucket", Bucket=BUCKET)
+        for path in sorted(SOURCE.iterdir()):
+            fs.put_file(str(path), f"{BUCKET}/src/{path.name}")
         yield endpoint, fs
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        server.stop()
 
 
 def run_cli(proxy: FaultProxy, *args: str):

@@ -84,15 +84,13 @@ def resumed_at_world(fsdp2_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def extra_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, int]]:
-    """Checkpoints of the other layouts: name -> (step directory, shards per tensor)."""
-    root = tmp_path_factory.mktemp("layouts")
-    hsdp = run_trainer(root / "hsdp", "--replicate", "2", nproc=4)
-    bf16 = run_trainer(root / "bf16", "--mixed-precision", "bf16")
-    bf16_params = run_trainer(root / "bf16_params", "--fsdp", "1", "--mixed-precision", "bf16",
-                              "--param-dtype", "bfloat16")
-    return {"hsdp": (latest_step(hsdp), 2), "bf16": (latest_step(bf16), 2),
-            "bf16_params": (latest_step(bf16_params), 2)}
+def extra_checkpoints(trainer_checkpoint) -> dict[str, tuple[Path, int]]:
+    """Checkpoints of the other layouts: name -> (step directory, shards per tensor); the HSDP
+    run is the one test_consolidate.py consolidates (conftest's `trainer_checkpoint`)."""
+    hsdp = trainer_checkpoint("--replicate", "2", nproc=4)
+    bf16 = trainer_checkpoint("--mixed-precision", "bf16")
+    bf16_params = trainer_checkpoint("--fsdp", "1", "--mixed-precision", "bf16", "--param-dtype", "bfloat16")
+    return {"hsdp": (hsdp, 2), "bf16": (bf16, 2), "bf16_params": (bf16_params, 2)}
 
 
 def assert_same_tensors(actual: dict, expected: dict, skip: tuple[str, ...] = ()) -> None:
