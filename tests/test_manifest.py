@@ -167,9 +167,11 @@ def test_an_edited_manifest_is_refused_by_its_digest(layouts, tmp_path, cli):
 
 @pytest.fixture(scope="module")
 def block_sharded(tmp_path_factory) -> Path:
-    from test_consolidate import _spawn_layouts  # the spawned world-4 save consolidate's tests use
+    from test_consolidate import _start_layouts  # the world-4 save consolidate's tests use
 
-    return _spawn_layouts(tmp_path_factory.mktemp("manifest-block") / "block_tied_buffers")
+    path = tmp_path_factory.mktemp("manifest-block") / "block_tied_buffers"
+    assert _start_layouts(path).wait(timeout=600) == 0, "the world-4 save of the layouts failed (its stderr is above)"
+    return path
 
 
 def test_block_sharded_tensors_hash_as_their_row_major_bytes_in_tiny_blocks(block_sharded, reference, tmp_path, cli):
