@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import operator
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, refuse_bad_names
 
@@ -51,8 +51,18 @@ def checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
             tensors[fqn] = Tensor(fqn, row[1], row[2], matched.table(row, coords, files))
         else:
             tensors[fqn] = _tensor(row, coords, *matched.merged(row, coords, rows, number), orphans)
-    for fqn, number in by_fqn.items():  # storage entries of no state_dict_metadata entry
-        unkeyed, keyed = latest(rows.blobs(number))
+    unmatched = ((fqn, rows.blobs(number)) for fqn, number in by_fqn.items())
+    return _finish(root, source, (version, save_id, planner), names, tensors, objects, orphans, unmatched)
+
+
+def _finish(root: Path, source: Path, header: tuple, names: list[str], tensors: dict[str, Tensor],
+            objects: dict[str, Object], orphans: list[tuple[str, Blob]], unmatched: Iterable) -> Checkpoint:
+    """Return the checkpoint once the storage entries of no state_dict_metadata entry
+    (`unmatched`: (fqn, its entries as (offsets or None, blob))) are orphans and every name is
+    checked; `header` is the scan's (version, save id, planner nesting)."""
+    version, save_id, planner = header
+    for fqn, entries in unmatched:
+        unkeyed, keyed = latest(entries)
         if unkeyed is not None:
             orphans.append((fqn, unkeyed))
         orphans.extend((fqn, blob) for _, blob in keyed)
@@ -114,16 +124,8 @@ def small_checkpoint(root: Path, source: Path, scanned: tuple) -> Checkpoint:
             orphans.append((name, unkeyed))
         boxes.sort(key=_first)
         tensors[name] = Tensor(name, dtype, shape, match_storage(name, boxes, keyed, orphans))
-    for name, number in by_fqn.items():  # storage entries of no state_dict_metadata entry
-        unkeyed, keyed = latest((key, blob) for _, key, blob in stored.pop(number, []))
-        if unkeyed is not None:
-            orphans.append((name, unkeyed))
-        orphans.extend((name, blob) for _, blob in keyed)
-    refuse_bad_names(source, names, {blob.file for _, blob in orphans}, tensors, objects)
-    return Checkpoint(
-        path=root, metadata_file=source.name, version=version, tensors=tensors, objects=objects,
-        nesting=planner, orphan_blobs=tuple(sorted(orphans, key=str)), save_id=save_id,
-    )
+    unmatched = ((name, ((key, blob) for _, key, blob in stored.pop(number, []))) for name, number in by_fqn.items())
+    return _finish(root, source, (version, save_id, planner), names, tensors, objects, orphans, unmatched)
 
 
 class _Matched:

@@ -315,6 +315,30 @@ typedef struct {
     Py_ssize_t index;
 } Run;
 
+/* firsts[i] = first and seconds[i] = second, as new ints (-1 and an exception if one cannot be made) */
+static int set_pair(PyObject *firsts, PyObject *seconds, Py_ssize_t i, long long first, long long second) {
+    PyObject *a = PyLong_FromLongLong(first), *b = PyLong_FromLongLong(second);
+    if (a == NULL || b == NULL) {
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        return -1;
+    }
+    PyList_SET_ITEM(firsts, i, a);
+    PyList_SET_ITEM(seconds, i, b);
+    return 0;
+}
+
+/* append (file, start, end) to spans (-1 and an exception if it cannot) */
+static int append_span(PyObject *spans, PyObject *file, int64_t start, int64_t end) {
+    PyObject *span = Py_BuildValue("(OLL)", file, (long long)start, (long long)end);
+    if (span == NULL || PyList_Append(spans, span) < 0) {
+        Py_XDECREF(span);
+        return -1;
+    }
+    Py_DECREF(span);
+    return 0;
+}
+
 static int run_order(const void *a, const void *b) {
     const Run *x = a, *y = b;
     if (x->file != y->file)
@@ -389,14 +413,8 @@ static PyObject *spans(PyObject *self, PyObject *args) {
     for (Py_ssize_t n = 0; n < count; n++) {
         Py_ssize_t i = runs[n].index;
         if (PyUnicode_Check(file[i]) && PyUnicode_GET_LENGTH(file[i]) == 0) {  /* an empty chunk: no data */
-            PyObject *zero = PyLong_FromLong(0), *again = PyLong_FromLong(0);
-            if (zero == NULL || again == NULL) {
-                Py_XDECREF(zero);
-                Py_XDECREF(again);
+            if (set_pair(span_of, start_in, i, 0, 0) < 0)
                 goto done;
-            }
-            PyList_SET_ITEM(span_of, i, zero);
-            PyList_SET_ITEM(start_in, i, again);
             continue;
         }
         int64_t at = offsets[i], stop = at + lengths[kinds[i]];
@@ -407,35 +425,17 @@ static PyObject *spans(PyObject *self, PyObject *args) {
             if (stop > end)
                 end = stop;
         } else {
-            if (current >= 0) {
-                PyObject *span = Py_BuildValue("(OLL)", file[runs[current].index], (long long)start, (long long)end);
-                if (span == NULL || PyList_Append(found, span) < 0) {
-                    Py_XDECREF(span);
-                    goto done;
-                }
-                Py_DECREF(span);
-            }
+            if (current >= 0 && append_span(found, file[runs[current].index], start, end) < 0)
+                goto done;
             current = n;
             start = at;
             end = stop;
         }
-        PyObject *which = PyLong_FromSsize_t(PyList_GET_SIZE(found)), *within = PyLong_FromLongLong(at - start);
-        if (which == NULL || within == NULL) {
-            Py_XDECREF(which);
-            Py_XDECREF(within);
+        if (set_pair(span_of, start_in, i, (long long)PyList_GET_SIZE(found), (long long)(at - start)) < 0)
             goto done;
-        }
-        PyList_SET_ITEM(span_of, i, which);
-        PyList_SET_ITEM(start_in, i, within);
     }
-    if (current >= 0) {
-        PyObject *span = Py_BuildValue("(OLL)", file[runs[current].index], (long long)start, (long long)end);
-        if (span == NULL || PyList_Append(found, span) < 0) {
-            Py_XDECREF(span);
-            goto done;
-        }
-        Py_DECREF(span);
-    }
+    if (current >= 0 && append_span(found, file[runs[current].index], start, end) < 0)
+        goto done;
     result = PyTuple_Pack(3, found, span_of, start_in);
 done:
     Py_XDECREF(files);
