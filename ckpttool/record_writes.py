@@ -174,10 +174,15 @@ def _build(op: Records, source: memoryview, positions: list[int], put: Callable[
     layouts = [record_layout(dtype, shape) for dtype, shape in op.shapes]
     size = min(op.length, RECORDS_WRITE_BLOCK + max((layout.length for layout in layouts), default=0))
     out = memoryview(thread_buffer(size, "records-out"))
+    # each call is given only the records one block can take, not all of them from `first`
+    # on: the C module converts the lists it is given, once per block
+    window = RECORDS_WRITE_BLOCK // max(1, min((layout.length for layout in layouts), default=1)) + 1
     first, at = 0, op.offset
     while first < len(op.kind):
-        first, written = assemble(out, source, op.kind, positions, layouts, first, RECORDS_WRITE_BLOCK)
+        done, written = assemble(out, source, op.kind[first:first + window], positions[first:first + window],
+                                 layouts, 0, RECORDS_WRITE_BLOCK)
         put([out[:written]], at, written)
+        first += done
         at += written
 
 
