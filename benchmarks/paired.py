@@ -38,11 +38,15 @@ def alternate(commands: Mapping[str, list[str]], runs: int,
 
 
 def table(results: Mapping[str, list[tuple[float, int]]], baseline: str) -> str:
-    """Return the markdown table of median wall, every run, peak RSS and the ratio to `baseline`'s median."""
+    """Return the markdown table of median wall, every run, peak RSS, the ratio to `baseline`'s
+    median, and the median of the run-by-run ratios (run k against the baseline's run k, which
+    ran right beside it: the disk's and the load's drift over the run cancels in each pair)."""
     floor = statistics.median(s for s, _ in results[baseline])
-    lines = [f"| what | median wall (s) | runs (s) | peak RSS (MB) | vs {baseline} |", "|---|---|---|---|---|"]
+    lines = [f"| what | median wall (s) | runs (s) | peak RSS (MB) | vs {baseline} | paired ratios, median |",
+             "|---|---|---|---|---|---|"]
     for name, runs in results.items():
         wall = statistics.median(s for s, _ in runs)
+        paired = statistics.median(s / b for (s, _), (b, _) in zip(runs, results[baseline]))
         lines.append(f"| {name} | {wall:.2f} | {', '.join(f'{s:.2f}' for s, _ in runs)} | "
-                     f"{max(r for _, r in runs) / 1e6:.0f} | {wall / floor:.2f}x |")
+                     f"{max(r for _, r in runs) / 1e6:.0f} | {wall / floor:.2f}x | {paired:.2f}x |")
     return "\n".join(lines)

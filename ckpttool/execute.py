@@ -66,7 +66,8 @@ def reserve(fd: Output, size: int) -> None:
 
 def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
         max_memory: int, on_done: Callable[[int], None] | None = None,
-        on_file_done: Callable[[str], None] | None = None) -> None:
+        on_file_done: Callable[[str], None] | None = None,
+        on_written: Callable[[str, int, int], None] | None = None) -> None:
     """Run every operation, writing into the open `outputs` (name -> fd), at most `threads`
     at once and `max_memory` bytes of buffers in flight; `on_done(bytes)` after each task
     (one operation, or a batch of small ones: `batches`). From coalesced remote files the
@@ -75,7 +76,11 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
 
     `on_file_done(name)` is called once per output, from a worker thread, as soon as every
     operation writing into it has run (so its fsync can overlap the copies still running),
-    and at the end for outputs no operation wrote (or, from coalesced files, for all)."""
+    and at the end for outputs no operation wrote (or, from coalesced files, for all).
+    `on_written(name, start, end)` is called from a worker thread after each task, before
+    any `on_file_done` it leads to, with where the task's writes into each output begin and
+    about where they end (its operations' first offset plus their data bytes: a record's
+    tail lies a little past), a hint to start flushing them to disk."""
     operations = record_writes.expanded(operations, files, outputs)
     split: list[Record] = []
     if files.coalesced:
@@ -83,7 +88,7 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
         if all(isinstance(fd, int) for fd in outputs.values()):
             operations, split = in_source_order(operations)
         files.expect([span for op in operations for span in source_ranges(op)])
-    finished = _Finished(on_file_done)
+    finished = _Finished(on_file_done, on_written)
     if on_file_done is not None and not files.coalesced:  # coalesced: split records' tails come last
         operations = finished.counting(operations)
     # a batch of small operations is interpreter work between short syscalls: several of
@@ -102,11 +107,14 @@ def run(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str,
 
 
 class _Finished:
-    """Tells `on_file_done` which outputs are complete: each output's operations are counted
-    up front (`counting`), and a task that ran counts its batch's down (`task`)."""
+    """Tells `on_written` what each task wrote, and `on_file_done` which outputs are
+    complete: each output's operations are counted up front (`counting`), and a task that
+    ran counts its batch's down (`task`)."""
 
-    def __init__(self, on_file_done: Callable[[str], None] | None):
+    def __init__(self, on_file_done: Callable[[str], None] | None,
+                 on_written: Callable[[str, int, int], None] | None = None):
         self.on_file_done = on_file_done
+        self.on_written = on_written
         self.left: dict[str, int] | None = None
         self.told: set[str] = set()
         self.lock = threading.Lock()
@@ -119,15 +127,29 @@ class _Finished:
         return operations
 
     def task(self, batch: list[Operation], task: Task) -> Task:
-        if self.left is None:
+        if self.left is None and self.on_written is None:
             return task
 
         def run_counted() -> int:
             written = task.run()
-            self._ran(batch)
+            if self.on_written is not None:
+                self._wrote(batch, self.on_written)
+            if self.left is not None:
+                self._ran(batch)
             return written
 
         return Task(run_counted, task.memory)
+
+    @staticmethod
+    def _wrote(batch: list[Operation], on_written: Callable[[str, int, int], None]) -> None:
+        spans: dict[str, tuple[int, int]] = {}
+        for op in batch:
+            start = first_offset(op)
+            end = start + op.output_length
+            low, high = spans.get(op.dst, (start, end))
+            spans[op.dst] = (min(low, start), max(high, end))
+        for name, (start, end) in spans.items():
+            on_written(name, start, end)
 
     def _ran(self, batch: list[Operation]) -> None:
         left = typing.cast(dict[str, int], self.left)

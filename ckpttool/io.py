@@ -31,6 +31,7 @@ DEFAULT_THREADS = 4  # IO-bound: enough to keep a disk busy, few enough for 2 co
 # progress(description, total_bytes) -> a context manager yielding an object with .update(n)
 ProgressFactory = Callable[[str, int], ContextManager[Any]]
 COPY_BLOCK = 64 << 20  # bytes per copy_file_range / read call
+WRITEBACK_STEP = 32 << 20  # bytes written into an output before the kernel is asked to flush them
 
 _SIZE_UNITS = {
     "": 1, "B": 1,
@@ -114,6 +115,53 @@ def sync(output: Output) -> None:
     """fsync an fd; a streamed output has nothing to flush before its commit."""
     if isinstance(output, int):
         os.fsync(output)
+
+
+class Writeback:
+    """Start the disk on an output's bytes as they are written, not once gigabytes are dirty
+    (the kernel starts on its own only at vm.dirty_background_ratio, 10% of memory, then the
+    final fsyncs wait for all of it): `written(name, start, end)`, `execute.run`'s
+    `on_written`, hands every `step` bytes written into an output to one background thread
+    that has the kernel start writing them out (`start_writeback`). Leaving the context
+    waits for that thread.
+
+    Example:
+        >>> with Writeback(fds) as writeback:
+        ...     execute.run(operations, files, fds, threads=4, max_memory=1 << 29, on_written=writeback.written)
+    """
+
+    def __init__(self, outputs: dict[str, Output], step: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.outputs = outputs
+        self.step = WRITEBACK_STEP if step is None else step
+        self.pending: dict[str, tuple[int, int]] = {}  # written, not yet handed to the kernel
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-writeback")
+
+    def written(self, name: str, start: int, end: int) -> None:
+        with self.lock:
+            low, high = self.pending.get(name, (start, end))
+            low, high = min(low, start), max(high, end)
+            if high - low < self.step:
+                self.pending[name] = (low, high)
+                return
+            self.pending.pop(name, None)
+        self.pool.submit(start_writeback, self.outputs[name], low, high)
+
+    def __enter__(self) -> Writeback:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=kind is not None)  # failing: flushing no longer matters
+
+
+def start_writeback(output: Output, start: int, end: int) -> None:
+    """Have the kernel start writing bytes `start:end` of an fd to disk, without waiting for
+    it (Linux: POSIX_FADV_DONTNEED starts the writeback of dirty pages, and drops only pages
+    already clean); elsewhere, and for a streamed output, nothing."""
+    if isinstance(output, int) and end > start and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(output, start, end - start, os.POSIX_FADV_DONTNEED)
 
 
 def write_at(fd: Output, data: bytes | memoryview, offset: int) -> None:

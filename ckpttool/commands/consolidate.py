@@ -470,8 +470,9 @@ def _run(plan: ConsolidatePlan, operations: list, files: DataFiles, fds: dict[st
     """Write `operations` (all of the plan's, or this process's share) and optionally verify them."""
     total = sum(op.output_length for op in operations)
     threads, budget = write.threads, _max_memory(write)
-    with write.progress("consolidate", total) as bar:
-        execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update)
+    with write.progress("consolidate", total) as bar, io.Writeback(fds) as writeback:
+        execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update,
+                    on_written=writeback.written)
     if write.verify:
         def describe(op) -> str:  # by output position: a process's share holds parts of operations
             at = execute.first_offset(op)

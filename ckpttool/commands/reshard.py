@@ -137,9 +137,9 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
             execute.reserve(fds[name], size)
 
     def run_share(operations, fds: dict[str, int], syncs: _Syncs | None = None) -> None:
-        with write.progress(label, sum(op.output_length for op in operations)) as bar:
+        with write.progress(label, sum(op.output_length for op in operations)) as bar, io.Writeback(fds) as writeback:
             execute.run(operations, files, fds, threads=threads, max_memory=budget, on_done=bar.update,
-                        on_file_done=syncs.start if syncs is not None else None)
+                        on_file_done=syncs.start if syncs is not None else None, on_written=writeback.written)
         if verify:
             _verify(operations, files, fds, threads, budget)
 
