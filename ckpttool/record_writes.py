@@ -115,14 +115,15 @@ def source_spans_in_python(op: Records, lengths: list[int]) -> tuple[list[tuple[
 def write_records(op: Records, files: DataFiles, fd: int, turns: AbstractContextManager | None = None) -> int:
     """Write all of `op`'s records into `fd` from `op.offset`; return its data bytes
     (`output_length`, as a Record counts them: the progress and split measure).
-    `turns` (a lock shared with other tasks) is held throughout: reading a few spans is
-    short, and Records tasks reading while another builds only contend for the GIL (4
-    threads took 1.4x the time of one).
+    `turns` (a lock shared with other tasks) is held throughout when the records are built
+    in Python: Records tasks reading while another builds only contend for the GIL (4
+    threads took 1.4x the time of one). The C module builds them without the GIL, and the
+    reads and writes release it too, so then tasks run side by side, on every core.
 
     A source file that ends before a record's data raises the CorruptBlob that reading that
     record alone raises (naming the file and the record's byte range).
     """
-    with turns if turns is not None else nullcontext():
+    with turns if turns is not None and native.records is None else nullcontext():
         source, positions = _sources(op, files)
         _build(op, source, positions, functools.partial(_write_pieces, fd))
     return op.output_length

@@ -172,3 +172,59 @@ def test_metadata_rows_joined_in_c_are_the_numpy_join(monkeypatch):
         assert len(joined[0][0]) == sum(joined[0][1])
     with pytest.raises(ValueError, match="past its segment's width"):
         native.join([(np.zeros((2, 3), np.uint8), np.array([1, 3, 0], np.int64))], 3, 4)
+
+
+def test_records_built_in_c_run_beside_other_tasks_and_in_python_take_turns(tmp_path, monkeypatch):
+    """`write_records` holds the shared `turns` lock only when the records are built in
+    Python (GIL-bound work): built in C it runs while another task holds the lock, and
+    writes the same bytes either way."""
+    import os
+    import threading
+
+    from ckpttool import locating
+    from ckpttool.dcp.blobs import DataFiles
+
+    source = FIXTURES / "fsdp2_world3_uneven"
+    checkpoint = read_checkpoint(source)
+    with DataFiles(checkpoint.path) as files:
+        writes = plan_writes(plan_reshard(checkpoint, Mesh(1, 16)), checkpoint,
+                             locating.locate_chunks(files, checkpoint.tensors.values()))
+        op = max((op for op in writes.operations if type(op) is Records), key=lambda op: len(op.kind))
+        assert op.output_length > 0 and len(op.kind) > 1
+        outputs = {}
+        for module in (native, None):
+            monkeypatch.setattr(native_module, "records", module)
+            turns, done = threading.Lock(), threading.Event()
+            fd = os.open(tmp_path / f"out-{module is None}", os.O_RDWR | os.O_CREAT)
+            try:
+                def run(fd: int, turns: threading.Lock, done: threading.Event) -> None:
+                    record_writes.write_records(op, files, fd, turns)
+                    done.set()
+
+                with turns:  # another task's turn
+                    worker = threading.Thread(target=run, args=(fd, turns, done))
+                    worker.start()
+                    finished_in_turn = done.wait(10 if module is not None else 0.5)
+                worker.join(10)
+                assert done.is_set()
+                assert finished_in_turn == (module is not None), module
+                outputs[module is None] = os.pread(fd, op.offset + op.length, 0)
+            finally:
+                os.close(fd)
+    assert outputs[False] == outputs[True] and len(outputs[False]) == op.offset + op.length
+
+
+def test_a_reshard_on_one_thread_and_on_several_writes_the_same_bytes(tmp_path):
+    """Records tasks built in C run side by side (into the same rank files); the output is
+    that of one thread running them in turn."""
+    from ckpttool.options import WriteOptions
+
+    source = FIXTURES / "fsdp2_world3_uneven"
+    found = []
+    for threads in (1, 6):
+        destination = tmp_path / f"threads-{threads}"
+        reshard(source, tmp_path / "out", world_size=16, write=WriteOptions(threads=threads))
+        (tmp_path / "out").rename(destination)
+        found.append({path.name: path.read_bytes() for path in sorted(destination.iterdir())})
+    # `.metadata` names the output path: both were written to the same one
+    assert found[0] == found[1] and len(found[0]) == 17
