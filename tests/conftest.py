@@ -105,6 +105,16 @@ def trainer_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def block_tied_buffers(tmp_path_factory) -> Path:
+    """What the trainer does not write, saved once per session by torch's own dcp.save on 4 real
+    gloo ranks (`dcp_world._layouts_rank`: 2-D block sharding, a tied head, int/bool buffers, a
+    0-d bf16 tensor); test_consolidate.py and test_manifest.py read it (read-only)."""
+    from dcp_world import write_layouts_forked
+
+    return write_layouts_forked(tmp_path_factory.mktemp("layouts") / "block_tied_buffers")
+
+
 @pytest.fixture(scope="module")
 def run():
     """`run("inspect", path, "--json")` -> click Result, in-process; one runner per test module

@@ -2,8 +2,8 @@
 model wrapped with `fully_shard` (FSDP2, or HSDP on a 2-D mesh) + AdamW: the fixtures'
 TinyModel, or (`model="gpt"`) the trainer's GPT built from the config the checkpoint stores.
 
-One `load_all(jobs, world_size, out)` call starts the ranks once (forked from one process that
-imported torch) and runs every job, so a test session pays the start-up once per world size.
+One `load_all(jobs, world_size, out)` call starts the ranks once (forked from the session's
+forkserver, which imported torch once: `rank_forks.py`) and runs every job in them.
 For each job rank 0 writes `out/<name>.pt` (the loaded state gathered to full tensors:
 `{"model", "optim", "extra"}`), every rank writes `out/<name>.reads.<rank>.json` (each chunk it
 read: fqn, offsets and file, seen by a counting `FileSystemReader`), and with `save_to` the
@@ -146,30 +146,13 @@ def exit_spawned_rank() -> None:
     os._exit(0)
 
 
-# Run in a fresh process: import what every rank needs once, then fork the ranks (spawned ranks
-# would each import torch again, seconds apiece; a fork of the test process itself could inherit
-# its OpenMP and server threads).
-_FORK_RANKS = """
-import pickle, sys
-sys.path[:0] = [sys.argv[1], sys.argv[2], sys.argv[3]]
-import torch, torch.distributed.checkpoint, torch.distributed.checkpoint.state_dict, torch.distributed.fsdp
-import torch.multiprocessing as mp
-import generate, train_minimal.checkpoint, train_minimal.model
-from fsdp_loads import _free_port, _worker
-jobs, world_size, out = pickle.loads(sys.stdin.buffer.read())
-mp.start_processes(_worker, args=(world_size, _free_port(), jobs, out), nprocs=world_size, start_method="fork")
-"""
-
-
 def load_all(jobs: list[LoadJob], world_size: int, out: Path) -> Path:
-    """Run every job on `world_size` gloo ranks forked from one fresh process; return `out`."""
-    import pickle
-    import subprocess
+    """Run every job on `world_size` gloo ranks forked from the session's forkserver (which
+    imported torch once: `rank_forks.py`); return `out`."""
+    from rank_forks import run_ranks
 
     out.mkdir(parents=True, exist_ok=True)
-    here = Path(__file__).resolve().parent
-    subprocess.run([sys.executable, "-c", _FORK_RANKS, str(here), str(FIXTURES), str(here.parent)],
-                   input=pickle.dumps((jobs, world_size, str(out))), check=True, timeout=900)
+    run_ranks(_worker, world_size, world_size, _free_port(), jobs, str(out), timeout=900)
     return out
 
 

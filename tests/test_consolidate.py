@@ -12,7 +12,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import FIXTURES, assert_same_bytes, flatten, save_with_writer_options
-from fsdp_loads import exit_spawned_rank
 
 from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool import execute
@@ -59,53 +57,6 @@ def leftovers(directory: Path) -> list[str]:
 # Checkpoints the bundled fixtures do not cover, written once per session
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _save_layouts(rank: int, port: int, directory: str) -> None:
-    """World 4 on a 2x2 mesh: a 2-D block-sharded tensor (uneven both ways), HSDP-style
-    [Replicate, Shard(0)] weights with the embedding tied to the head, int/bool buffers and a
-    0-d tensor. One dcp.save, as a trainer's model state dict would be saved."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    generator = torch.Generator().manual_seed(0)
-    embedding = distribute_tensor(torch.randn(11, 6, generator=generator), mesh, [Replicate(), Shard(0)])
-    state = {
-        "block.weight": distribute_tensor(torch.randn(7, 10, generator=generator), mesh, [Shard(0), Shard(1)]),
-        "tok_emb.weight": embedding,
-        "lm_head.weight": embedding,  # tied: the same parameter under two names
-        "fc.weight": distribute_tensor(torch.randn(5, 6, generator=generator), mesh, [Replicate(), Shard(0)]),
-        "norm.weight": distribute_tensor(torch.ones(6), mesh, [Replicate(), Shard(0)]),
-        "position_ids": torch.arange(9),
-        "mask": torch.tensor([True, False, True]),
-        "scale": torch.tensor(0.5, dtype=torch.bfloat16),
-    }
-    dcp.save({"model": state}, checkpoint_id=directory)
-    dist.destroy_process_group()
-    exit_spawned_rank()
-
-
-_FORK_LAYOUTS = ("import sys; sys.path.insert(0, sys.argv[1]); import torch.multiprocessing as mp; "
-                 "from test_consolidate import _free_port, _save_layouts; "
-                 "mp.start_processes(_save_layouts, args=(_free_port(), sys.argv[2]), nprocs=4, start_method='fork')")
-
-
-def _start_layouts(directory: Path) -> subprocess.Popen:
-    """Start `_save_layouts` on 4 ranks forked from one fresh process (which imports torch once;
-    spawned ranks would each import it again); the process exits 0 when `directory` is written."""
-    return subprocess.Popen([sys.executable, "-c", _FORK_LAYOUTS, str(Path(__file__).parent), str(directory)])
-
-
 TRAINER_LAYOUTS = {
     "fsdp2_world3_bf16": (("--param-dtype", "bfloat16"), 3),
     "fsdp2_world4": ((), 4),
@@ -115,22 +66,14 @@ TRAINER_LAYOUTS = {
 
 
 @pytest.fixture(scope="session")
-def written(tmp_path_factory, trainer_checkpoint) -> dict[str, Path]:
+def written(trainer_checkpoint, block_tied_buffers) -> dict[str, Path]:
     """name -> checkpoint directory, for the trainer's layouts (shared with other files through
-    conftest's `trainer_checkpoint`) and the spawned one."""
-    spawned = tmp_path_factory.mktemp("layouts") / "block_tied_buffers"
-    layouts = _start_layouts(spawned)
-    try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            runs = {name: pool.submit(trainer_checkpoint, *args, nproc=nproc)
-                    for name, (args, nproc) in TRAINER_LAYOUTS.items()}
-            paths = {name: run.result() for name, run in runs.items()}
-        assert layouts.wait(timeout=600) == 0, "the world-4 save of the spawned layouts failed (its stderr is above)"
-    finally:
-        if layouts.poll() is None:
-            layouts.kill()
-            layouts.wait()
-    paths["block_tied_buffers"] = spawned
+    conftest's `trainer_checkpoint`) and the world-4 save of what it does not write (conftest's
+    `block_tied_buffers`, shared with test_manifest.py)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {name: pool.submit(trainer_checkpoint, *args, nproc=nproc) for name, (args, nproc) in TRAINER_LAYOUTS.items()}
+        paths = {name: run.result() for name, run in runs.items()}
+    paths["block_tied_buffers"] = block_tied_buffers
     return paths
 
 

@@ -197,7 +197,7 @@ def world4_tables(tmp_path_factory):
     """A checkpoint of 40 small tensors saved by 4 real gloo ranks (dcp_world): 4 files of 41 records."""
     import dcp_world
 
-    return dcp_world.write(tmp_path_factory.mktemp("locate-world") / "w4", world=4, tensors=40, rows=16, columns=8)
+    return dcp_world.write_forked(tmp_path_factory.mktemp("locate-world") / "w4", world=4, tensors=40, rows=16, columns=8)
 
 
 def counting_alone(monkeypatch) -> list:

@@ -166,12 +166,8 @@ def test_an_edited_manifest_is_refused_by_its_digest(layouts, tmp_path, cli):
 
 
 @pytest.fixture(scope="module")
-def block_sharded(tmp_path_factory) -> Path:
-    from test_consolidate import _start_layouts  # the world-4 save consolidate's tests use
-
-    path = tmp_path_factory.mktemp("manifest-block") / "block_tied_buffers"
-    assert _start_layouts(path).wait(timeout=600) == 0, "the world-4 save of the layouts failed (its stderr is above)"
-    return path
+def block_sharded(block_tied_buffers) -> Path:
+    return block_tied_buffers  # the world-4 save consolidate's tests use (conftest, once per session)
 
 
 def test_block_sharded_tensors_hash_as_their_row_major_bytes_in_tiny_blocks(block_sharded, reference, tmp_path, cli):

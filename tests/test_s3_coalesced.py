@@ -16,7 +16,7 @@ pytest.importorskip("moto.server")
 
 from ckpttool import spans  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
-from dcp_world import write as write_world  # noqa: E402
+from dcp_world import write_forked as write_world  # noqa: E402
 from s3_proxy import LatencyProxy  # noqa: E402
 from storage_emulators import aws_environment, moto_s3  # noqa: E402
 

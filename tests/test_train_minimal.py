@@ -2,7 +2,8 @@
 checkpoints it writes, and its usage errors.
 
 Every run is a real multi-process job (gloo on CPU, tiny preset) started through
-`trainer_runs.run_trainer`; session-scoped fixtures run each one once. Weights and
+`trainer_runs.run_trainer` (the launcher forked from the session's forkserver; one run and the
+usage errors through `python -m train_minimal` itself); session-scoped fixtures run each one once. Weights and
 optimizer state are compared byte for byte. The one tolerance is for a resume at another
 world size: the same weights see the same samples, but the loss is a mean of per-rank
 means summed in another order and the matmuls see other batch shapes, so it may differ
@@ -190,7 +191,9 @@ def test_checkpoint_directory_layout(fsdp2_pair):
 
 
 def test_keep_removes_older_checkpoints(tmp_path):
-    ckpt = run_trainer(tmp_path, "--save-every", "1", "--keep", "2", steps=4)
+    # `python -m train_minimal` itself (its ranks from its own forkserver), where the other runs
+    # fork the launcher from the test session's forkserver
+    ckpt = run_trainer(tmp_path, "--save-every", "1", "--keep", "2", steps=4, subprocess_run=True)
     assert sorted(path.name for path in ckpt.iterdir()) == ["latest", "step-00000003", "step-00000004"]
     assert latest_step(ckpt).name == "step-00000004"
 

@@ -15,8 +15,9 @@ Tests import this module directly (`tests/` is on sys.path through conftest.py):
     records = read_log(tmp_path)                               # [{"step": 1, "loss": ...}, ...]
 
 Each call runs `python -m train_minimal --size tiny --steps 2 --nproc N --quiet --ckpt-dir
-DIR/ckpt --log-file DIR/log.jsonl ARGS...` in a subprocess (about 3.5 s at world 2 on 2
-cores, 8 s at world 4) and returns `DIR/ckpt`; ARGS come last, so they override those
+DIR/ckpt --log-file DIR/log.jsonl ARGS...` (the launcher forked from the session's forkserver,
+`rank_forks.py`, so torch is imported once per session rather than once per run; with
+`subprocess_run=True` as a real subprocess) and returns `DIR/ckpt`; ARGS come last, so they override those
 defaults (`"--steps", "20"`, `"--size", "small"`). The step directory is
 `DIR/ckpt/step-0000000S` (S = steps; the last step is always saved) and `DIR/ckpt/latest`
 names it. A failed run raises TrainerRunError with the trainer's stderr.
@@ -52,9 +53,11 @@ def trainer_command(directory: Path, *args: str, nproc: int = 2, steps: int = 2,
 
 
 def run_trainer(directory: Path, *args: str, nproc: int = 2, steps: int = 2, size: str = "tiny",
-                timeout: float = 600) -> Path:
+                timeout: float = 600, subprocess_run: bool = False) -> Path:
     """Run the trainer into `directory` and return its checkpoint directory
-    (`directory/ckpt`, or the `--ckpt-dir` given in `args`).
+    (`directory/ckpt`, or the `--ckpt-dir` given in `args`). The launcher runs forked from the
+    session's forkserver, which imported torch and the trainer once (`rank_forks.run_launcher`);
+    `subprocess_run=True` runs `python -m train_minimal` itself.
 
     Example:
         >>> ckpt = run_trainer(tmp_path, "--fsdp", "1", nproc=2, steps=4)
@@ -64,7 +67,12 @@ def run_trainer(directory: Path, *args: str, nproc: int = 2, steps: int = 2, siz
     command = trainer_command(directory, *args, nproc=nproc, steps=steps, size=size)
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
-    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+    if subprocess_run:
+        result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+    else:
+        from rank_forks import run_launcher
+
+        result = run_launcher(command[3:], cwd=ROOT, env=environment, timeout=timeout)
     if result.returncode != 0:
         raise TrainerRunError(f"exit status {result.returncode}: {' '.join(command)}\n{result.stderr[-6000:]}")
     given = [args[index + 1] for index, arg in enumerate(args[:-1]) if arg == "--ckpt-dir"]

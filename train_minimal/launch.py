@@ -22,8 +22,10 @@ from train_minimal.config import TrainConfig, parse_args
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Return the exit status of the whole job (0 when every rank succeeded)."""
+def main(argv: list[str] | None = None, start_method: str = "forkserver") -> int:
+    """Return the exit status of the whole job (0 when every rank succeeded). `start_method`
+    "fork" forks the ranks from this process: only for a caller that is itself a fresh
+    process which imported torch and nothing else ran in (the tests' forkserver)."""
     config = parse_args(argv)
     if all(name in os.environ for name in TORCHRUN_VARIABLES):
         if config.nproc is not None:
@@ -36,16 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     if nproc == 1:
         os.environ.update(rank_environment(0, 1, port))
         return _run_rank(config)
-    return spawn(config, nproc, port)
+    return spawn(config, nproc, port, start_method)
 
 
-def spawn(config: TrainConfig, nproc: int, port: int) -> int:
+def spawn(config: TrainConfig, nproc: int, port: int, start_method: str = "forkserver") -> int:
     """Run `nproc` ranks as processes forked from one fresh server process that has imported
     torch and the training code once (multiprocessing's forkserver): each rank starts without
     importing torch again (~5 CPU s a rank on a small machine), and nothing of this launcher's
     state is inherited. Return the first nonzero exit status, or 0."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "train_minimal.train"])
+    context = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        context.set_forkserver_preload(["torch", "train_minimal.train"])
     processes = [context.Process(target=_spawned_rank, args=(config, rank, nproc, port), name=f"rank{rank}")
                  for rank in range(nproc)]
     for process in processes:
