@@ -25,6 +25,8 @@ import time
 import traceback
 from pathlib import Path
 
+from train_minimal.launch import flushed_exit
+
 
 # What the forkserver imports once, before it forks anything (each name on its own: one that fails
 # to import is skipped). pytest: each forked child imports the test run's main module, pytest's.
@@ -46,15 +48,6 @@ def _redirect(path: str) -> None:
     os.close(fd)
 
 
-def _flushed_exit(status: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(status)
-
-
 def _rank(target, rank: int, environment: dict, log: str, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environment)
@@ -66,8 +59,8 @@ def _rank(target, rank: int, environment: dict, log: str, args: tuple) -> None:
         target(rank, *args)
     except BaseException:
         traceback.print_exc()
-        _flushed_exit(1)
-    _flushed_exit(0)
+        flushed_exit(1)
+    flushed_exit(0)
 
 
 def _wait(processes: list, timeout: float) -> list[int | None]:

@@ -99,6 +99,11 @@ def exit_now(status: int) -> None:
     would then exit with SIGABRT. Seen here once in CI on a world-1 resume.
     """
     atexit._run_exitfuncs()  # what atexit would run anyway (multiprocessing's cleanup among it)
+    flushed_exit(status)
+
+
+def flushed_exit(status: int) -> None:
+    """End this process with `status` once stdout and stderr are flushed, running nothing else."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
