@@ -156,7 +156,7 @@ def _chunk_tasks(files: DataFiles, jobs: dict[int, tuple[Tensor, int]], chunks: 
                     for number in rest:
                         locate_alone(number)
                     break
-        return min(errors, key=lambda failure: failure[0]) if errors else None
+        return errors[0] if errors else None  # at most one: the first in job order
 
     return [functools.partial(walk, relative, numbers) for relative, numbers in sorted(by_file.items())]
 
@@ -259,7 +259,7 @@ class _TableJobs:
                 if not _after_failure(errors, int(self.number[ordered[first:last]].min())):  # else not even read
                     self._block(ahead, ordered[first:last], errors)
                 first = last
-        return min(errors, key=lambda failure: failure[0]) if errors else None
+        return errors[0] if errors else None  # at most one: the first in job order
 
     def _block(self, ahead: ReadAhead, block, errors: list) -> None:
         """Locate the records of `block` (job positions in offset order, records lying in at

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from fsdp_loads import exit_spawned_rank
+from fsdp_loads import exit_spawned_rank, free_port
 
 SEED = 21
 
@@ -34,10 +33,7 @@ def write_forked(path: Path, world: int = 8, tensors: int = 12, rows: int = 256,
     imported once per session, not once per checkpoint); for tests."""
     from rank_forks import run_ranks
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    run_ranks(_rank, world, world, str(path), port, tensors, rows, columns, timeout=600)
+    run_ranks(_rank, world, world, str(path), free_port(), tensors, rows, columns, timeout=600)
     return path
 
 
@@ -72,10 +68,7 @@ def write_layouts_forked(path: Path) -> Path:
     buffers, a 0-d bf16 tensor) at `path`; return `path`."""
     from rank_forks import run_ranks
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    run_ranks(_layouts_rank, 4, port, str(path), timeout=600)
+    run_ranks(_layouts_rank, 4, free_port(), str(path), timeout=600)
     return path
 
 
@@ -120,10 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(_rank, args=(args.world, args.path, port, args.tensors, args.rows, args.columns),
+    mp.start_processes(_rank, args=(args.world, args.path, free_port(), args.tensors, args.rows, args.columns),
                        nprocs=args.world, start_method="fork")
 
 

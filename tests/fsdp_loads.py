@@ -40,7 +40,8 @@ class LoadJob:
     model: str = "tiny"  # "tiny": fixtures' TinyModel; "gpt": train_minimal's GPT, blocks sharded
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -152,7 +153,7 @@ def load_all(jobs: list[LoadJob], world_size: int, out: Path) -> Path:
     from rank_forks import run_ranks
 
     out.mkdir(parents=True, exist_ok=True)
-    run_ranks(_worker, world_size, world_size, _free_port(), jobs, str(out), timeout=900)
+    run_ranks(_worker, world_size, world_size, free_port(), jobs, str(out), timeout=900)
     return out
 
 

@@ -155,17 +155,13 @@ def test_fsdp2_resumes_from_the_migration_and_takes_deepspeeds_next_step(tmp_pat
     bit, and every parameter, exp_avg and exp_avg_sq after the step within 2.5e-7 of
     DeepSpeed's (both are torch AdamW in fp32; the gradients are summed over ranks in another
     order and clipped by a norm computed in another order: 2 ulp at the weights' magnitude ~1)."""
-    import socket
-
+    from fsdp_loads import free_port
     from rank_forks import run_ranks
 
     jobs = [(case, str(migrated(case, world))) for case in FP32]
     out = tmp_path / "resumed.json"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     # deepspeed_resume's ranks, forked from the session's forkserver (torch imported once)
-    run_ranks("deepspeed_resume:_rank", world, world, port, jobs, str(out), timeout=600)
+    run_ranks("deepspeed_resume:_rank", world, world, free_port(), jobs, str(out), timeout=600)
     results = json.loads(out.read_text())
     for case in FP32:
         reference = expected(case, "step_reference.json")
