@@ -3,10 +3,15 @@
 
 Against floors measured in the same run: `python -c pass` (the interpreter and site, with the
 venv's .pth files), `python -c "import click"` (what any click CLI pays), `python -c "import
-click, dataclasses, json, ..."` (click and the standard library modules `inspect` of the example
+click, dataclasses, pathlib, ..."` (click and the standard library modules `inspect` of the example
 imports: the floor of any command that keeps them, before a line of ckpttool runs) and `python -c
 "import click, numpy"` (what a command that touches numpy pays: the integrity gate of a checkpoint
-read as chunk tables, and --deep; a small checkpoint's validate does not). With
+read as chunk tables, and --deep; a small checkpoint's validate does not). An editable install
+(`pip install -e`, this venv's) adds a finder that site imports from a .pth in every process
+(pathlib, importlib.util, re, urllib.parse...), which a regular install does not have: the
+`python -S` rows run without site, with PYTHONPATH set to the venv's site-packages (and the
+tree, for the commands), as a regular install would find them, so the floors and `inspect` and
+`validate` are stated both ways. With
 `--base DIR` (a tree made by `git archive`) the same commands run from that tree too, so a
 change is measured against what it replaces on the same machine in the same minutes:
 
@@ -32,6 +37,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -41,18 +47,28 @@ EXAMPLE = ROOT / "fixtures" / "fsdp2_world3_uneven"
 LAUNCH = "import sys; from ckpttool.cli import main; sys.argv[0] = 'ckpttool'; sys.exit(main())"  # the console script
 TARGET_SECONDS = 0.1  # docs/performance.md: inspect and validate of the example
 # click and what `inspect` of the example imports from the standard library (dataclasses brings
-# inspect, ast, dis, tokenize; click datetime, uuid, platform, gettext; click's help texts locale)
-STDLIB = "click, dataclasses, json, pickle, signal, mmap, heapq, bisect, locale"
+# inspect, ast, dis, tokenize; click datetime, uuid, platform, gettext; click's help texts locale;
+# pathlib fnmatch, urllib.parse): `inspect --json` adds json, `validate` zlib
+STDLIB = "click, dataclasses, pathlib, signal, mmap, heapq, bisect, locale, gc"
+NO_SITE = "-S"  # the rows run as a regular install would: no site, no editable finder
+NO_SITE_ROWS = ("ckpttool inspect EXAMPLE", "ckpttool validate EXAMPLE")  # also measured with python -S
 
 
 def commands(example: Path) -> dict[str, list[str]]:
-    """Return the measured command lines (after `python -c LAUNCH`), by row name."""
-    return {
+    """Return the measured command lines (after `python -c LAUNCH`), by row name; the rows of
+    NO_SITE_ROWS again as `python -S` (name suffixed " (python -S)")."""
+    rows = {
         "ckpttool --help": ["--help"],
         "ckpttool inspect EXAMPLE": ["inspect", str(example)],
         "ckpttool validate EXAMPLE": ["validate", str(example)],
         "ckpttool inspect --json EXAMPLE": ["inspect", "--json", str(example)],
     }
+    return {**rows, **{f"{row} (python -S)": [NO_SITE, *rows[row]] for row in NO_SITE_ROWS}}
+
+
+def site_packages() -> str:
+    """The venv's site-packages (click, numpy): what a regular install puts on sys.path."""
+    return sysconfig.get_paths()["purelib"]
 
 
 def timed(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, float]:
@@ -79,14 +95,27 @@ def measure(rows: dict[str, tuple[list[str], dict[str, str]]], runs: int,
     return times
 
 
-def environment(tree: Path | None, pycache: str) -> dict[str, str]:
-    """The environment of a run: PYTHONPATH = `tree` (None: the interpreter's own paths),
-    bytecode cached under `pycache`."""
+def environment(tree: Path | None, pycache: str, no_site: bool = False) -> dict[str, str]:
+    """The environment of a run: PYTHONPATH = `tree` (None: the interpreter's own paths; with
+    `no_site`, for `python -S`, the site-packages after it), bytecode cached under `pycache`."""
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     env["PYTHONPYCACHEPREFIX"] = pycache
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
+    paths = ([str(tree)] if tree is not None else []) + ([site_packages()] if no_site else [])
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
+
+
+def floor_rows(pycache: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The floors by row name: each `python -c CODE` with site, then without (`python -S`,
+    site-packages on PYTHONPATH: a regular install's paths, no editable finder)."""
+    codes = {"python -c pass": "pass", 'python -c "import click"': "import click",
+             f'python -c "import {STDLIB}"': f"import {STDLIB}", 'python -c "import click, numpy"': "import click, numpy"}
+    rows = {name: ([sys.executable, "-c", code], environment(None, pycache)) for name, code in codes.items()}
+    for name, code in list(codes.items())[:3]:
+        rows[name.replace("python -c", "python -S -c")] = ([sys.executable, NO_SITE, "-c", code],
+                                                           environment(None, pycache, no_site=True))
+    return rows
 
 
 def load_average() -> str:
@@ -123,14 +152,15 @@ def main() -> None:
     if args.runs < 15:
         parser.error("--runs: at least 15")
     trees = {"this": ROOT, **({"base": args.base.resolve()} if args.base else {})}
-    floors = ("python -c pass", 'python -c "import click"', f'python -c "import {STDLIB}"', 'python -c "import click, numpy"')
     with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryDirectory() as pycache:
         # cwd outside both trees: `-c` puts the working directory first on sys.path
-        rows = {floor: ([sys.executable, "-c", floor.split('"')[1] if '"' in floor else "pass"], environment(None, pycache))
-                for floor in floors}
+        rows = floor_rows(pycache)
+        floors = tuple(rows)
         for tree_name, tree in trees.items():
             for row, argv in commands(args.example.resolve()).items():
-                rows[f"{row} [{tree_name}]"] = ([sys.executable, "-c", LAUNCH, *argv], environment(tree, pycache))
+                options, argv = ([NO_SITE], argv[1:]) if argv[:1] == [NO_SITE] else ([], argv)
+                rows[f"{row} [{tree_name}]"] = ([sys.executable, *options, "-c", LAUNCH, *argv],
+                                                environment(tree, pycache, no_site=bool(options)))
         before = load_average()
         times = measure(rows, args.runs, cwd)
     print(f"{sys.executable} (Python {sys.version.split()[0]}), {args.runs} runs per row, "

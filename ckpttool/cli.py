@@ -127,7 +127,7 @@ def reads_source(command):
     @wraps(command)
     def run(*args, **kwargs):
         from ckpttool import storage
-        from ckpttool.options import SourceOptions
+        from ckpttool.source_options import SourceOptions  # not options.py: inspect and validate need no other
 
         with errors_reported():
             source = SourceOptions(

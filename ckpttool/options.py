@@ -1,7 +1,8 @@
 """The options of the commands, one frozen dataclass per concern, validated once when built.
 
 `SourceOptions` says how to read the source (symlinks, object-storage options, where the model
-sits), `WriteOptions` how to write (replace, dry run, verify, threads, memory, progress, notices),
+sits: `source_options.py`, which `inspect` and `validate` import without this module),
+`WriteOptions` how to write (replace, dry run, verify, threads, memory, progress, notices),
 `ConvertOptions` what consolidate and export write from the source (which entries, under which
 keys, in which dtypes, in what shards). The CLI builds each once per command from its flags; a
 library caller builds them the same way. A bad value raises UsageError naming the flag.
@@ -15,14 +16,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from ckpttool import dtypes, storage
+from ckpttool import dtypes
 from ckpttool.errors import UsageError
 from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
 from ckpttool.outputs.notices import Notify, ignore
+from ckpttool.source_options import SourceOptions as SourceOptions  # its home; imported from here too
 
 if TYPE_CHECKING:  # keys.py is imported when a ConvertOptions is built: inspect and validate never build one
     from ckpttool.keys import KeyRules
@@ -50,25 +50,6 @@ def parse_dtype_map(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
             raise UsageError(f"--dtype-map {item!r}: expected 'GLOB=DTYPE', e.g. '*norm*=fp32'")
         pairs.append((glob, parse_dtype(name, "--dtype-map")))
     return tuple(pairs)
-
-
-@dataclass(frozen=True)
-class SourceOptions:
-    """How to read a checkpoint: data files that are symlinks out of it, object-storage
-    options (fsspec's `storage_options`, e.g. `endpoint_url`; used for every URL the command
-    opens, its output too), and where the model's state dict sits (`None`: found from the
-    structure, `""`: the top level)."""
-
-    follow_symlinks: bool = False
-    storage_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    model_prefix: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))  # read-only, like the rest
-
-    def locate(self, path: str | Any) -> Path | storage.RemotePath:
-        """Return `path` as a local Path or a RemotePath carrying these storage options."""
-        return storage.location(path, self.storage_options)
 
 
 @dataclass(frozen=True)

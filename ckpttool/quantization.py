@@ -22,16 +22,14 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 from ckpttool import dtypes
 from ckpttool.checkpoint import Checkpoint, Tensor
 from ckpttool.errors import InvalidCheckpoint
 from ckpttool.formats import fp8, mxfp4
-from ckpttool.safepaths import read_json_object
+from ckpttool.readers.detect import config_beside as config_beside  # where the config naming a quantisation is read
 
 CONFIG_FILENAME = "config.json"  # transformers.utils.CONFIG_NAME
 CONFIG_KEY = "quantization_config"
@@ -80,14 +78,6 @@ class Quantization:
         fqns = set(tensors) if fqns is None else fqns
         total = sum(tensors[f].numel for f in fqns if f not in entries and f in tensors)
         return total + sum(w.numel for w in self.weights.values() if w.codes in fqns)
-
-
-def config_beside(path: Path | Any) -> dict[str, Any] | None:
-    """Return `config.json` beside a local checkpoint (a Hub folder's own), or None."""
-    if not isinstance(path, Path):
-        return None  # object storage: the config comes with --assets
-    candidate = path / CONFIG_FILENAME
-    return read_json_object(candidate) if os.path.isfile(candidate) else None
 
 
 def find(checkpoint: Checkpoint, config: Mapping[str, Any] | None = None) -> Quantization | None:

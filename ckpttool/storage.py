@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import stat
@@ -50,7 +49,7 @@ GCS_PROTOCOLS = frozenset({"gs", "gcs"})
 AZURE_PROTOCOLS = frozenset({"az", "abfs", "abfss"})
 # `CONTAINER@ACCOUNT.dfs.core.windows.net` (or `.blob.`): the first segment of an Azure URL as the portal
 # copies it; account names are 3-24 lowercase letters and digits (Azure's rule)
-_AZURE_AUTHORITY = re.compile(r"^(?P<container>[^@/]+)@(?P<host>(?P<account>[a-z0-9]{3,24})\.(?:dfs|blob)\.(?P<suffix>[^/]+))$")
+_AZURE_AUTHORITY = r"^(?P<container>[^@/]+)@(?P<host>(?P<account>[a-z0-9]{3,24})\.(?:dfs|blob)\.(?P<suffix>[^/]+))$"  # compiled when first matched (re's cache)
 AZURE_CLOUD = "core.windows.net"  # the public cloud's host suffix; others (sovereign clouds) are named as account_host
 CONNECT_ATTEMPTS = 3  # tries of an endpoint that refuses connections or does not resolve (~3 s), not gcsfs's 6 (~35 s)
 AZURE_CONNECT_RETRIES = 0  # the Azure SDK waits 15 s and more before each retry: fail at once instead
@@ -81,6 +80,8 @@ def parse_option(text: str) -> tuple[str, Any]:
     key = key.strip()
     if key in TEXT_OPTIONS:
         return key, value
+    import json  # on use: `inspect` of a local path never parses an option
+
     try:
         decoded = json.loads(value)
     except ValueError:
@@ -132,7 +133,7 @@ def _parse_url(text: str) -> tuple[str, str, list[str]] | None:
     protocol, parts = match["protocol"], (match["key"] or "").strip("/").split("/")
     host = ""
     if protocol in AZURE_PROTOCOLS and "@" in parts[0]:
-        authority = _AZURE_AUTHORITY.match(parts[0])
+        authority = re.match(_AZURE_AUTHORITY, parts[0])
         if authority is None:
             raise StorageError(f"{text}: expected {protocol}://CONTAINER@ACCOUNT.dfs.{AZURE_CLOUD}/PATH (the account "
                                "name is 3-24 lowercase letters and digits)", "bad-url")
@@ -211,7 +212,7 @@ def _azure_options(url: str, host: str, options: dict[str, Any]) -> dict[str, An
     """adlfs's options for `url`: the account its host names, which a configured account of
     another name may not silently replace (a connection string names its own account, and adlfs
     prefers it to `account_name`)."""
-    authority = _AZURE_AUTHORITY.match(f"container@{host}") if host else None
+    authority = re.match(_AZURE_AUTHORITY, f"container@{host}") if host else None
     if authority is None:
         return options
     account = authority["account"]
@@ -317,6 +318,8 @@ _s3_clients: dict[str, Any] = {}  # storage options and AWS_* environment -> the
 def _s3_client(options: Mapping[str, Any]) -> Any:
     """The `s3.S3Client` of these storage options and the environment (one per setting, so
     every location opened with them shares its connections)."""
+    import json
+
     from ckpttool import s3
 
     setting = json.dumps([options, {k: v for k, v in os.environ.items() if k.startswith("AWS_")}],

@@ -9,7 +9,11 @@ path, checked here on damaged copies), and the naming tables compile their patte
 a key is matched. Neither imports the checking unpickler for a `.metadata` torch wrote: the C
 reader reads a small one into tuples of Chunk (the loader's checkpoint, checked here on every
 fixture and on mutants), and `validate` imports the quantisation code only where it could find
-something (checked against `quantization.find`).
+something (checked against `quantization.find`). Nor do they import the writing commands'
+options (`options.py`, with `io` and its defaults: they take `source_options.SourceOptions`
+alone), the quantisation code for a checkpoint with no config.json and no quantised tensor
+(`inspect` too), or, printing text, the `json` module (only `--json` encodes, only a config.json
+or Megatron's metadata.json decodes).
 
 Checked in a fresh interpreter per command, as the `ckpttool` script and `python -m ckpttool`
 run it: the CLI's main in-process, then `sys.modules` written to a file.
@@ -34,7 +38,7 @@ EXAMPLE = FIXTURES / "fsdp2_world3_uneven"
 
 # argv[1]: where to write the module list; argv[2]: "script" or "module"; the rest: the command
 RUN = """
-import json, runpy, sys
+import runpy, sys
 out, how, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 sys.argv = ["ckpttool", *args]
 code = 0
@@ -46,8 +50,10 @@ try:
         runpy.run_module("ckpttool", run_name="__main__", alter_sys=True)
 except SystemExit as exit:
     code = exit.code
+modules = sorted(sys.modules)
+import json  # after the command: whether it imported json is checked
 with open(out, "w") as handle:
-    json.dump({"code": code, "modules": sorted(sys.modules)}, handle)
+    json.dump({"code": code, "modules": modules}, handle)
 """
 
 # what neither command may import: prefixes (a module or anything under it)
@@ -68,15 +74,18 @@ NEVER = (
 # (validate without --deep reads metadata and file sizes) no blob reader or torch.save code, and
 # (the C reader reads the .metadata torch wrote, as tuples of Chunk) neither the checking
 # unpickler nor the readers of other layouts
-SMALL_NEVER = NEVER + ("numpy", "ckpttool.plan", "ckpttool.lora", "ckpttool.dcp.blobs", "ckpttool.torchsave", "ckpttool.spans",
+SMALL_NEVER = NEVER + ("ckpttool.options", "ckpttool.io", "numpy", "ckpttool.plan", "ckpttool.lora", "ckpttool.dcp.blobs", "ckpttool.torchsave", "ckpttool.spans",
                        "ckpttool.numerics", "ckpttool.safepickle", "ckpttool.readers.dcp_records", "ckpttool.readers.dcp_hf",
                        "ckpttool.readers.hub_folder", "ckpttool.readers.safetensors", "ckpttool.formats.safetensors",
                        "ckpttool.formats.hub")
-# inspect reads metadata only: no integrity gate either
-INSPECT_NEVER = SMALL_NEVER + ("ckpttool.integrity",)
+# inspect reads metadata only: no integrity gate either, and (no config.json, no float8 or MXFP4
+# tensor) no quantisation code
+INSPECT_NEVER = SMALL_NEVER + ("ckpttool.integrity", "ckpttool.quantization")
 # validate of a checkpoint with no quantised weights and no config.json: no quantisation code,
 # and no key rules (only a ConvertOptions, which validate never builds, needs them)
 VALIDATE_NEVER = SMALL_NEVER + ("ckpttool.quantization", "ckpttool.keys")
+# printing text, not --json: no JSON encoder (nor decoder: no config.json is read)
+TEXT_NEVER = ("json",)
 RENDERERS = {f"ckpttool.render.{path.stem}" for path in (ROOT / "ckpttool" / "render").glob("*.py")} - {"ckpttool.render.__init__"}
 
 
@@ -102,7 +111,7 @@ def forbidden(modules: set[str], prefixes: tuple[str, ...]) -> set[str]:
 def test_inspect_imports_neither_writers_plans_other_commands_nor_other_renderers(tmp_path, args, how):
     modules = imported(tmp_path, *args, how=how)
     assert {"ckpttool.commands.inspect", "ckpttool.render.inspect", "ckpttool.readers.dcp"} <= modules  # it ran
-    assert forbidden(modules, INSPECT_NEVER) == set()
+    assert forbidden(modules, INSPECT_NEVER + (() if "--json" in args else TEXT_NEVER)) == set()
     assert {m for m in modules if m in RENDERERS} <= {"ckpttool.render.inspect", "ckpttool.render.chunk_tables",
                                                      "ckpttool.render.lora", "ckpttool.render.text"}
 
@@ -112,7 +121,7 @@ def test_validate_imports_neither_writers_plans_other_commands_nor_other_rendere
     modules = imported(tmp_path, *args, str(EXAMPLE))
     assert {"ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.integrity",
             "ckpttool.integrity_small"} <= modules  # it ran, the small checkpoint's way
-    assert forbidden(modules, VALIDATE_NEVER) == set()
+    assert forbidden(modules, VALIDATE_NEVER + (() if "--json" in args else TEXT_NEVER)) == set()
     assert {m for m in modules if m in RENDERERS} <= {"ckpttool.render.validate", "ckpttool.render.manifest",
                                                      "ckpttool.render.text"}
 
@@ -121,13 +130,14 @@ def test_help_imports_no_command_reader_or_renderer(tmp_path):
     modules = imported(tmp_path, "--help")
     assert "ckpttool.cli" in modules  # it ran
     assert forbidden(modules, ("ckpttool.commands", "ckpttool.readers", "ckpttool.render", "ckpttool.options",
-                               "ckpttool.outputs", "ckpttool.io")) == set()
+                               "ckpttool.source_options", "ckpttool.storage", "ckpttool.outputs", "ckpttool.io",
+                               "json")) == set()
 
 
 def test_the_forbidden_lists_name_real_modules():
     """A renamed module would make its entry here pass silently: every prefix is on disk."""
     package = ROOT / "ckpttool"
-    for prefix in INSPECT_NEVER + VALIDATE_NEVER:
+    for prefix in INSPECT_NEVER + VALIDATE_NEVER + ("ckpttool.source_options",):
         if prefix.startswith("ckpttool."):
             path = package.joinpath(*prefix.split(".")[1:])
             assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), prefix
@@ -258,3 +268,25 @@ def test_validate_skips_the_quantisation_code_only_where_it_would_find_nothing()
         skipped += 1
         assert quantization.find(checkpoint, quantization.config_beside(checkpoint.path)) is None, path
     assert skipped >= 15 and kept >= 3, (skipped, kept)
+
+
+def test_source_options_is_one_class_whichever_module_it_is_imported_from():
+    """inspect and validate import `SourceOptions` from its own module; the writing commands and
+    library callers from `options` beside the others: the same class, so equal options compare equal."""
+    import ckpttool
+    from ckpttool import options, quantization, source_options
+    from ckpttool.readers.detect import config_beside
+
+    assert options.SourceOptions is source_options.SourceOptions is ckpttool.SourceOptions
+    assert options.SourceOptions(model_prefix="app.model") == source_options.SourceOptions(model_prefix="app.model")
+    assert quantization.config_beside is config_beside  # one reader of the config beside a checkpoint
+
+
+def test_inspect_of_a_quantised_checkpoint_still_imports_the_quantisation_code_and_finds_it(tmp_path):
+    """The quantisation code, imported only where there is something to find (a config.json
+    beside the weights here), still finds it."""
+    from ckpttool.commands.inspect import inspect
+
+    path = FIXTURES / "quantized" / "deepseek_v3_fp8"
+    assert "ckpttool.quantization" in imported(tmp_path, "inspect", str(path))
+    assert inspect(path).quantization is not None

@@ -16,15 +16,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
 
-from ckpttool import quantization, readers
+from ckpttool import readers
 from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
 from ckpttool.errors import InvalidCheckpoint
 from ckpttool.model_view import ModelView, find_model
-from ckpttool.options import SourceOptions
+from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
 from ckpttool.formats.fp8 import FLOAT8
 from ckpttool.formats.mxfp4 import BLOCKS
+from ckpttool.readers.detect import config_beside
 from ckpttool.safepaths import is_safe_relative_path
 
 if TYPE_CHECKING:
@@ -291,17 +292,18 @@ def _add_table_file_bytes(tables: list[tuple[int, ChunkInfos]], referenced: Coun
 
 # data files named for the rank that wrote them: torch HF writer's shard-{rank + 1}-model-...,
 # verl's model_world_size_{W}_rank_{rank}.pt
-_HF_SHARD = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
-_VERL_RANK = re.compile(r"^model_world_size_\d+_rank_(\d+)\.pt$")
+# patterns compiled when first matched (re's cache): a DCP checkpoint's files never need them
+_HF_SHARD = r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$"
+_VERL_RANK = r"^model_world_size_\d+_rank_(\d+)\.pt$"
 
 
 def rank_of(file: str) -> int | None:
     """Return the rank that wrote `__{rank}_{n}.distcp` (and the HF writer's and verl's
     per-rank files), or None for other names."""
     name = os.path.basename(file)
-    if match := DATA_FILE_PATTERN.match(name) or _VERL_RANK.match(name):
+    if match := DATA_FILE_PATTERN.match(name) or re.match(_VERL_RANK, name):
         return int(match.group(1))
-    match = _HF_SHARD.match(name)
+    match = re.match(_HF_SHARD, name)
     return int(match.group(1)) - 1 if match else None
 
 
@@ -313,7 +315,7 @@ def inspect(src: str | os.PathLike, filters: Sequence[str] = (), source: SourceO
     structure (`model_view.find_model`) unless `source.model_prefix` names it.
     """
     detection, checkpoint = readers.read(source.locate(src))
-    config = quantization.config_beside(checkpoint.path)
+    config = config_beside(checkpoint.path)
     with paused_gc():
         return build_report(checkpoint, tuple(filters), detection.layout, source.model_prefix, config)
 
@@ -388,7 +390,9 @@ def _family(checkpoint: Checkpoint, view: ModelView) -> tuple[Family | None, dic
 def _quantization(checkpoint: Checkpoint, config: dict | None, model: set[str]) -> QuantizationInfo | None:
     """Return the model's quantised weights, counted (None when it has none)."""
     if config is None and not any(t.dtype in FLOAT8 or t.fqn.endswith(BLOCKS) for t in checkpoint.tensors.values()):
-        return None  # the common case, checked cheaply
+        return None  # the common case, checked cheaply (and without importing the quantisation code)
+    from ckpttool import quantization
+
     found = quantization.find(checkpoint, config)
     if found is None:
         return None

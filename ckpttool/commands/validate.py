@@ -22,7 +22,7 @@ from ckpttool import dtypes, integrity, readers
 from ckpttool.checkpoint import Blob, Checkpoint, as_path
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.integrity import ERROR, INFO, WARNING, Problem
-from ckpttool.options import SourceOptions, WriteOptions
+from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import METADATA_FILENAME
 
 if TYPE_CHECKING:
@@ -112,6 +112,7 @@ def _check_manifest(src: str | os.PathLike, manifest: str | os.PathLike, source:
     """Hash the checkpoint and compare it with `manifest` (commands.manifest.check), unless
     it is invalid already (its bytes cannot be trusted to be where the metadata says)."""
     from ckpttool.commands.manifest import check_or_error
+    from ckpttool.options import WriteOptions
 
     if not report.valid:
         report.add(INFO, "manifest-skipped", f"{report.path}: not checked against {manifest}: the checkpoint is invalid")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 INTERRUPT_SIGNALS = tuple(
@@ -43,12 +42,17 @@ class Interrupted(KeyboardInterrupt):
         return f"interrupted by {signal.Signals(self.signum).name}"
 
 
-@dataclass
 class _SignalState:
-    installed: bool = False
-    raised: bool = False  # an Interrupted is unwinding: later signals must not cut its cleanup short
-    deferring: int = 0  # depth of `deferred` blocks
-    pending: int = 0  # a signal that arrived while deferred
+    """What the handlers know (a plain class: every command builds one at startup, and a
+    dataclass's generated methods cost more to make than this whole module)."""
+
+    __slots__ = ("installed", "raised", "deferring", "pending")
+
+    def __init__(self, installed: bool = False) -> None:
+        self.installed = installed
+        self.raised = False  # an Interrupted is unwinding: later signals must not cut its cleanup short
+        self.deferring = 0  # depth of `deferred` blocks
+        self.pending = 0  # a signal that arrived while deferred
 
 
 _signals = _SignalState()  # the process's signal handlers are global: so is what they know

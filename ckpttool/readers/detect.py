@@ -34,16 +34,17 @@ A run directory holds checkpoints (`step-*`, `step*` (OLMo-core), `iter_*`, `glo
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckpttool import storage
 from ckpttool.checkpoint import Checkpoint, as_path
 from ckpttool.errors import CheckpointError, NotACheckpoint
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
+from ckpttool.safepaths import read_json_object
 
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
@@ -206,6 +207,15 @@ def _directory_layout(path: Path) -> tuple[str | None, Checkpoint | None]:
     return None, None
 
 
+def config_beside(path: Path | Any) -> dict[str, Any] | None:
+    """Return `config.json` beside a local checkpoint (a Hub folder's own: what names its
+    quantisation, `quantization.find`), or None."""
+    if not isinstance(path, Path):
+        return None  # object storage: the config comes with --assets
+    candidate = path / HUB_CONFIG
+    return read_json_object(candidate) if os.path.isfile(candidate) else None
+
+
 def is_torchtitan(fqns) -> bool:
     """True for torchtitan's state dict: `optimizer` beside one of `lr_scheduler`,
     `dataloader`, `train_state` at the top level."""
@@ -218,6 +228,8 @@ def _is_megatron(path: Path) -> bool:
     try:
         if not (config.is_file() and (path / MEGATRON_COMMON).is_file()) or config.stat().st_size > MAX_CONFIG_BYTES:
             return False
+        import json  # on use: only a folder with Megatron's two files reads one
+
         document = json.loads(config.read_bytes())
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator
 
 from ckpttool.commands.inspect import ChunkInfos, TensorInfo
@@ -63,6 +62,8 @@ class ChunkRows(ColumnRows):
         they are by the C reader's `json_rows`, a block of rows at a time (no object per row, no
         copy of a column). `file_texts` keeps the JSON of each table's file names for the next
         table."""
+        import json  # on use: `--chunks` as text never loads the encoder
+
         table = self.chunks.table
         if not len(table):
             yield b"[]"

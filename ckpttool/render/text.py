@@ -9,7 +9,6 @@ Example:
 from __future__ import annotations
 
 import codecs
-import json
 import os
 import re
 import sys
@@ -83,6 +82,8 @@ def emit_json(document: dict[str, Any], out: TextIO | None = None) -> None:
     them, and as bytes to the stream's binary buffer when it has one (7M chunks are 900 MB of
     JSON: never a str, never held whole).
     """
+    import json  # on use: text output never loads the encoder
+
     out = out or sys.stdout
     rows: list[ColumnRows] = []
     tensors = document.get("tensors")
