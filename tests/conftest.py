@@ -6,10 +6,14 @@ runs (see fixtures/generate.py); tests that need other layouts write them once p
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
+import tempfile
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -18,6 +22,16 @@ FIXTURES = ROOT / "fixtures"
 FIXTURE_NAMES = ("fsdp2_world2", "fsdp2_world2_adamw", "fsdp2_world2_bf16", "fsdp2_world3_uneven")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# The longest module (`--durations`: its seeded soak alone ~150 s on a loaded machine), started
+# first: the worker that draws it has the rest of the run to even out, instead of the run
+# ending with one worker idle while the other soaks. Its tests stay together (one soak).
+FIRST = ("tests/test_soak.py::",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: the rest keep their order
 
 
 @pytest.fixture(params=FIXTURE_NAMES)
@@ -78,12 +92,31 @@ def assert_same_bytes(actual, expected, name: str = "") -> None:
     assert tensor_bytes(actual) == tensor_bytes(expected), f"{name}: bytes differ"
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """Return `build(directory)` for a new directory, built once for the whole run. Under
+    pytest-xdist the first worker to ask builds it in the run's temporary root (above each
+    worker's own) while the other waits on a file lock, then both read it (read-only); the
+    path is recorded only once `build` returned, so a failed build is tried again."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock  # a dependency of torch
+
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, made by the xdist controller
+    record = shared / f"{name}.path"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not record.exists():
+            built = build(Path(tempfile.mkdtemp(prefix=f"{name}-", dir=shared)))
+            record.write_text(str(built))
+        return Path(record.read_text())
+
+
 @pytest.fixture(scope="session")
 def trainer_checkpoint(tmp_path_factory):
     """`trainer_checkpoint(*args, nproc=2)` -> the last step directory of a tiny 2-step run of
     the real trainer (`trainer_runs.run_trainer`) with `args`, run once per session for every
     file that asks for the same run (read-only: copy it before changing it). Safe to call from
-    several threads at once: a second caller of a run in progress waits for it."""
+    several threads at once, and from both xdist workers (`built_once`): a second caller of
+    a run in progress waits for it."""
     from trainer_runs import latest_step, run_trainer
 
     runs: dict[tuple, Future] = {}
@@ -96,8 +129,10 @@ def trainer_checkpoint(tmp_path_factory):
             future = runs.setdefault(key, Future())
         if not started:
             try:
-                directory = tmp_path_factory.mktemp("trainer-" + "-".join(a.strip("-") for a in key[0])[:40])
-                future.set_result(latest_step(run_trainer(directory, *args, nproc=nproc)))
+                readable = "-".join(a.strip("-").replace("/", "_") for a in key[0])[:40]
+                name = f"trainer-{readable}-{hashlib.sha1(repr(key).encode()).hexdigest()[:8]}"  # one name a run
+                future.set_result(built_once(tmp_path_factory, name,
+                                             lambda directory: latest_step(run_trainer(directory, *args, nproc=nproc))))
             except BaseException as error:
                 future.set_exception(error)
         return future.result()
@@ -109,10 +144,11 @@ def trainer_checkpoint(tmp_path_factory):
 def block_tied_buffers(tmp_path_factory) -> Path:
     """What the trainer does not write, saved once per session by torch's own dcp.save on 4 real
     gloo ranks (`dcp_world._layouts_rank`: 2-D block sharding, a tied head, int/bool buffers, a
-    0-d bf16 tensor); test_consolidate.py and test_manifest.py read it (read-only)."""
+    0-d bf16 tensor); test_consolidate.py and test_manifest.py read it (read-only), under
+    xdist from either worker (`built_once`)."""
     from dcp_world import write_layouts_forked
 
-    return write_layouts_forked(tmp_path_factory.mktemp("layouts") / "block_tied_buffers")
+    return built_once(tmp_path_factory, "layouts", lambda directory: write_layouts_forked(directory / "block_tied_buffers"))
 
 
 @pytest.fixture(scope="module")

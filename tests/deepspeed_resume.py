@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -87,10 +86,9 @@ def main() -> None:
 
     world, out, rest = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     jobs = list(zip(rest[::2], rest[1::2]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(world, port, jobs, out), nprocs=world, start_method="fork")
+    from ports import free_port
+
+    mp.start_processes(_rank, args=(world, free_port(), jobs, out), nprocs=world, start_method="fork")
     os._exit(0)
 
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from ports import free_port  # dcp_world and test_deepspeed import it from here
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -38,13 +39,6 @@ class LoadJob:
     mesh: tuple[int, int] | None = None  # HSDP (replicas, shards); None: 1-D FSDP over all ranks
     save_to: str | None = None
     model: str = "tiny"  # "tiny": fixtures' TinyModel; "gpt": train_minimal's GPT, blocks sharded
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a gloo rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _make(job: LoadJob, world_size: int):

@@ -119,8 +119,13 @@ def _launcher(argv: list[str], cwd: str, environment: dict, stdout: str, stderr:
         os.close(opened)
     sys.argv = [str(Path(cwd) / "train_minimal" / "__main__.py"), *argv]  # as `python -m train_minimal` has it
     try:
+        import train_minimal.launch
+        from ports import free_port
         from train_minimal.launch import exit_now, main
 
+        # its rendezvous port from this xdist worker's block, not from the ephemeral range
+        # the other worker's connections draw from (ports.py)
+        train_minimal.launch.free_port = free_port
         status = main(argv, start_method="fork")
     except SystemExit as error:
         status = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)

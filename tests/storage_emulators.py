@@ -39,6 +39,8 @@ from typing import Iterator
 
 import pytest
 
+from ports import free_port
+
 REQUIRE = "CKPTTOOL_REQUIRE_EMULATORS"
 START_TIMEOUT = 60  # seconds for an emulator to listen (Azurite's node start takes ~5 s on 2 busy cores)
 
@@ -58,14 +60,9 @@ def missing(what: str, install: str) -> None:
     pytest.skip(f"{message}; set {REQUIRE}=1 to make this a failure")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def closed_port() -> int:
-    """A port on 127.0.0.1 nothing listens on (connections are refused at once)."""
+    """A port on 127.0.0.1 nothing listens on (connections are refused at once): from this
+    worker's block (`ports.py`), where no other process starts a listener."""
     return free_port()
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import pytest
 
 import torchrun_cases
 from conftest import FIXTURES
+from ports import free_port
 
 from ckpttool.options import ConvertOptions
 from ckpttool import dtypes
@@ -157,12 +157,6 @@ class Run:
     stderr: str  # the whole job's stderr
     printed: int = 1  # how many times the case's mark was printed (once: by rank 0 alone)
     launchers: tuple[int, ...] = ()  # exit codes of the torchrun launchers
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(count: int) -> list[list[str]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
+from ports import free_port
 
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
@@ -81,12 +81,6 @@ class Job:
         return ("after the death: " + ", ".join(f"rank {rank} said its error at {at - died:.1f} s"
                                                 for rank, at in sorted(self.said.items()))
                 + f", the job ended at {(self.ended or died) - died:.1f} s")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def command_line(command: str, out: str) -> list[str]:

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -78,10 +77,9 @@ def _save_meshes(rank: int, port: int, root: str) -> None:
 def _main(root: str) -> None:
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.start_processes(_save_meshes, args=(port, root), nprocs=4, start_method="fork")
+    from ports import free_port
+
+    mp.start_processes(_save_meshes, args=(free_port(), root), nprocs=4, start_method="fork")
 
 
 @pytest.fixture(scope="session")
