@@ -106,3 +106,41 @@ def test_a_flush_request_changes_no_byte_and_skips_a_streamed_output(tmp_path):
             raise AssertionError("a flush request must not write")
 
     io.start_writeback(Sink(), 0, 10)
+
+
+def test_rank_files_are_fsynced_several_at_once_and_all_before_wait_returns(tmp_path, monkeypatch):
+    """`_Syncs` fsyncs up to SYNC_THREADS rank files at once (fsyncs issued together share
+    ext4's journal commit), and `wait` returns only once every file, started or not, is synced."""
+    import threading
+    import time
+
+    from ckpttool.commands import reshard as reshard_module
+
+    fds = {f"__{rank}_0.distcp": os.open(tmp_path / f"__{rank}_0.distcp", os.O_CREAT | os.O_WRONLY, 0o644)
+           for rank in range(12)}
+    synced, running, most = [], [0], [0]
+    lock = threading.Lock()
+
+    def slow_sync(fd) -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+            synced.append(fd)
+
+    monkeypatch.setattr(reshard_module.io, "sync", slow_sync)
+    try:
+        with reshard_module._Syncs(fds) as syncs:
+            for name in list(fds)[:8]:  # the rest were never started: wait syncs them itself
+                syncs.start(name)
+            syncs.wait(fds)
+            assert sorted(synced) == sorted(fds.values())
+        assert most[0] > 1, "the fsyncs ran one at a time"
+        synced.clear()
+        reshard_module._Syncs.all(fds)  # the path without a running pool (torchrun's shares)
+        assert sorted(synced) == sorted(fds.values())
+    finally:
+        for fd in fds.values():
+            os.close(fd)
