@@ -747,8 +747,7 @@ def _run_share(world: World, share: list[Operation], paths: dict, run_share: Run
     try:
         with (contextlib.nullcontext(paths) if remote else _opened(paths)) as fds:
             testpoints.run_share(world.rank, share, fds, run_share)
-            for fd in fds.values():
-                io.sync(fd)
+            io.sync_all(fds.values())
     except BaseException as error:  # noqa: BLE001 - reported to every rank, raised by the caller
         failure = error
     written = sum(op.output_length for op in share)

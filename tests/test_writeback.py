@@ -109,7 +109,7 @@ def test_a_flush_request_changes_no_byte_and_skips_a_streamed_output(tmp_path):
 
 
 def test_rank_files_are_fsynced_several_at_once_and_all_before_wait_returns(tmp_path, monkeypatch):
-    """`_Syncs` fsyncs up to SYNC_THREADS rank files at once (fsyncs issued together share
+    """`_Syncs` fsyncs up to `io.SYNC_THREADS` rank files at once (fsyncs issued together share
     ext4's journal commit), and `wait` returns only once every file, started or not, is synced."""
     import threading
     import time

@@ -178,24 +178,17 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
     return writes, processes
 
 
-# fsyncs in flight at once: on ext4 each fsync ends in a journal commit, and fsyncs issued
-# together share one (jbd2's group commit); one at a time, 256 small rank files wait for 256
-# commits in a row. 648 MB in 256 files, each fsynced as it was written (a bare-write model of
-# benchmarks/reshard.py's 278k case): all on disk after 1.61-1.84 s with 1 thread, 1.33-1.45 s with 4
-SYNC_THREADS = 4
-
-
 class _Syncs:
     """The rank files' fsyncs, each started on a background thread as soon as the file is
     written through (`start`, `execute.run`'s `on_file_done`): the disk flushes a finished
     file while the copies into the next ones run, rather than all of them after the last copy
-    (rank files are written one after another, in file order), up to SYNC_THREADS at once.
+    (rank files are written one after another, in file order), up to `io.SYNC_THREADS` at once.
     `wait` returns once every file is on disk; leaving the context waits for any fsync still
     running (before the fds close)."""
 
     def __init__(self, fds: dict[str, int]):
         self.fds = fds
-        self.pool = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="ckpttool-fsync")
+        self.pool = ThreadPoolExecutor(io.SYNC_THREADS, thread_name_prefix="ckpttool-fsync")
         self.started: dict[str, Future] = {}
 
     def start(self, name: str) -> None:
@@ -211,9 +204,7 @@ class _Syncs:
 
     @staticmethod
     def all(fds: dict[str, int]) -> None:
-        with ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="ckpttool-fsync") as pool:
-            for done in [pool.submit(io.sync, fd) for fd in fds.values()]:
-                done.result()
+        io.sync_all(fds.values())
 
     def __enter__(self) -> _Syncs:
         return self
