@@ -44,3 +44,9 @@ def free_port() -> int:
                 continue
             return port
     raise OSError(f"no free port in {block.start}-{block.stop - 1} after 200 tries")
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (connections are refused at once): from this
+    worker's block, where no other process starts a listener."""
+    return free_port()

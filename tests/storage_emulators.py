@@ -60,12 +60,6 @@ def missing(what: str, install: str) -> None:
     pytest.skip(f"{message}; set {REQUIRE}=1 to make this a failure")
 
 
-def closed_port() -> int:
-    """A port on 127.0.0.1 nothing listens on (connections are refused at once): from this
-    worker's block (`ports.py`), where no other process starts a listener."""
-    return free_port()
-
-
 def _die_with_parent() -> None:
     """In the child: be sent SIGTERM when the test process dies (killed by a timeout, its
     teardown never runs), so no emulator outlives its run. Linux's prctl(PR_SET_PDEATHSIG)."""

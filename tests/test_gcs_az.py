@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from storage_emulators import (AZURITE_ACCOUNT, OTHER_ACCOUNT, OTHER_KEY, azurite, closed_port, connection_string,
+from ports import closed_port
+from storage_emulators import (AZURITE_ACCOUNT, OTHER_ACCOUNT, OTHER_KEY, azurite, connection_string,
                                gcs_emulator, missing)
 
 from ckpttool.cli import main

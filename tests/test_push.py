@@ -22,7 +22,7 @@ import pytest
 
 from conftest import FIXTURES
 from hub_server import HubServer
-from ports import free_port
+from ports import closed_port
 from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.export import export
@@ -98,11 +98,6 @@ def loopback_only(getaddrinfo):
         return getaddrinfo(host, *args, **kwargs)
 
     return resolve
-
-
-def closed_port() -> int:
-    """A port nothing listens on: from this worker's block (`ports.py`), where no other process starts a listener."""
-    return free_port()
 
 
 def test_push_of_a_hub_folder_downloads_back_byte_identical(hub, hub_folder, tmp_path):
