@@ -17,6 +17,8 @@ import json
 import random
 import re
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 from unittest import mock
 
 import pytest
@@ -259,7 +261,7 @@ def test_the_cli_prints_the_same_bytes_when_the_reader_gives_tables(tmp_path, cl
 
 
 def synthetic(tmp_path: Path, tensors: dict[str, tuple[tuple[int, ...], list[Chunk]]], files: dict[str, int],
-              objects: dict[str, Blob | None] = {}, dtype: str = "float32") -> Checkpoint:
+              objects: Mapping[str, Blob | None] = MappingProxyType({}), dtype: str = "float32") -> Checkpoint:
     """A checkpoint of these tensors (shape, chunks) with data files of these sizes (sparse)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     for name, size in files.items():
@@ -498,7 +500,7 @@ def _random_chunks(rng: random.Random, shape: tuple[int, ...]) -> list[Chunk]:
     cuts = [0, *rows, shape[0]]
     split = len(shape) > 1 and shape[1] > 1 and rng.random() < 0.3
     for start, end in zip(cuts, cuts[1:]):
-        for copy in range(rng.choice((1, 1, 2))):
+        for _copy in range(rng.choice((1, 1, 2))):
             if split:
                 half = shape[1] // 2
                 chunks.append(Chunk((start, 0, *[0] * (len(shape) - 2)), (end - start, half, *shape[2:]), None))

@@ -273,6 +273,22 @@ def test_global_batch_that_the_world_size_does_not_divide_is_a_usage_error(tmp_p
     assert "--global-batch 12 is not divisible by --nproc 5" in result.stderr
 
 
+def test_local_launch_takes_master_port_from_the_environment_and_refuses_one_that_is_not_a_port(
+        tmp_path, monkeypatch):
+    from ports import free_port
+    from train_minimal.launch import master_port
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert master_port() == port
+    monkeypatch.delenv("MASTER_PORT")
+    assert 0 < master_port() < 65536
+    monkeypatch.setenv("MASTER_PORT", "http")
+    result = run_trainer_expecting_failure(tmp_path, nproc=1)
+    assert result.returncode == 2
+    assert "MASTER_PORT='http' is not a TCP port" in result.stderr
+
+
 def test_cpu_offload_on_a_cpu_only_run_is_an_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: --cpu-offload is valid here")

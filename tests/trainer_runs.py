@@ -65,8 +65,7 @@ def run_trainer(directory: Path, *args: str, nproc: int = 2, steps: int = 2, siz
         ['latest', 'step-00000004']
     """
     command = trainer_command(directory, *args, nproc=nproc, steps=steps, size=size)
-    environment = dict(os.environ)
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
+    environment = _environment()
     if subprocess_run:
         result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
     else:
@@ -84,9 +83,20 @@ def run_trainer_expecting_failure(directory: Path, *args: str, nproc: int = 2, s
     """Run the trainer and return the finished process (exit status, stdout, stderr)
     without raising; for tests of error messages."""
     command = trainer_command(directory, *args, nproc=nproc, steps=steps, size=size)
+    environment = _environment()
+    return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
+
+
+def _environment() -> dict[str, str]:
+    """The trainer's environment: this checkout first on the path, and a rendezvous port from
+    this xdist worker's block (ports.py) for a `python -m train_minimal` launch, which takes
+    MASTER_PORT when set rather than probing the range the other worker's connections use."""
+    from ports import free_port
+
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
-    return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    environment.setdefault("MASTER_PORT", str(free_port()))
+    return environment
 
 
 def latest_step(ckpt_dir: Path) -> Path:

@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None, start_method: str = "forkserver") -> int
             return 2
         return _run_rank(config)
     nproc = config.nproc or 1
-    port = free_port()
+    try:
+        port = master_port()
+    except ValueError as error:
+        print(f"train_minimal: error: {error}", file=sys.stderr)
+        return 2
     if nproc == 1:
         os.environ.update(rank_environment(0, 1, port))
         return _run_rank(config)
@@ -74,6 +78,18 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     """Return the torchrun-style environment of one local rank."""
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def master_port() -> int:
+    """Return the rendezvous port of a local launch: MASTER_PORT when it is set (as torch's
+    launchers take it, so a caller that reserves ports can hand one down), else a free one.
+    Raise ValueError when MASTER_PORT is not a port number."""
+    given = os.environ.get("MASTER_PORT")
+    if given is None:
+        return free_port()
+    if not given.isdigit() or not 0 < int(given) < 65536:
+        raise ValueError(f"MASTER_PORT={given!r} is not a TCP port (1-65535); unset it to pick a free one")
+    return int(given)
 
 
 def free_port() -> int:
