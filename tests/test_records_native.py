@@ -148,9 +148,135 @@ def test_record_headers_compared_in_c_match_the_numpy_comparison_on_damaged_bloc
         native.match(np.zeros(16, np.uint8), np.array([12], np.int64), [(0, 2, np.zeros(2, "<u8"), None)])
 
 
-def test_metadata_rows_joined_in_c_are_the_numpy_join(monkeypatch):
-    """`dcp.writer._joined_rows`: fixed bytes and encoded columns (each row its own count of
-    a column's bytes) joined row by row, in C and by numpy's mask, on random columns."""
+INT_EDGES = [0, 1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32, 2**39, 2**47 + 3, 2**55, 2**62, 2**63 - 1,
+             -1, -128, -129, -256, -2**31, -2**31 - 1, -2**39 - 1, -2**63]
+
+
+def expected_rows(rows: int, spec: list) -> list[bytes]:
+    """Each row of `spec` (see `dcp.writer._encoded_rows`) as the pickle writer itself writes it."""
+    from ckpttool.dcp import writer
+    from ckpttool.torchsave.pickle import Writer, int_bytes
+
+    found = []
+    for row in range(rows):
+        parts = []
+        for part in spec:
+            if isinstance(part, bytes):
+                parts.append(part)
+            elif part[0] == writer._INT:
+                parts.append(int_bytes(int(part[1][row])))
+            elif part[0] == writer._TUPLE:
+                tuple_writer = Writer()
+                tuple_writer.write(tuple(part[1][row, :int(part[2][row])].tolist()))
+                parts.append(bytes(tuple_writer.out))
+            else:
+                parts.append(part[1][int(part[2][row])])
+        found.append(b"".join(parts))
+    return found
+
+
+def random_spec(generator, rows: int) -> list:
+    """Fixed bytes, int columns (every int encoding), tuples of 0 to 5 ints and memo fetches
+    (BINGET and LONG_BINGET, from a real Writer's memo of 70,000 strings) in random order."""
+    import numpy as np
+
+    from ckpttool.dcp import writer
+    from ckpttool.torchsave.pickle import Writer
+
+    memo = Writer()
+    memo.memo = {f"s{slot}": slot for slot in range(70_000)}
+    table = tuple(memo.fragment(f"s{slot}") for slot in (0, 1, 255, 256, 65535, 65536, 69_999))
+    assert {len(fetch) for fetch in table} == {2, 5}  # BINGET slot, LONG_BINGET slot (4 bytes)
+
+    def ints(shape):
+        edges = np.array(INT_EDGES, np.int64)[generator.integers(0, len(INT_EDGES), shape)]
+        return np.where(generator.random(shape) < 0.5, edges, generator.integers(0, 70_000, shape))
+
+    spec: list = []
+    for _ in range(int(generator.integers(1, 12))):
+        kind = int(generator.integers(0, 4))
+        if kind == 0:
+            spec.append(bytes(generator.integers(0, 256, int(generator.integers(0, 30)), dtype=np.uint8)))
+        elif kind == 1:
+            spec.append((writer._INT, ints(rows)))
+        elif kind == 2:
+            width = int(generator.integers(0, 6))
+            spec.append((writer._TUPLE, ints((rows, width)), generator.integers(0, width + 1, rows)))
+        else:
+            spec.append((writer._FETCH, table, generator.integers(0, len(table), rows)))
+    return spec
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_metadata_rows_encoded_in_c_are_the_numpy_rows_and_the_pickle_writers(monkeypatch, seed):
+    """`dcp.writer._encoded_rows` in C (`encode_rows`) and by numpy: the bytes the pickle
+    writer writes for each row (ints of every length, tuples of 0 to 5 ints, memo fetches of
+    1- and 4-byte slots), and where each row starts."""
+    from ckpttool.dcp import writer
+
+    generator = __import__("numpy").random.default_rng(seed)
+    for rows in (0, 1, 7, 64, 65, 500):
+        spec = random_spec(generator, rows)
+        expected = expected_rows(rows, spec)
+        encoded = []
+        for module in (native, None):
+            monkeypatch.setattr(native_module, "records", module)
+            data, starts = writer._encoded_rows(spec, rows, starts=True)
+            assert writer._encoded_rows(spec, rows)[0] == data
+            encoded.append((data, starts.tolist()))
+        assert encoded[0] == encoded[1], rows
+        data, starts = encoded[0]
+        assert [data[starts[row]:starts[row + 1]] for row in range(rows)] == expected
+        assert starts[0] == 0 and starts[-1] == len(data)
+
+
+def test_metadata_rows_refuse_columns_they_cannot_read_safely():
+    """`encode_rows` checks every column before reading one: dtype, contiguity, length, each
+    ndim and each fetch in range; a ValueError, never a read out of bounds."""
+    import numpy as np
+
+    values, ndim = np.arange(12, dtype=np.int64).reshape(4, 3), np.array([0, 1, 3, 2], np.int64)
+    table = (b"h\x00", b"j\x00\x01\x00\x00")
+    good = [b"(", (0, values[:, 0].copy()), (1, values, ndim), (2, table, np.array([0, 1, 1, 0], np.int64))]
+    assert native.encode_rows(good, 4, None)
+    bad = {
+        "an int32 column": [(0, np.arange(4, dtype=np.int32))],
+        "a float column": [(0, np.arange(4, dtype=np.float64))],
+        "a column of other rows": [(0, np.arange(5, dtype=np.int64))],
+        "a strided column": [(0, values[:, 0])],
+        "bytes as a column": [(0, bytes(32))],
+        "a 1-d size column": [(1, np.arange(4, dtype=np.int64), ndim)],
+        "an ndim past the width": [(1, values, np.array([0, 1, 4, 2], np.int64))],
+        "a negative ndim": [(1, values, np.array([0, -1, 1, 2], np.int64))],
+        "a fetch past the table": [(2, table, np.array([0, 1, 2, 0], np.int64))],
+        "a negative fetch": [(2, table, np.array([0, -1, 1, 0], np.int64))],
+        "a table of str": [(2, ("h", "j"), np.zeros(4, np.int64))],
+        "a table as a list": [(2, list(table), np.zeros(4, np.int64))],
+        "an unknown kind": [(7, np.zeros(4, np.int64))],
+        "a part of the wrong length": [(0, np.zeros(4, np.int64), ndim)],
+        "a str part": ["x"],
+        "a str kind": [("0", np.zeros(4, np.int64))],
+    }
+    for name, spec in bad.items():
+        with pytest.raises(ValueError):
+            native.encode_rows(spec, 4, None)
+            pytest.fail(name)
+    for starts in (np.zeros(4, np.int64), np.zeros(5, np.int32), np.zeros(5, np.int64)[::1].view(np.uint64)):
+        with pytest.raises(ValueError):
+            native.encode_rows(good, 4, starts)
+    with pytest.raises((ValueError, BufferError, TypeError)):
+        native.encode_rows(good, 4, bytes(40))  # read-only
+    with pytest.raises(ValueError):
+        native.encode_rows(good, -1, None)
+    # `starts` may even be one of the columns: it is written after the rows are
+    shared = np.array([1, 2, 3, 4, 5], np.int64)
+    data = native.encode_rows([(0, shared[:4])], 4, shared)
+    assert data == b"K\x01K\x02K\x03K\x04" and shared.tolist() == [0, 2, 4, 6, 8]
+
+
+def test_rows_joined_in_c_for_older_writers_are_the_numpy_join():
+    """`join`, which writers before `encode_rows` call (a baseline tree with this module copied
+    in): fixed bytes and encoded columns joined row by row, as `dcp.writer._joined_rows` does."""
     import numpy as np
 
     from ckpttool.dcp import writer
@@ -163,13 +289,8 @@ def test_metadata_rows_joined_in_c_are_the_numpy_join(monkeypatch):
                              generator.integers(0, width + 1, rows, dtype=np.int64)))
             segments.append(b"q" * int(generator.integers(0, 3)))
         segments.append((np.full((1, rows), 40, np.uint8), np.ones(rows, np.int64)))
-        joined = []
-        for module in (native, None):
-            monkeypatch.setattr(native_module, "records", module)
-            data, lengths = writer._joined_rows(segments, rows)
-            joined.append((data, lengths.tolist()))
-        assert joined[0] == joined[1], rows
-        assert len(joined[0][0]) == sum(joined[0][1])
+        data, lengths = writer._joined_rows(segments, rows)
+        assert native.join(segments, rows, int(lengths.sum())) == data, rows
     with pytest.raises(ValueError, match="past its segment's width"):
         native.join([(np.zeros((2, 3), np.uint8), np.array([1, 3, 0], np.int64))], 3, 4)
 

@@ -405,6 +405,44 @@ def test_metadata_from_stored_chunks_is_byte_identical_on_random_checkpoints():
         assert metadata_bytes(with_columns(tensors), objects, {}, f"/ckpt/{trial}", "save") == before, trial
 
 
+def random_column_tensors(rng: random.Random, files: list[str]) -> list[StoredTensor]:
+    """Tensors of 0 to 5 dims and several dtypes (one repeated fqn at times), chunks as columns."""
+    tensors, start = [], 0
+    for _ in range(rng.randint(1, 30)):
+        ndim = rng.choice((0, 1, 2, 3, 4, 5))
+        boxes = []
+        for _ in range(rng.randint(0, 40) if ndim else rng.randint(1, 2)):
+            offsets = tuple(rng.choice((0, 1, 255, 256, 65536, 2**31, 2**40, 2**63 - 1)) for _ in range(ndim))
+            boxes.append((offsets, tuple(rng.randint(0, 300) for _ in range(ndim))))
+        tensor = boxes_tensor(f"t{rng.randint(0, 40)}", (9,) * ndim, boxes, rng.sample(files, rng.randint(1, 270)),
+                              start, rng.choice((100, 70000, 2**31)))
+        tensors.append(as_columns(replace(tensor, dtype=rng.choice(("float32", "bfloat16", "int64")))))
+        start += 2**rng.randint(8, 40)
+    return tensors
+
+
+def test_metadata_from_stored_chunks_is_the_same_without_the_c_module(monkeypatch):
+    """The rows encoded by `_records.encode_rows` and by numpy (no compiler): the same
+    `.metadata`, for every case above and random checkpoints of 0- to 5-d tensors."""
+    from ckpttool.torchsave import native
+
+    if native.records is None:
+        pytest.skip("the C module is not built (no compiler)")
+    rng = random.Random(1)
+    files = [writer.data_file_name(rank) for rank in range(270)]
+    cases = [(with_columns(tensors), objects, planner_data)
+             for tensors, objects, planner_data in [*COLUMN_CASES.values(), *METADATA_CASES.values()]]
+    cases += [(random_column_tensors(rng, files), [StoredObject("o", files[0], 0, 9)], {}) for _ in range(20)]
+    for number, (tensors, objects, planner_data) in enumerate(cases):
+        encoded = []
+        for module in (native.records, None):
+            monkeypatch.setattr(native, "records", module)
+            encoded.append(metadata_bytes(tensors, objects, planner_data, Path("/ckpt"), "save-0"))
+        assert encoded[0] == encoded[1], number
+        as_tuples = [replace(tensor, chunks=tuple(tensor.chunks)) for tensor in tensors]
+        assert encoded[0] == metadata_bytes(as_tuples, objects, planner_data, Path("/ckpt"), "save-0"), number
+
+
 @pytest.mark.parametrize("case", list(COLUMN_CASES))
 def test_metadata_from_stored_chunks_loads_in_torch_as_the_metadata_of_its_tuples(case, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader

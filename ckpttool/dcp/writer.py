@@ -115,6 +115,11 @@ def _tensor_properties(dtype: str) -> NewObject:
     return NewObject(_TENSOR_PROPERTIES, (Global("torch", dtype), _STRIDED, False, _CONTIGUOUS_FORMAT, False))
 
 
+def _tensor_storage_metadata(dtype: str, shape: Sequence[int], chunks: LazyList) -> NewObject:
+    return NewObject(_TENSOR_STORAGE_METADATA,
+                     {"properties": _tensor_properties(dtype), "size": _size(shape), "chunks": chunks})
+
+
 def _metadata_index(fqn: str, offsets: Sequence[int] | None, index: int | None) -> NewObject:
     # MetadataIndex.__init__ sets fqn, index, then offset only when given
     state: dict[str, Any] = {"fqn": fqn, "index": index}
@@ -165,7 +170,7 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
     tensors = list(tensors)
     rows, spans = _rows(tensors)
     fragments = _Fragments(rows)
-    state_dict_metadata: dict[str, NewObject] = {}
+    state_dict_metadata: dict[str, NewObject | _ColumnTensor] = {}
     # storage_data is keyed by MetadataIndex, equal when fqn and offset are (index is not
     # compared); a repeated key keeps its first MetadataIndex and takes the last value
     storage_data: dict[Any, Any] = {}
@@ -192,11 +197,10 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
                 for row in range(*span):
                     offsets, _ = rows.box(row)
                     store(tensor.fqn, offsets, row - span[0], rows.storage(row))
-            chunks = LazyList(functools.partial(fragments.column_chunks, *span))
-        state_dict_metadata[tensor.fqn] = NewObject(
-            _TENSOR_STORAGE_METADATA,
-            {"properties": _tensor_properties(tensor.dtype), "size": _size(tensor.shape), "chunks": chunks},
-        )
+            # its stand-ins are made only if it is written in full (see _Fragments.tensors)
+            state_dict_metadata[tensor.fqn] = _ColumnTensor(tensor.dtype, tuple(tensor.shape), *span)
+            continue
+        state_dict_metadata[tensor.fqn] = _tensor_storage_metadata(tensor.dtype, tensor.shape, chunks)
     for obj in objects:
         state_dict_metadata[obj.fqn] = NewObject(_BYTES_STORAGE_METADATA, None)  # empty __dict__
         store(obj.fqn, None, None, (obj.file, obj.offset, obj.length, obj.transforms))
@@ -216,7 +220,7 @@ def _metadata_object(tensors, objects, planner_data, checkpoint_id, save_id) -> 
     return NewObject(
         _METADATA,
         {
-            "state_dict_metadata": state_dict_metadata,
+            "state_dict_metadata": LazyDict(functools.partial(fragments.tensors, list(state_dict_metadata.items()))),
             "planner_data": dict(planner_data),
             "storage_data": LazyDict(functools.partial(fragments.storage, list(storage_data.values()))),
             "storage_meta": storage_meta,
@@ -248,6 +252,17 @@ class _Rows:
     def storage(self, row: int) -> tuple[str, int, int, tuple]:
         """Return the row's (file, offset, length, transforms) as `store` takes them."""
         return self.files[int(self.file[row])], int(self.offset[row]), int(self.length[row]), ()
+
+
+@dataclass(frozen=True, eq=False)
+class _ColumnTensor:
+    """A tensor whose chunks are rows `start:stop`, as state_dict_metadata holds it until
+    `_Fragments.tensors` writes its TensorStorageMetadata (from cached parts, or in full)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -350,8 +365,10 @@ class _Fragments:
         self.index_parts: list[bytes] | None = None
         self.info_parts: list[bytes] | None = None
         self.rows = rows  # not None when a column method is called
-        self.chunk_rows: tuple[bytes, list[int]] | None = None  # every row's chunk entry, and where each starts
+        self.chunk_rows: tuple[bytes, Any] | None = None  # every row's chunk entry, and where each starts (numpy)
         self.size_head: bytes | None = None  # the fetch of torch.Size
+        self.tensor_parts: list[bytes] | None = None  # TensorStorageMetadata's (object_parts)
+        self.properties: dict[str, bytes] = {}  # dtype -> its TensorProperties
         self.file_fetch: list[bytes] = [b""] * len(rows.files if rows else ())  # b"": not in the memo yet
         self.unfetched: Any = None  # numpy bool per file of `rows`: not in the memo yet
         self.stale = True  # something was written in full since `unfetched` was brought up to date
@@ -370,6 +387,46 @@ class _Fragments:
                 self.chunk[key] = data
             yield Fragment(data)
 
+    def tensors(self, entries: list, writer: Writer) -> Iterator[tuple[str, Any]]:
+        """Yield state_dict_metadata's (fqn, value) pairs: a `_ColumnTensor`'s value as one
+        Fragment once the memo holds its classes, keys and dtype and its chunk rows are encoded
+        (the fqn, new to the memo, is written as a key always)."""
+        for fqn, value in entries:
+            if type(value) is not _ColumnTensor:
+                yield fqn, value
+                continue
+            data = self._tensor(value, writer)
+            if data is None:
+                chunks = LazyList(functools.partial(self.column_chunks, value.start, value.stop))
+                yield fqn, _tensor_storage_metadata(value.dtype, value.shape, chunks)
+            else:
+                yield fqn, Fragment(data)
+
+    def _tensor(self, tensor: _ColumnTensor, writer: Writer) -> bytes | None:
+        """Return the bytes of the tensor's TensorStorageMetadata from cached parts, or None
+        while the memo lacks some of them (or its chunk rows are not encoded yet)."""
+        if self.chunk_rows is None:
+            return None
+        if self.tensor_parts is None:
+            self.tensor_parts = writer.object_parts(_TENSOR_STORAGE_METADATA, ("properties", "size", "chunks"))
+        if self.size_head is None:
+            self.size_head = writer.fragment(_SIZE)
+        properties = self.properties.get(tensor.dtype)
+        if properties is None:
+            properties = writer.fragment(_tensor_properties(tensor.dtype))
+            if properties is not None:
+                self.properties[tensor.dtype] = properties
+        parts, head = self.tensor_parts, self.size_head
+        if parts is None or head is None or properties is None:
+            return None
+        data, starts = self.chunk_rows
+        if tensor.stop == tensor.start:
+            return b"".join((parts[0], properties, parts[1], head, _tuple_bytes(tensor.shape), _SIZE_TAIL, parts[2],
+                             pickle.EMPTY_LIST, parts[3]))
+        return b"".join((parts[0], properties, parts[1], head, _tuple_bytes(tensor.shape), _SIZE_TAIL, parts[2],
+                         pickle.EMPTY_LIST + pickle.MARK, memoryview(data)[starts[tensor.start]:starts[tensor.stop]],
+                         pickle.APPENDS + parts[3]))
+
     def column_chunks(self, start: int, stop: int, writer: Writer) -> Iterator[NewObject | Fragment]:
         """Yield the chunk entries of rows `start:stop`: in full until the memo holds their
         class and keys, then the rest as one Fragment."""
@@ -384,9 +441,9 @@ class _Fragments:
                 row += 1
                 continue
             rows = self.rows
-            data, lengths = _joined_rows([parts[0], *_size_segments(size, rows.offsets, rows.ndim), parts[1],
-                                          *_size_segments(size, rows.sizes, rows.ndim), parts[2]], len(rows.ndim))
-            self.chunk_rows = data, [0, *lengths.cumsum().tolist()]
+            self.chunk_rows = _encoded_rows([parts[0], size, (_TUPLE, rows.offsets, rows.ndim), _SIZE_TAIL + parts[1],
+                                             size, (_TUPLE, rows.sizes, rows.ndim), _SIZE_TAIL + parts[2]],
+                                            len(rows.ndim), starts=True)
         if row < stop:
             assert self.chunk_rows is not None  # the loop above ended by making them
             data, starts = self.chunk_rows
@@ -406,7 +463,13 @@ class _Fragments:
         runs: list[tuple[int, int, bytes]] = []  # rows to encode at once: (start, stop, fetch of their fqn)
         for entry in entries:
             if type(entry) is _Block:
-                yield from self._block(entry, runs, writer)
+                # past the first uses of every file, a block is one run (the common case, at once)
+                name = writer.fetch(entry.fqn) if self.all_fetched else None
+                if name is not None:
+                    if entry.stop > entry.start:
+                        runs.append((entry.start, entry.stop, name))
+                else:
+                    yield from self._block(entry, runs, writer)
                 continue
             if runs:
                 yield Fragment(self._storage_rows(runs))
@@ -500,35 +563,91 @@ class _Fragments:
         counts = np.array([stop - start for start, stop, _ in runs], np.int64)
         firsts = np.array([start for start, _, _ in runs], np.int64)
         into = np.cumsum(counts) - counts  # where each run starts among the selected rows
-        selected = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - into, counts)
+        selected: Any
+        if all(runs[number][0] == runs[number - 1][1] for number in range(1, len(runs))):
+            selected = slice(runs[0][0], runs[-1][1])  # one range (the common case): views, no copies
+        else:
+            selected = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - into, counts)
         run_of_row = np.repeat(np.arange(len(runs)), counts)
-        return _joined_rows([
-            key[0], _fetch_column([name for _, _, name in runs], run_of_row), key[1], _int_column(rows.index[selected]),
-            key[2], *_size_segments(self.size_head, rows.offsets[selected], rows.ndim[selected]), key[3],
-            info[0], _fetch_column(self.file_fetch, rows.file[selected]), info[1], _int_column(rows.offset[selected]),
-            info[2], _int_column(rows.length[selected]), info[3],
-        ], len(selected))[0]
+        return _encoded_rows([
+            key[0], (_FETCH, tuple(name for _, _, name in runs), run_of_row), key[1], (_INT, rows.index[selected]),
+            key[2], self.size_head, (_TUPLE, rows.offsets[selected], rows.ndim[selected]), _SIZE_TAIL + key[3],
+            info[0], (_FETCH, tuple(self.file_fetch), rows.file[selected]), info[1], (_INT, rows.offset[selected]),
+            info[2], (_INT, rows.length[selected]), info[3],
+        ], int(counts.sum()))[0]
+
+
+# A row of `_encoded_rows` is its spec's parts in turn: bytes every row has, or one of these
+# over int64 columns (numpy, a value per row): (_INT, values): `int_bytes(values[row])`;
+# (_TUPLE, values (rows, width), ndim): `Writer._tuple` of `values[row, :ndim[row]]`, ints;
+# (_FETCH, table (tuple of bytes), which): `table[which[row]]` (a memo fetch)
+_INT, _TUPLE, _FETCH = 0, 1, 2
+_SIZE_TAIL = pickle.TUPLE1 + pickle.REDUCE  # after a torch.Size's tuple (see `_size`)
+
+
+def _encoded_rows(spec: Sequence, rows: int, starts: bool = False) -> tuple[bytes, Any]:
+    """Return the bytes of `rows` rows, each its spec's parts (see above) in turn, and where
+    each row starts then the end (numpy int64 (rows + 1,); None unless `starts`). In C
+    (`_records.encode_rows`) when it is built, else by numpy: the same bytes."""
+    import numpy as np
+
+    merged: list = []
+    for part in spec:  # runs of fixed bytes as one; columns as C-contiguous int64
+        if isinstance(part, bytes):
+            if merged and isinstance(merged[-1], bytes):
+                merged[-1] += part
+            else:
+                merged.append(part)
+        elif part[0] == _FETCH:
+            merged.append((_FETCH, tuple(part[1]), np.ascontiguousarray(part[2], np.int64)))
+        else:
+            merged.append((part[0], *(np.ascontiguousarray(column, np.int64) for column in part[1:])))
+    if native.records is not None:
+        offsets = np.empty(rows + 1, np.int64) if starts else None
+        return native.records.encode_rows(merged, rows, offsets), offsets
+    segments: list = []
+    for part in merged:
+        if isinstance(part, bytes):
+            segments.append(part)
+        elif part[0] == _INT:
+            segments.append(_int_column(part[1]))
+        elif part[0] == _TUPLE:
+            segments += _tuple_segments(part[1], part[2])
+        else:
+            segments.append(_fetch_column(part[1], part[2]))
+    data, lengths = _joined_rows(segments, rows)
+    return data, (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64) if starts else None)
 
 
 _TUPLE_OPCODES = pickle.EMPTY_TUPLE + pickle.TUPLE1 + pickle.TUPLE2 + pickle.TUPLE3 + pickle.TUPLE  # by length; 4: more
 
-# The numpy encoders below build `_joined_rows` segments: bytes every row has, or a column of
-# each row's own bytes (numpy uint8 (width, rows): byte j of every row together, as filling and
-# masking whole rows of that is ~2x faster than (rows, width); and numpy int64 (rows,) lengths).
+
+def _tuple_bytes(values: Sequence[int]) -> bytes:
+    """Return the bytes `Writer._tuple` appends for a tuple of ints."""
+    ints = b"".join(map(int_bytes, values))
+    if len(values) > 3:
+        return pickle.MARK + ints + pickle.TUPLE
+    return ints + _TUPLE_OPCODES[len(values):len(values) + 1]
 
 
-def _size_segments(head: bytes, values: Any, ndim: Any) -> list:
-    """Return the segments of `_size(row[:ndim])` for each row of `values` (numpy (rows,
-    width)), `head` the fetch of torch.Size: the writer's `_tuple` inside a TUPLE1, then REDUCE."""
+# The numpy encoders below (without the C module) build `_joined_rows` segments: bytes every
+# row has, or a column of each row's own bytes (numpy uint8 (width, rows): byte j of every row
+# together, as filling and masking whole rows of that is ~2x faster than (rows, width); and
+# numpy int64 (rows,) lengths).
+
+
+def _tuple_segments(values: Any, ndim: Any) -> list:
+    """Return the segments of `Writer._tuple(row[:ndim])` for each row of `values` (numpy
+    (rows, width)): MARK past 3 items, the ints, the tuple opcode."""
     import numpy as np
 
     rows = len(ndim)
-    segments: list = [head, (np.full((1, rows), pickle.MARK[0], np.uint8), (ndim > 3).astype(np.int64))]
+    segments: list = [(np.full((1, rows), pickle.MARK[0], np.uint8), (ndim > 3).astype(np.int64))]
     for column in range(values.shape[1]):
         encoded, lengths = _int_column(values[:, column])
         segments.append((encoded, np.where(ndim > column, lengths, 0)))
     opcodes = np.frombuffer(_TUPLE_OPCODES, np.uint8)[np.minimum(ndim, 4)]
-    segments += [(opcodes.reshape(1, rows), np.ones(rows, np.int64)), pickle.TUPLE1 + pickle.REDUCE]
+    segments.append((opcodes.reshape(1, rows), np.ones(rows, np.int64)))
     return segments
 
 
@@ -568,7 +687,8 @@ def _fetch_column(fetches: Sequence[bytes], which: Any) -> tuple[Any, Any]:
 
 
 def _joined_rows(segments: Sequence, rows: int) -> tuple[bytes, Any]:
-    """Return the bytes of `rows` rows, each its segments' bytes in turn, and each row's length."""
+    """Return the bytes of `rows` rows, each its segments' bytes in turn, and each row's length
+    (numpy: `encode_rows` does this in C from the columns themselves)."""
     import numpy as np
 
     merged: list = []
@@ -578,19 +698,6 @@ def _joined_rows(segments: Sequence, rows: int) -> tuple[bytes, Any]:
         else:
             merged.append(segment)
     widths = [len(segment) if isinstance(segment, bytes) else len(segment[0]) for segment in merged]
-    if native.records is not None:  # in C: each row's bytes in turn, straight from the columns
-        lengths = np.zeros(rows, np.int64)
-        columns: list = []
-        for segment, width in zip(merged, widths):
-            if isinstance(segment, bytes):
-                lengths += width
-                columns.append(segment)
-                continue
-            encoded, counts = segment
-            counts = np.ascontiguousarray(np.broadcast_to(counts, (rows,)), np.int64)
-            lengths += counts
-            columns.append((np.ascontiguousarray(np.broadcast_to(encoded, (width, rows)), np.uint8), counts))
-        return native.records.join(columns, rows, int(lengths.sum())), lengths
     # every row at its segments' widest, then the bytes past each row's own lengths left out
     table = np.empty((sum(widths), rows), np.uint8)
     keep = np.empty((sum(widths), rows), bool)

@@ -24,8 +24,8 @@
    `match(block, starts, runs)` compares the words of many records in a block with those of
    a parsed layout (`record.ParsedRecords.match_block`).
 
-   `join(segments, rows, total)` joins `.metadata`'s chunk rows from their encoded columns
-   (`dcp.writer._joined_rows`). */
+   `encode_rows(spec, rows, starts)` encodes `.metadata`'s chunk and storage rows straight from
+   their int64 columns: pickle ints, torch.Size tuples, memo fetches (`dcp.writer`). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -249,7 +249,7 @@ static char *put_record(char *at, const Kind *kind, const uint8_t *data) {
     return at + kind->segment_length[FIELDS];
 }
 
-static PyObject *assemble(PyObject *self, PyObject *args) {
+static PyObject *assemble(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer out, source;
     PyObject *kinds_given, *positions_given, *layouts, *result = NULL;
     Py_ssize_t first, limit, count = 0, counted = 0;
@@ -350,7 +350,7 @@ static int run_order(const void *a, const void *b) {
 
 /* spans(files, offsets, kinds, lengths, read_gap, read_span, gap_budget) ->
    (spans, span_of, start_in): record_writes.source_spans for columns (see there) */
-static PyObject *spans(PyObject *self, PyObject *args) {
+static PyObject *spans(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *files_given, *offsets_given, *kinds_given, *lengths_given, *result = NULL;
     long long read_gap, read_span, budget;
     int64_t *offsets = NULL, *kinds = NULL, *lengths = NULL;
@@ -456,7 +456,7 @@ done:
    `ParsedRecords.match_block` compares: for each run (first word, end word, expected words,
    mask words or None), the little-endian uint64 words first..end-1 from the start, under
    the mask, equal the expected ones; else 0. Raises IndexError for a word past the block. */
-static PyObject *match(PyObject *self, PyObject *args) {
+static PyObject *match(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer block, starts_given;
     PyObject *runs, *result = NULL;
     if (!PyArg_ParseTuple(args, "y*y*O!", &block, &starts_given, &PyList_Type, &runs))
@@ -546,8 +546,9 @@ done:
 /* join(segments, rows, total) -> bytes: for each row r in turn, each segment's bytes for it:
    a bytes segment whole, an (encoded, counts) segment the first counts[r] bytes of column r
    of `encoded` (a C-contiguous (width, rows) uint8 array; counts int64, at most width);
-   `total` the bytes of all rows. `dcp.writer._joined_rows` in C (.metadata's chunk rows). */
-static PyObject *join(PyObject *self, PyObject *args) {
+   `total` the bytes of all rows. Kept for older source trees whose dcp/writer.py calls it (a
+   baseline unpacked from an earlier commit with this module copied in); `encode_rows` replaced it. */
+static PyObject *join(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *segments, *result = NULL;
     Py_ssize_t rows, total, made = 0;
     if (!PyArg_ParseTuple(args, "O!nn", &PyList_Type, &segments, &rows, &total))
@@ -631,7 +632,326 @@ done:
     return result;
 }
 
-static PyObject *serialization_id_of(PyObject *self, PyObject *args) {
+/* ---- .metadata rows encoded from int64 columns ---- */
+
+/* pickle opcodes (Lib/pickle.py) */
+#define OP_MARK '('
+#define OP_BININT 'J'
+#define OP_BININT1 'K'
+#define OP_BININT2 'M'
+#define OP_LONG1 '\x8a'
+#define OP_TUPLE 't'
+#define OP_EMPTY_TUPLE ')'
+#define OP_TUPLE1 '\x85'
+#define OP_TUPLE2 '\x86'
+#define OP_TUPLE3 '\x87'
+
+enum { PART_FIXED = -1, PART_INT = 0, PART_SIZE = 1, PART_FETCH = 2 };
+
+typedef struct {
+    int tag;
+    const char *fixed;  /* PART_FIXED */
+    Py_ssize_t fixed_length;
+    Py_buffer values;  /* PART_INT (rows,); PART_SIZE (rows, width); PART_FETCH: which entry (rows,) */
+    Py_buffer ndim;  /* PART_SIZE: how many of a row's values its tuple holds (rows,) */
+    int held;  /* 1: values held, 2: ndim too */
+    Py_ssize_t width;  /* PART_SIZE: values per row */
+    Py_ssize_t entries;  /* PART_FETCH */
+    const char **entry;  /* PART_FETCH: the table's bytes (borrowed from the spec) */
+    Py_ssize_t *entry_length;
+} Part;
+
+/* the bytes of `int_bytes(value)` (torchsave.pickle): BININT1, BININT2, BININT or LONG1 */
+static Py_ssize_t int_length(int64_t value) {
+    if (value >= 0 && value <= 0xFF)
+        return 2;
+    if (value >= 0 && value <= 0xFFFF)
+        return 3;
+    if (value >= -0x80000000LL && value <= 0x7FFFFFFFLL)
+        return 5;
+    Py_ssize_t n = 1;  /* encode_long: the fewest two's-complement bytes */
+    while (n < 8 && (value >= ((int64_t)1 << (8 * n - 1)) || value < -((int64_t)1 << (8 * n - 1))))
+        n++;
+    return 2 + n;
+}
+
+static char *put_int(char *at, int64_t value) {
+    Py_ssize_t length = int_length(value), n;
+    uint64_t bits = (uint64_t)value;
+    switch (length) {
+    case 2: *at++ = OP_BININT1; n = 1; break;
+    case 3: *at++ = OP_BININT2; n = 2; break;
+    case 5: *at++ = OP_BININT; n = 4; break;
+    default: *at++ = OP_LONG1; n = length - 2; *at++ = (char)n; break;
+    }
+    for (Py_ssize_t i = 0; i < n; i++, bits >>= 8)
+        *at++ = (char)(bits & 0xFF);
+    return at;
+}
+
+static const char tuple_opcode[4] = {OP_EMPTY_TUPLE, OP_TUPLE1, OP_TUPLE2, OP_TUPLE3};
+
+/* an int64 column of `rows` values (ndim 1) or rows of `width` values (ndim 2, width -1: any) */
+static int int64_buffer(PyObject *object, Py_buffer *view, Py_ssize_t rows, int ndim, const char *what) {
+    if (PyObject_GetBuffer(object, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s is not a C-contiguous int64 array", what);
+        return -1;
+    }
+    const char *format = view->format ? view->format : "B";
+    if (*format == '<' || *format == '=' || *format == '@')
+        format++;
+    if (view->itemsize != 8 || (strcmp(format, "l") && strcmp(format, "q")) || view->ndim != ndim ||
+        view->shape[0] != rows) {
+        PyErr_Format(PyExc_ValueError, "%s is not an int64 array of %zd rows (ndim %d)", what, rows, ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static void release_parts(Part *parts, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (parts[i].held & 1)
+            PyBuffer_Release(&parts[i].values);
+        if (parts[i].held & 2)
+            PyBuffer_Release(&parts[i].ndim);
+        PyMem_Free(parts[i].entry);
+        PyMem_Free(parts[i].entry_length);
+    }
+    PyMem_Free(parts);
+}
+
+/* one part of the spec, checked: its buffers are held (part->held) even when it fails */
+static int read_part(PyObject *item, Py_ssize_t rows, Part *part) {
+    if (PyBytes_Check(item)) {
+        part->tag = PART_FIXED;
+        part->fixed = PyBytes_AS_STRING(item);
+        part->fixed_length = PyBytes_GET_SIZE(item);
+        return 0;
+    }
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 2) {
+        PyErr_SetString(PyExc_ValueError, "a row part is bytes or a (kind, ...) tuple");
+        return -1;
+    }
+    if (!PyLong_Check(PyTuple_GET_ITEM(item, 0))) {
+        PyErr_SetString(PyExc_ValueError, "a row part's kind is an int");
+        return -1;
+    }
+    long tag = PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+    if (tag == -1 && PyErr_Occurred())
+        return -1;
+    Py_ssize_t size = PyTuple_GET_SIZE(item);
+    part->tag = (int)tag;
+    if (tag == PART_INT && size == 2) {
+        if (int64_buffer(PyTuple_GET_ITEM(item, 1), &part->values, rows, 1, "an int column") < 0)
+            return -1;
+        part->held = 1;
+        return 0;
+    }
+    if (tag == PART_SIZE && size == 3) {
+        if (int64_buffer(PyTuple_GET_ITEM(item, 1), &part->values, rows, 2, "a size column") < 0)
+            return -1;
+        part->held = 1;
+        if (int64_buffer(PyTuple_GET_ITEM(item, 2), &part->ndim, rows, 1, "an ndim column") < 0)
+            return -1;
+        part->held = 3;
+        part->width = part->values.shape[1];
+        const int64_t *ndim = part->ndim.buf;
+        for (Py_ssize_t r = 0; r < rows; r++)
+            if (ndim[r] < 0 || ndim[r] > part->width) {
+                PyErr_Format(PyExc_ValueError, "row %zd: ndim %lld of %zd values", r, (long long)ndim[r], part->width);
+                return -1;
+            }
+        return 0;
+    }
+    if (tag == PART_FETCH && size == 3) {
+        PyObject *table = PyTuple_GET_ITEM(item, 1);
+        if (!PyTuple_Check(table)) {
+            PyErr_SetString(PyExc_ValueError, "a fetch table is a tuple of bytes");
+            return -1;
+        }
+        Py_ssize_t entries = PyTuple_GET_SIZE(table);
+        part->entries = entries;
+        part->entry = PyMem_Malloc(sizeof(char *) * (size_t)(entries ? entries : 1));
+        part->entry_length = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(entries ? entries : 1));
+        if (part->entry == NULL || part->entry_length == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t e = 0; e < entries; e++) {
+            PyObject *entry = PyTuple_GET_ITEM(table, e);
+            if (!PyBytes_Check(entry)) {
+                PyErr_SetString(PyExc_ValueError, "a fetch table is a tuple of bytes");
+                return -1;
+            }
+            part->entry[e] = PyBytes_AS_STRING(entry);
+            part->entry_length[e] = PyBytes_GET_SIZE(entry);
+        }
+        if (int64_buffer(PyTuple_GET_ITEM(item, 2), &part->values, rows, 1, "a fetch column") < 0)
+            return -1;
+        part->held = 1;
+        const int64_t *which = part->values.buf;
+        for (Py_ssize_t r = 0; r < rows; r++)
+            if (which[r] < 0 || which[r] >= entries) {
+                PyErr_Format(PyExc_ValueError, "row %zd: fetch %lld of a table of %zd", r, (long long)which[r], entries);
+                return -1;
+            }
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "unknown row part kind %ld (or wrong length %zd)", tag, size);
+    return -1;
+}
+
+/* the bytes of one part for row r */
+static Py_ssize_t part_length(const Part *part, Py_ssize_t r) {
+    switch (part->tag) {
+    case PART_FIXED:
+        return part->fixed_length;
+    case PART_INT:
+        return int_length(((const int64_t *)part->values.buf)[r]);
+    case PART_SIZE: {
+        int64_t ndim = ((const int64_t *)part->ndim.buf)[r];
+        const int64_t *value = (const int64_t *)part->values.buf + r * part->width;
+        Py_ssize_t length = ndim > 3 ? 2 : 1;  /* MARK ... TUPLE, or TUPLE1/2/3 (EMPTY_TUPLE) */
+        for (int64_t d = 0; d < ndim; d++)
+            length += int_length(value[d]);
+        return length;
+    }
+    default:
+        return part->entry_length[((const int64_t *)part->values.buf)[r]];
+    }
+}
+
+static char *put_part(char *at, const Part *part, Py_ssize_t r) {
+    switch (part->tag) {
+    case PART_FIXED:
+        if (part->fixed_length <= 16) {  /* most are a few bytes: a call to memcpy is most of the time */
+            for (Py_ssize_t k = 0; k < part->fixed_length; k++)
+                at[k] = part->fixed[k];
+        } else {
+            memcpy(at, part->fixed, (size_t)part->fixed_length);
+        }
+        return at + part->fixed_length;
+    case PART_INT:
+        return put_int(at, ((const int64_t *)part->values.buf)[r]);
+    case PART_SIZE: {
+        int64_t ndim = ((const int64_t *)part->ndim.buf)[r];
+        const int64_t *value = (const int64_t *)part->values.buf + r * part->width;
+        if (ndim > 3)
+            *at++ = OP_MARK;
+        for (int64_t d = 0; d < ndim; d++)
+            at = put_int(at, value[d]);
+        *at++ = ndim > 3 ? OP_TUPLE : tuple_opcode[ndim];
+        return at;
+    }
+    default: {
+        int64_t e = ((const int64_t *)part->values.buf)[r];
+        memcpy(at, part->entry[e], (size_t)part->entry_length[e]);
+        return at + part->entry_length[e];
+    }
+    }
+}
+
+/* encode_rows(spec, rows, starts) -> bytes: for each row r in turn, each part of `spec` for
+   it: bytes as they are; (0, values): int_bytes(values[r]); (1, values, ndim): the tuple of
+   values[r, :ndim[r]] as `Writer._tuple` writes it (MARK ... TUPLE past 3 items); (2, table,
+   which): table[which[r]]. Columns are C-contiguous int64 of `rows` rows, every ndim and
+   index in range (ValueError otherwise, before anything is written). `starts`, when not None,
+   is a writable int64 buffer of rows + 1 values: it gets where each row starts, then the end.
+   `dcp.writer`'s .metadata chunk and storage rows. */
+static PyObject *encode_rows(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *given, *spec, *starts_given, *result = NULL;
+    Py_ssize_t rows, count, made = 0;
+    Py_buffer starts = {0};
+    int have_starts = 0;
+    int64_t *row_start = NULL;
+    if (!PyArg_ParseTuple(args, "O!nO", &PyList_Type, &given, &rows, &starts_given))
+        return NULL;
+    if (rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "rows is negative");
+        return NULL;
+    }
+    /* a tuple of the parts: it holds every part (and so every byte string the parts point
+       into) until the end, whatever happens to the list */
+    if ((spec = PyList_AsTuple(given)) == NULL)
+        return NULL;
+    count = PyTuple_GET_SIZE(spec);
+    Part *parts = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Part));
+    if (parts == NULL) {
+        Py_DECREF(spec);
+        return PyErr_NoMemory();
+    }
+    for (; made < count; made++)
+        if (read_part(PyTuple_GET_ITEM(spec, made), rows, &parts[made]) < 0) {
+            made++;
+            goto done;
+        }
+    if (starts_given != Py_None) {
+        if (PyObject_GetBuffer(starts_given, &starts, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+            goto done;
+        have_starts = 1;
+        const char *format = starts.format ? starts.format : "B";
+        if (*format == '<' || *format == '=' || *format == '@')
+            format++;
+        if (starts.itemsize != 8 || (strcmp(format, "l") && strcmp(format, "q")) || starts.ndim != 1 ||
+            starts.shape[0] != rows + 1) {
+            PyErr_Format(PyExc_ValueError, "starts is not a writable int64 array of %zd values", rows + 1);
+            goto done;
+        }
+    }
+    /* the rows' bytes, counted before writing: the fixed parts' once */
+    Py_ssize_t total = 0, fixed = 0;
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (parts[i].tag == PART_FIXED) {
+            if (parts[i].fixed_length > PY_SSIZE_T_MAX - fixed)
+                goto too_long;
+            fixed += parts[i].fixed_length;
+        }
+    if (rows && fixed > PY_SSIZE_T_MAX / rows)
+        goto too_long;
+    total = fixed * rows;
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (parts[i].tag != PART_FIXED)
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                Py_ssize_t length = part_length(&parts[i], r);
+                if (length > PY_SSIZE_T_MAX - total)
+                    goto too_long;
+                total += length;
+            }
+    result = PyBytes_FromStringAndSize(NULL, total);
+    if (result == NULL)
+        goto done;
+    if (have_starts && (row_start = PyMem_Malloc(sizeof(int64_t) * (size_t)(rows + 1))) == NULL) {
+        Py_CLEAR(result);
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* with the GIL held: no other thread can change a column between counting and writing */
+    char *out = PyBytes_AS_STRING(result), *at = out;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (row_start != NULL)
+            row_start[r] = (int64_t)(at - out);
+        for (Py_ssize_t i = 0; i < count; i++)
+            at = put_part(at, &parts[i], r);
+    }
+    if (row_start != NULL) {  /* only now: `starts` may share memory with a column */
+        row_start[rows] = (int64_t)(at - out);
+        memcpy(starts.buf, row_start, sizeof(int64_t) * (size_t)(rows + 1));
+    }
+    goto done;
+too_long:
+    PyErr_SetString(PyExc_OverflowError, "the rows are too long");
+done:
+    if (have_starts)
+        PyBuffer_Release(&starts);
+    PyMem_Free(row_start);
+    release_parts(parts, made);
+    Py_DECREF(spec);
+    return result;
+}
+
+static PyObject *serialization_id_of(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer packed;
     uint8_t digest[16];
     char identity[40];
@@ -649,11 +969,14 @@ static PyMethodDef methods[] = {
     {"spans", spans, METH_VARARGS,
      "spans(files, offsets, kinds, lengths, read_gap, read_span, gap_budget) -> (spans, span_of, start_in)"},
     {"match", match, METH_VARARGS, "match(block, starts, runs) -> bytes: which records hold a layout's words"},
-    {"join", join, METH_VARARGS, "join(segments, rows, total) -> bytes: dcp.writer's rows from column segments"},
+    {"join", join, METH_VARARGS, "join(segments, rows, total) -> bytes: rows from column segments (older writers)"},
+    {"encode_rows", encode_rows, METH_VARARGS,
+     "encode_rows(spec, rows, starts) -> bytes: dcp.writer's .metadata rows from int64 columns"},
     {"serialization_id_of", serialization_id_of, METH_VARARGS,
      "serialization_id_of(packed_crcs) -> bytes: archive.serialization_id_of in C (for tests)"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_records", "torch.save records built in C", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_records", "torch.save records built in C", -1, methods,
+                                    NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__records(void) { return PyModule_Create(&module); }

@@ -139,10 +139,17 @@ class Writer:
 
     def fetched(self, key: str | Global) -> bool:
         """Write a fetch of `key` from the memo and return True, or return False when it is not there."""
+        data = self.fetch(key)
+        if data is not None:
+            self.out += data
+        return data is not None
+
+    def fetch(self, key: str | Global) -> bytes | None:
+        """Return the bytes `fetched(key)` would write, or None when the memo lacks `key`."""
         slot = self.memo.get(key)
-        if slot is not None:
-            self.out += pickle.BINGET + bytes([slot]) if slot < 256 else pickle.LONG_BINGET + struct.pack("<I", slot)
-        return slot is not None
+        if slot is None:
+            return None
+        return pickle.BINGET + bytes([slot]) if slot < 256 else pickle.LONG_BINGET + struct.pack("<I", slot)
 
     def fragment(self, value: Any) -> bytes | None:
         """Return the bytes `write(value)` would append now, when they only fetch from the
