@@ -11,7 +11,10 @@ read as chunk tables, and --deep; a small checkpoint's validate does not). An ed
 (pathlib, importlib.util, re, urllib.parse...), which a regular install does not have: the
 `python -S` rows run without site, with PYTHONPATH set to the venv's site-packages (and the
 tree, for the commands), as a regular install would find them, so the floors and `inspect` and
-`validate` are stated both ways. With
+`validate` are stated both ways. One more row runs inspect of the example through the library
+without click (`python -S`: `ckpttool.inspect` and the text renderer, printed), against the floor
+of the standard library modules it imports (`python -S -c "import dataclasses, pathlib, ..."`),
+so the floor is stated without click too. With
 `--base DIR` (a tree made by `git archive`) the same commands run from that tree too, so a
 change is measured against what it replaces on the same machine in the same minutes:
 
@@ -50,20 +53,34 @@ TARGET_SECONDS = 0.1  # docs/performance.md: inspect and validate of the example
 # inspect, ast, dis, tokenize; click datetime, uuid, platform, gettext; click's help texts locale;
 # pathlib fnmatch, urllib.parse): `inspect --json` adds json, `validate` zlib
 STDLIB = "click, dataclasses, pathlib, signal, mmap, heapq, bisect, locale, gc"
+# what the library's inspect of the example imports from the standard library, without click
+# (no signal or locale: the CLI's); the floor of the library row
+LIBRARY_STDLIB = "dataclasses, pathlib, typing, threading, mmap, heapq, bisect, math, gc"
 NO_SITE = "-S"  # the rows run as a regular install would: no site, no editable finder
 NO_SITE_ROWS = ("ckpttool inspect EXAMPLE", "ckpttool validate EXAMPLE")  # also measured with python -S
+# inspect of the example through the library, no click: `ckpttool.inspect` and the text renderer
+# (render.py before render/ was split per command), printed as a library caller would
+LIBRARY = ("import sys, ckpttool\n"
+           "try:\n"
+           "    from ckpttool.render.inspect import inspect_text\n"
+           "except ImportError:\n"
+           "    from ckpttool.render import inspect_text\n"
+           "print(inspect_text(ckpttool.inspect(sys.argv[1])))")
+LIBRARY_ROW = "ckpttool.inspect(EXAMPLE) + inspect_text, no click (python -S)"
 
 
 def commands(example: Path) -> dict[str, list[str]]:
     """Return the measured command lines (after `python -c LAUNCH`), by row name; the rows of
-    NO_SITE_ROWS again as `python -S` (name suffixed " (python -S)")."""
+    NO_SITE_ROWS again as `python -S` (name suffixed " (python -S)"), and LIBRARY_ROW (`-c`
+    first: its own code instead of LAUNCH)."""
     rows = {
         "ckpttool --help": ["--help"],
         "ckpttool inspect EXAMPLE": ["inspect", str(example)],
         "ckpttool validate EXAMPLE": ["validate", str(example)],
         "ckpttool inspect --json EXAMPLE": ["inspect", "--json", str(example)],
     }
-    return {**rows, **{f"{row} (python -S)": [NO_SITE, *rows[row]] for row in NO_SITE_ROWS}}
+    return {**rows, **{f"{row} (python -S)": [NO_SITE, *rows[row]] for row in NO_SITE_ROWS},
+            LIBRARY_ROW: [NO_SITE, "-c", LIBRARY, str(example)]}
 
 
 def site_packages() -> str:
@@ -115,6 +132,8 @@ def floor_rows(pycache: str) -> dict[str, tuple[list[str], dict[str, str]]]:
     for name, code in list(codes.items())[:3]:
         rows[name.replace("python -c", "python -S -c")] = ([sys.executable, NO_SITE, "-c", code],
                                                            environment(None, pycache, no_site=True))
+    rows[f'python -S -c "import {LIBRARY_STDLIB}"'] = ([sys.executable, NO_SITE, "-c", f"import {LIBRARY_STDLIB}"],
+                                                       environment(None, pycache, no_site=True))
     return rows
 
 
@@ -159,7 +178,8 @@ def main() -> None:
         for tree_name, tree in trees.items():
             for row, argv in commands(args.example.resolve()).items():
                 options, argv = ([NO_SITE], argv[1:]) if argv[:1] == [NO_SITE] else ([], argv)
-                rows[f"{row} [{tree_name}]"] = ([sys.executable, *options, "-c", LAUNCH, *argv],
+                code, argv = (argv[1], argv[2:]) if argv[:1] == ["-c"] else (LAUNCH, argv)
+                rows[f"{row} [{tree_name}]"] = ([sys.executable, *options, "-c", code, *argv],
                                                 environment(tree, pycache, no_site=bool(options)))
         before = load_average()
         times = measure(rows, args.runs, cwd)

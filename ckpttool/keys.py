@@ -21,13 +21,9 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from ckpttool.errors import KeyCollision, UsageError
-
-# Module wrappers that insert a path component into parameter names:
-# FSDP1 (torch/distributed/fsdp/_common_utils.py FSDP_WRAPPED_MODULE), torch.compile
-# (torch/_dynamo/eval_frame.py OptimizedModule._orig_mod), activation checkpointing
-# (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py _CHECKPOINT_WRAPPED_MODULE).
-WRAPPER_COMPONENTS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
-DDP_PREFIX = "module."  # DistributedDataParallel / DataParallel wrap the whole model
+# the wrapper names normalised away: model_view's (finding the model needs them; `inspect` imports no key rules)
+from ckpttool.model_view import DDP_PREFIX as DDP_PREFIX, WRAPPER_COMPONENTS as WRAPPER_COMPONENTS
+from ckpttool.model_view import normalise as normalise
 
 
 @dataclass(frozen=True)
@@ -64,19 +60,6 @@ class KeyRules:
     normalise: bool = True  # strip wrapper components (--keep-keys turns this off)
     renames: tuple[Rename, ...] = ()
     filters: tuple[str, ...] = ()  # globs; an entry is kept when its fqn or its key matches one
-
-
-def normalise(key: str) -> str:
-    """Return `key` without FSDP1/compile/activation-checkpoint wrapper components and a
-    leading DDP `module.`.
-
-    Example:
-        >>> normalise("module.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.w")
-        'layers.0.w'
-    """
-    for component in WRAPPER_COMPONENTS:
-        key = key.replace(component, "")
-    return key.removeprefix(DDP_PREFIX)
 
 
 def output_keys(fqns: Iterable[str], rules: KeyRules, model_keys: Mapping[str, str]) -> dict[str, str]:

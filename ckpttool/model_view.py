@@ -39,7 +39,13 @@ from typing import Iterable, Mapping
 
 from ckpttool.checkpoint import Checkpoint
 from ckpttool.errors import UsageError
-from ckpttool.keys import normalise
+
+# Module wrappers that insert a path component into parameter names:
+# FSDP1 (torch/distributed/fsdp/_common_utils.py FSDP_WRAPPED_MODULE), torch.compile
+# (torch/_dynamo/eval_frame.py OptimizedModule._orig_mod), activation checkpointing
+# (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py _CHECKPOINT_WRAPPED_MODULE).
+WRAPPER_COMPONENTS = ("_fsdp_wrapped_module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+DDP_PREFIX = "module."  # DistributedDataParallel / DataParallel wrap the whole model
 
 # Names of an optimizer's subtree (torchtitan `optimizer`, the trainer `optim`, Composer
 # `optimizers`, Lightning `optimizer_states`), used where no `param_groups` says so.
@@ -63,6 +69,19 @@ MODEL_NAMES = ("model", "module", "state_dict", "model_state_dict", "model_state
 
 OPTION, LAYOUT, OPTIMIZER_STATE, MODULE_TREE, NAME, AMBIGUOUS, NONE = (
     "option", "layout", "optimizer-state", "module-tree", "name", "ambiguous", "none")
+
+
+def normalise(key: str) -> str:
+    """Return `key` without FSDP1/compile/activation-checkpoint wrapper components and a
+    leading DDP `module.` (keys.py's normalisation, here because finding the model needs it).
+
+    Example:
+        >>> normalise("module.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.w")
+        'layers.0.w'
+    """
+    for component in WRAPPER_COMPONENTS:
+        key = key.replace(component, "")
+    return key.removeprefix(DDP_PREFIX)
 
 
 class AmbiguousModel(UsageError):

@@ -13,7 +13,10 @@ something (checked against `quantization.find`). Nor do they import the writing 
 options (`options.py`, with `io` and its defaults: they take `source_options.SourceOptions`
 alone), the quantisation code for a checkpoint with no config.json and no quantised tensor
 (`inspect` too), or, printing text, the `json` module (only `--json` encodes, only a config.json
-or Megatron's metadata.json decodes).
+or Megatron's metadata.json decodes). `inspect` of a model no framework names imports neither
+the naming engine nor its tables (`naming.candidates` matches the families' signatures, checked
+here against `find_family` on every fixture), nor the key rules (`model_view` normalises the
+wrapper names itself).
 
 Checked in a fresh interpreter per command, as the `ckpttool` script and `python -m ckpttool`
 run it: the CLI's main in-process, then `sys.modules` written to a file.
@@ -78,9 +81,12 @@ SMALL_NEVER = NEVER + ("ckpttool.options", "ckpttool.io", "numpy", "ckpttool.pla
                        "ckpttool.numerics", "ckpttool.safepickle", "ckpttool.readers.dcp_records", "ckpttool.readers.dcp_hf",
                        "ckpttool.readers.hub_folder", "ckpttool.readers.safetensors", "ckpttool.formats.safetensors",
                        "ckpttool.formats.hub")
-# inspect reads metadata only: no integrity gate either, and (no config.json, no float8 or MXFP4
-# tensor) no quantisation code
-INSPECT_NEVER = SMALL_NEVER + ("ckpttool.integrity", "ckpttool.quantization")
+# inspect reads metadata only: no integrity gate either, (no config.json, no float8 or MXFP4
+# tensor) no quantisation code, (a model no framework names: `naming.candidates` finds no
+# family's signature) neither the naming engine nor its tables, and (model_view normalises the
+# wrapper names itself) no key rules
+INSPECT_NEVER = SMALL_NEVER + ("ckpttool.integrity", "ckpttool.quantization", "ckpttool.naming.engine",
+                               "ckpttool.naming.torchtitan", "ckpttool.naming.megatron", "ckpttool.keys")
 # validate of a checkpoint with no quantised weights and no config.json: no quantisation code,
 # and no key rules (only a ConvertOptions, which validate never builds, needs them)
 VALIDATE_NEVER = SMALL_NEVER + ("ckpttool.quantization", "ckpttool.keys")
@@ -181,7 +187,8 @@ def test_small_claims_order_ties_and_flag_sweeps_as_the_numpy_sort_does():
 def test_the_naming_tables_compile_their_patterns_when_first_matched(tmp_path):
     """Importing the tables (as inspect does for any model) compiles none of their ~100 patterns."""
     code = ("import re, sys\n"
-            "from ckpttool import naming\n"  # the engine (and what it imports), then the tables
+            "from ckpttool import naming\n"
+            "from ckpttool.naming import engine\n"  # the engine (and what it imports), then the tables
             "compiled = []\n"
             "original = re._compile\n"
             "re._compile = lambda pattern, flags: compiled.append(pattern) or original(pattern, flags)\n"
@@ -290,3 +297,54 @@ def test_inspect_of_a_quantised_checkpoint_still_imports_the_quantisation_code_a
     path = FIXTURES / "quantized" / "deepseek_v3_fp8"
     assert "ckpttool.quantization" in imported(tmp_path, "inspect", str(path))
     assert inspect(path).quantization is not None
+
+
+def test_inspect_of_a_framework_checkpoint_still_imports_the_naming_engine_and_names_its_family(tmp_path):
+    """The engine and the tables, imported only where a family's signature matches (a torchtitan
+    run here), still name the family and each tensor's transformers names."""
+    from ckpttool.commands.inspect import inspect
+
+    path = FIXTURES / "frameworks" / "torchtitan" / "checkpoint" / "step-20"
+    assert {"ckpttool.naming.engine", "ckpttool.naming.torchtitan"} <= imported(tmp_path, "inspect", str(path))
+    report = inspect(path)
+    assert report.family == "torchtitan llama3" and report.hf_names
+    assert report.hf_names["tok_embeddings.weight"] == ("model.embed_tokens.weight",)
+
+
+def test_the_signatures_inspect_reads_are_the_tables_and_find_the_same_families():
+    """`naming.SIGNATURES` (what `inspect` matches without the engine) is each table's own
+    signature, and `naming.candidates` is empty exactly where `find_family` finds no family, on
+    the model keys of every fixture and on each family's own signature filled in."""
+    from ckpttool import naming
+    from ckpttool.errors import CheckpointError
+    from ckpttool.model_view import find_model
+    from ckpttool.naming import engine
+    from ckpttool.readers import open_checkpoint
+
+    assert {family.name: family.signature for family in naming.FAMILIES} == naming.SIGNATURES
+    assert list(naming.SIGNATURES) == [family.name for family in naming.FAMILIES]  # most specific first
+    import ast
+
+    body = ast.parse(Path(engine.__file__).read_text()).body  # every public name the engine defines is served
+    defined = {node.name for node in body if isinstance(node, (ast.FunctionDef, ast.ClassDef))} | \
+        {target.id for node in body if isinstance(node, ast.Assign) for target in ast.walk(node)
+         if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store)}
+    assert naming.ENGINE_NAMES == {name for name in defined if not name.startswith("_")}
+    assert all(getattr(naming, name) is getattr(engine, name) for name in naming.ENGINE_NAMES)
+    assert {"Family", "Rule", "Piece", "Target", "convert", "find_family"} <= naming.ENGINE_NAMES
+
+    named = unnamed = 0
+    key_sets = [[pattern.replace("{L}", "0").replace("{E}", "1").replace("{M}", "0") for pattern in signature]
+                for signature in naming.SIGNATURES.values()]
+    for path in ALL_METADATA + sorted((FIXTURES / "frameworks").glob("*/checkpoint*/*/")):
+        try:
+            checkpoint = open_checkpoint(path.parent if path.name == ".metadata" else path)
+        except CheckpointError:
+            continue
+        view = find_model(checkpoint)
+        key_sets.append([key for fqn, key in view.keys.items() if fqn in checkpoint.tensors])
+    for keys in key_sets:
+        found = naming.find_family(keys, naming.FAMILIES)
+        assert bool(naming.candidates(keys)) == (found is not None), keys[:5]
+        named, unnamed = named + (found is not None), unnamed + (found is None)
+    assert named >= len(naming.SIGNATURES) and unnamed >= 15, (named, unnamed)

@@ -376,9 +376,11 @@ def _family(checkpoint: Checkpoint, view: ModelView) -> tuple[Family | None, dic
     """Return the framework family the model's names belong to, and fqn -> transformers names."""
     if view.prefix is None:
         return None, None
-    from ckpttool import naming  # the tables: only when there is a model to name
+    from ckpttool import naming  # the signatures: only when there is a model to name
 
     keys = {key: fqn for fqn, key in view.keys.items() if fqn in checkpoint.tensors}
+    if not naming.candidates(keys):
+        return None, None  # no framework's names: neither the engine nor the tables are imported
     family = naming.find_family(keys, naming.FAMILIES)
     if family is None:
         return None, None

@@ -20,9 +20,9 @@ Example:
 
 from __future__ import annotations
 
-from ckpttool.naming import EXPERTS, EXPERTS_HALVES, SPLIT_HALVES, SPLIT_QKV, Family, Rule
+from ckpttool.naming import SIGNATURES
+from ckpttool.naming.engine import EXPERTS, EXPERTS_HALVES, SPLIT_HALVES, SPLIT_QKV, Family, Rule
 
-_SIGNATURE = ("embedding.word_embeddings.weight", "decoder.layers.{L}.self_attention.linear_qkv.weight")
 _SETTINGS = ("num_attention_heads",)
 _LAYER = "decoder.layers.{L}."
 _ATTENTION = (
@@ -70,7 +70,7 @@ def _experts(prefix: str, gate: str, up: str, down: str, router: str) -> tuple[R
 LLAMA = Family(
     name="megatron gpt",
     architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
-    signature=_SIGNATURE,
+    signature=SIGNATURES["megatron gpt"],
     rules=(*_ATTENTION, *_DENSE_MLP, *_ENDS),
     tied_head="output_layer.weight",
     settings=_SETTINGS,
@@ -79,7 +79,7 @@ LLAMA = Family(
 QWEN_MOE = Family(
     name="megatron qwen moe",
     architectures=("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"),
-    signature=_SIGNATURE,
+    signature=SIGNATURES["megatron qwen moe"],
     rules=(*_ATTENTION, *_DENSE_MLP,
            *_experts("model.layers.{L}.mlp.experts", "gate_proj", "up_proj", "down_proj", "model.layers.{L}.mlp.gate.weight"),
            *_ENDS),
@@ -91,7 +91,7 @@ QWEN_MOE = Family(
 MIXTRAL = Family(
     name="megatron mixtral",
     architectures=("MixtralForCausalLM",),
-    signature=_SIGNATURE,
+    signature=SIGNATURES["megatron mixtral"],
     rules=(*_ATTENTION,
            *_experts("model.layers.{L}.block_sparse_moe.experts", "w1", "w3", "w2",
                      "model.layers.{L}.block_sparse_moe.gate.weight"),

@@ -19,7 +19,8 @@ Example:
 
 from __future__ import annotations
 
-from ckpttool.naming import EXPERTS, PERMUTE_K, PERMUTE_Q, Family, Rule
+from ckpttool.naming import SIGNATURES
+from ckpttool.naming.engine import EXPERTS, PERMUTE_K, PERMUTE_Q, Family, Rule
 
 _ATTENTION_NORMS = (
     Rule("model.layers.{L}.input_layernorm.weight", "layers.{L}.attention_norm.weight"),
@@ -49,7 +50,7 @@ _MOE_BUFFERS = ("layers.{L}.moe.tokens_per_expert", "layers.{L}.moe.expert_bias_
 LLAMA3 = Family(
     name="torchtitan llama3",
     architectures=("LlamaForCausalLM",),
-    signature=("tok_embeddings.weight", "layers.{L}.attention.qkv_linear.wq.weight"),
+    signature=SIGNATURES["torchtitan llama3"],
     rules=(
         Rule("model.layers.{L}.self_attn.q_proj.weight", "layers.{L}.attention.qkv_linear.wq.weight", PERMUTE_Q),
         Rule("model.layers.{L}.self_attn.k_proj.weight", "layers.{L}.attention.qkv_linear.wk.weight", PERMUTE_K),
@@ -64,7 +65,7 @@ LLAMA3 = Family(
 QWEN3 = Family(
     name="torchtitan qwen3",
     architectures=("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-    signature=("tok_embeddings.weight", "layers.{L}.attention.q_norm.weight"),
+    signature=SIGNATURES["torchtitan qwen3"],
     rules=(
         Rule("model.layers.{L}.self_attn.q_proj.weight", "layers.{L}.attention.qkv_linear.wq.weight"),
         Rule("model.layers.{L}.self_attn.k_proj.weight", "layers.{L}.attention.qkv_linear.wk.weight"),
@@ -80,7 +81,7 @@ QWEN3 = Family(
 DEEPSEEK_V3 = Family(
     name="torchtitan deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
-    signature=("tok_embeddings.weight", "layers.{L}.attention.wkv_a.weight"),
+    signature=SIGNATURES["torchtitan deepseek_v3"],
     rules=(
         Rule("model.layers.{L}.self_attn.q_a_proj.weight", "layers.{L}.attention.wq_a.weight"),
         Rule("model.layers.{L}.self_attn.q_a_layernorm.weight", "layers.{L}.attention.q_norm.weight"),
