@@ -21,6 +21,7 @@ Timings are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -159,7 +160,7 @@ def s3_comparison(src: Path, out: Path, repeat: int, before: Path | None) -> Non
                 if target.startswith("s3://"):
                     digest = hashlib.sha256()
                     body = client.get_object(Bucket="bench", Key="out/model.safetensors")["Body"]
-                    for block in iter(lambda: body.read(8 << 20), b""):
+                    for block in iter(functools.partial(body.read, 8 << 20), b""):
                         digest.update(block)
                     client.delete_object(Bucket="bench", Key="out/model.safetensors")
                     results[name].append((seconds, rss, {"": digest.hexdigest()}))
