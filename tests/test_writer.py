@@ -389,7 +389,7 @@ def test_metadata_from_stored_chunks_is_byte_identical_on_random_checkpoints():
     files = [writer.data_file_name(rank) for rank in range(270)]
     for trial in range(40):
         tensors, start = [], 0
-        for t in range(rng.randint(0, 30)):
+        for _tensor in range(rng.randint(0, 30)):
             ndim = rng.choice((0, 1, 2, 3, 4))
             boxes = []
             for _ in range(rng.randint(1, 40) if ndim else rng.randint(1, 2)):
