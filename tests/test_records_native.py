@@ -274,27 +274,6 @@ def test_metadata_rows_refuse_columns_they_cannot_read_safely():
     assert data == b"K\x01K\x02K\x03K\x04" and shared.tolist() == [0, 2, 4, 6, 8]
 
 
-def test_rows_joined_in_c_for_older_writers_are_the_numpy_join():
-    """`join`, which writers before `encode_rows` call (a baseline tree with this module copied
-    in): fixed bytes and encoded columns joined row by row, as `dcp.writer._joined_rows` does."""
-    import numpy as np
-
-    from ckpttool.dcp import writer
-
-    generator = np.random.default_rng(3)
-    for rows in (0, 1, 7, 64, 65, 1000):
-        segments: list = [b"\x80\x02"]
-        for width in (1, 4, 10, 3):
-            segments.append((generator.integers(0, 256, (width, rows), dtype=np.uint8),
-                             generator.integers(0, width + 1, rows, dtype=np.int64)))
-            segments.append(b"q" * int(generator.integers(0, 3)))
-        segments.append((np.full((1, rows), 40, np.uint8), np.ones(rows, np.int64)))
-        data, lengths = writer._joined_rows(segments, rows)
-        assert native.join(segments, rows, int(lengths.sum())) == data, rows
-    with pytest.raises(ValueError, match="past its segment's width"):
-        native.join([(np.zeros((2, 3), np.uint8), np.array([1, 3, 0], np.int64))], 3, 4)
-
-
 def test_records_built_in_c_run_beside_other_tasks_and_in_python_take_turns(tmp_path, monkeypatch):
     """`write_records` holds the shared `turns` lock only when the records are built in
     Python (GIL-bound work): built in C it runs while another task holds the lock, and

@@ -420,12 +420,12 @@ class _Fragments:
         if parts is None or head is None or properties is None:
             return None
         data, starts = self.chunk_rows
-        if tensor.stop == tensor.start:
-            return b"".join((parts[0], properties, parts[1], head, _tuple_bytes(tensor.shape), _SIZE_TAIL, parts[2],
-                             pickle.EMPTY_LIST, parts[3]))
+        chunks: tuple = (pickle.EMPTY_LIST,)  # the writer's list: MARK ... APPENDS only around some items
+        if tensor.stop > tensor.start:
+            chunks = (pickle.EMPTY_LIST + pickle.MARK, memoryview(data)[starts[tensor.start]:starts[tensor.stop]],
+                      pickle.APPENDS)
         return b"".join((parts[0], properties, parts[1], head, _tuple_bytes(tensor.shape), _SIZE_TAIL, parts[2],
-                         pickle.EMPTY_LIST + pickle.MARK, memoryview(data)[starts[tensor.start]:starts[tensor.stop]],
-                         pickle.APPENDS + parts[3]))
+                         *chunks, parts[3]))
 
     def column_chunks(self, start: int, stop: int, writer: Writer) -> Iterator[NewObject | Fragment]:
         """Yield the chunk entries of rows `start:stop`: in full until the memo holds their

@@ -541,97 +541,6 @@ done:
     return result;
 }
 
-/* ---- rows joined from column segments ---- */
-
-/* join(segments, rows, total) -> bytes: for each row r in turn, each segment's bytes for it:
-   a bytes segment whole, an (encoded, counts) segment the first counts[r] bytes of column r
-   of `encoded` (a C-contiguous (width, rows) uint8 array; counts int64, at most width);
-   `total` the bytes of all rows. Kept for older source trees whose dcp/writer.py calls it (a
-   baseline unpacked from an earlier commit with this module copied in); `encode_rows` replaced it. */
-static PyObject *join(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *segments, *result = NULL;
-    Py_ssize_t rows, total, made = 0;
-    if (!PyArg_ParseTuple(args, "O!nn", &PyList_Type, &segments, &rows, &total))
-        return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(segments);
-    Py_buffer *encoded = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_buffer));
-    Py_buffer *counts = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_buffer));
-    if (encoded == NULL || counts == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (; made < count; made++) {
-        PyObject *segment = PyList_GET_ITEM(segments, made);
-        if (PyBytes_Check(segment))
-            continue;
-        PyObject *values, *lengths;
-        if (!PyArg_ParseTuple(segment, "OO", &values, &lengths))
-            goto done;
-        if (PyObject_GetBuffer(values, &encoded[made], PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        if (PyObject_GetBuffer(lengths, &counts[made], PyBUF_C_CONTIGUOUS) < 0) {
-            PyBuffer_Release(&encoded[made]);
-            encoded[made].obj = NULL;
-            goto done;
-        }
-        Py_ssize_t width = rows ? encoded[made].len / rows : 0;
-        if (counts[made].len != rows * 8 || (rows && encoded[made].len % rows)) {
-            PyErr_SetString(PyExc_ValueError, "a segment is a (width, rows) byte array and rows int64 counts");
-            made++;
-            goto done;
-        }
-        const int64_t *n = counts[made].buf;
-        for (Py_ssize_t r = 0; r < rows; r++)
-            if (n[r] < 0 || n[r] > width) {
-                PyErr_SetString(PyExc_ValueError, "a row's count is past its segment's width");
-                made++;
-                goto done;
-            }
-    }
-    /* the rows' bytes, counted before writing */
-    Py_ssize_t needed = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *segment = PyList_GET_ITEM(segments, i);
-        if (PyBytes_Check(segment)) {
-            needed += PyBytes_GET_SIZE(segment) * rows;
-            continue;
-        }
-        const int64_t *n = counts[i].buf;
-        for (Py_ssize_t r = 0; r < rows; r++)
-            needed += n[r];
-    }
-    if (needed != total) {
-        PyErr_Format(PyExc_ValueError, "the rows hold %zd bytes, not %zd", needed, total);
-        goto done;
-    }
-    result = PyBytes_FromStringAndSize(NULL, total);
-    if (result == NULL)
-        goto done;
-    char *out = PyBytes_AS_STRING(result);
-    for (Py_ssize_t r = 0; r < rows; r++)
-        for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *segment = PyList_GET_ITEM(segments, i);
-            if (PyBytes_Check(segment)) {
-                memcpy(out, PyBytes_AS_STRING(segment), (size_t)PyBytes_GET_SIZE(segment));
-                out += PyBytes_GET_SIZE(segment);
-                continue;
-            }
-            const uint8_t *column = (const uint8_t *)encoded[i].buf + r;
-            int64_t n = ((const int64_t *)counts[i].buf)[r];
-            for (int64_t k = 0; k < n; k++)
-                *out++ = (char)column[k * rows];
-        }
-done:
-    for (Py_ssize_t i = 0; i < made; i++)
-        if (encoded[i].obj != NULL) {
-            PyBuffer_Release(&encoded[i]);
-            PyBuffer_Release(&counts[i]);
-        }
-    PyMem_Free(encoded);
-    PyMem_Free(counts);
-    return result;
-}
-
 /* ---- .metadata rows encoded from int64 columns ---- */
 
 /* pickle opcodes (Lib/pickle.py) */
@@ -969,7 +878,6 @@ static PyMethodDef methods[] = {
     {"spans", spans, METH_VARARGS,
      "spans(files, offsets, kinds, lengths, read_gap, read_span, gap_budget) -> (spans, span_of, start_in)"},
     {"match", match, METH_VARARGS, "match(block, starts, runs) -> bytes: which records hold a layout's words"},
-    {"join", join, METH_VARARGS, "join(segments, rows, total) -> bytes: rows from column segments (older writers)"},
     {"encode_rows", encode_rows, METH_VARARGS,
      "encode_rows(spec, rows, starts) -> bytes: dcp.writer's .metadata rows from int64 columns"},
     {"serialization_id_of", serialization_id_of, METH_VARARGS,
