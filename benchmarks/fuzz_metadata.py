@@ -12,7 +12,7 @@ the others one to three byte-level mutations: byte and bit flips, truncation, de
 repeated and swapped ranges, spliced pickle opcodes, GETs of another memo slot.
 Each mutant is written next to symlinks of its fixture's data files and read in a forked
 child under RLIMIT_AS (`--memory`, 300 MB) and an alarm (`--timeout`, 10 s), which runs
-`read_checkpoint`, then `ckpttool.integrity.check`, then the loader without its fast paths
+`read_checkpoint`, then `ckpttool.check.integrity.check`, then the loader without its fast paths
 (the two must build the same checkpoint). The table counts:
 
 - ok / refused: the checkpoint was read, or refused with a CheckpointError (one line)
@@ -45,14 +45,14 @@ from pathlib import Path, PurePosixPath
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ckpttool import integrity  # noqa: E402
-from ckpttool.checkpoint import Checkpoint, paused_gc  # noqa: E402
+from ckpttool.check import integrity  # noqa: E402
+from ckpttool.core.checkpoint import Checkpoint, paused_gc  # noqa: E402
 from ckpttool.dcp import writer  # noqa: E402
 from ckpttool.formats.dcp import METADATA_FILENAME  # noqa: E402
 from ckpttool.readers.dcp import _convert, read_checkpoint  # noqa: E402
 from ckpttool.safepickle.allowlist import _ALLOWED, _find_allowed  # noqa: E402
 from ckpttool.safepickle.loader import _Loader  # noqa: E402
-from ckpttool.errors import CheckpointError  # noqa: E402
+from ckpttool.core.errors import CheckpointError  # noqa: E402
 
 OUTCOMES = ("ok", "refused", "tracebacks", "signals", "timeouts", "memory", "fast != general")
 EXIT_OK, EXIT_REFUSED, EXIT_TRACEBACK, EXIT_MEMORY, EXIT_DIFFER = 0, 10, 11, 12, 13

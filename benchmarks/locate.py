@@ -56,9 +56,9 @@ def time_locate(path: Path, repeat: int) -> float:
     """Return the median seconds of locating every chunk of the checkpoint at `path`."""
     from ckpttool.dcp.blobs import DataFiles
     try:
-        from ckpttool.locating import locate_chunks
+        from ckpttool.run.locating import locate_chunks
     except ImportError:  # a tree from before locating had its own module
-        from ckpttool.execute import locate_chunks
+        from ckpttool.run.execute import locate_chunks
     from ckpttool.readers.dcp import read_checkpoint
 
     checkpoint = read_checkpoint(path)

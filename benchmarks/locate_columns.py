@@ -29,12 +29,12 @@ SCANNER = Path("ckpttool/readers")
 
 CHILD = r"""
 import statistics, sys, time
-from ckpttool.checkpoint import ChunkTable
+from ckpttool.core.checkpoint import ChunkTable
 from ckpttool.dcp.blobs import DataFiles
 try:
-    from ckpttool.locating import locate_chunks
+    from ckpttool.run.locating import locate_chunks
 except ImportError:  # a tree from before locating had its own module
-    from ckpttool.execute import locate_chunks
+    from ckpttool.run.execute import locate_chunks
 from ckpttool.readers.dcp import read_checkpoint
 
 path, prefix, repeat = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -100,7 +100,7 @@ def main() -> None:
         rows = []
         for label, command in (
             ("consolidate", [tool, "consolidate", str(source), str(out), "-q", "--force"]),
-            ("consolidate + torch (floor)", [sys.executable, "-c", "import sys, torch, ckpttool.merge; from ckpttool.cli "
+            ("consolidate + torch (floor)", [sys.executable, "-c", "import sys, torch, ckpttool.run.merge; from ckpttool.cli "
                                              "import main; sys.argv[0] = 'ckpttool'; main()", "consolidate", str(source),
                                              str(out), "-q", "--force"]),
             ("consolidate --merge-adapter", [tool, "consolidate", str(source), str(out), "-q", "--force",

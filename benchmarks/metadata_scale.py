@@ -81,7 +81,7 @@ def build_tables(path: Path, tensors: int, chunks: int, ranks: int):
     data files (no .metadata)."""
     import numpy as np
 
-    from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
+    from ckpttool.core.checkpoint import Checkpoint, ChunkTable, Tensor
 
     per_tensor = chunks // tensors
     length = ROWS_PER_CHUNK * COLUMNS * 4 + RECORD_OVERHEAD
@@ -140,7 +140,7 @@ def stages(args) -> None:
     if args.source:
         sys.path.insert(0, args.source)
     import ckpttool
-    from ckpttool import integrity
+    from ckpttool.check import integrity
     from ckpttool.commands import inspect as inspect_command
     try:
         from ckpttool.render import inspect as render, text as render_text, validate as render_validate

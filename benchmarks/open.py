@@ -131,7 +131,7 @@ def interleaved(commands: list[tuple[list[str] | str, bool]], repeat: int) -> li
 def chunk_ranges(source: Path, rows: int | None = None) -> list[tuple[Path, int, int]]:
     """(file, offset, length) of the raw bytes of TENSOR's first `rows` rows (all by default),
     chunk by chunk (no torch: ckpttool's locate)."""
-    from ckpttool import locating
+    from ckpttool.run import locating
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.readers.dcp import read_checkpoint
 

@@ -79,7 +79,7 @@ def plan(files: int, per_file: int, records: int, per_op: int) -> list:
 
 def run_case(case: str, directory: Path, output: Path, args: argparse.Namespace) -> None:
     """In a fresh process: build the case's operations, run them, print the run's seconds."""
-    from ckpttool import execute
+    from ckpttool.run import execute
     from ckpttool.dcp.blobs import DataFiles
 
     operations = plan(args.files, args.per_file, args.records, args.per_op)

@@ -134,11 +134,11 @@ def reshard_command(source: Path, out: Path, world_size: int, code: Path | None)
 
 PHASES = (  # (module, function, label): the boundaries `phase_run` stamps
     ("ckpttool.readers", "open_checkpoint", "read .metadata"),
-    ("ckpttool.integrity", "gate", "integrity gate"),
+    ("ckpttool.check.integrity", "gate", "integrity gate"),
     ("ckpttool.commands.reshard", "plan_reshard", "plan"),
-    ("ckpttool.locating", "locate_chunks", "locate source records"),
+    ("ckpttool.run.locating", "locate_chunks", "locate source records"),
     ("ckpttool.commands.reshard", "plan_writes", "lay out rank files"),
-    ("ckpttool.execute", "run", "copies"),
+    ("ckpttool.run.execute", "run", "copies"),
     ("ckpttool.commands.reshard", "metadata_bytes", "encode .metadata"),
 )
 
@@ -161,7 +161,9 @@ def phase_run(arguments: list[str]) -> None:
             stamps.append((time.perf_counter() - origin, time.process_time(), label))
 
     stamp("interpreter up")
-    from ckpttool import cli, execute, io, record_writes
+    from ckpttool import cli
+    from ckpttool.run import execute, record_writes
+    from ckpttool.store import io
 
     stamp("imports done")
 

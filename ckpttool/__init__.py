@@ -16,6 +16,11 @@ The public API, imported lazily so that `import ckpttool` stays cheap (no torch)
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -32,7 +37,7 @@ _API = {
     "open": ("ckpttool.load", "open"),
     "load_state_dict": ("ckpttool.load", "load_state_dict"),
     "load_into": ("ckpttool.load", "load_into"),
-    "CheckpointError": ("ckpttool.errors", "CheckpointError"),
+    "CheckpointError": ("ckpttool.core.errors", "CheckpointError"),
     "export": ("ckpttool.commands.export", "export"),
     "export_adapter": ("ckpttool.commands.export_adapter", "export_adapter"),
     "import_checkpoint": ("ckpttool.commands.import_", "import_checkpoint"),
@@ -45,6 +50,37 @@ _API = {
 }
 
 __all__ = ["__version__", *_API]
+
+# modules that lived at the top level before the packages (issue 45): their old import paths
+# (`ckpttool.distributed.sharing()`, `from ckpttool import storage`) still give the same module
+MOVED = {
+    "core": ("checkpoint", "errors", "dtypes", "geometry", "numerics", "testpoints"),
+    "store": ("storage", "s3", "spans", "io", "safepaths"),
+    "model": ("model_view", "keys", "lora", "quantization"),
+    "check": ("integrity", "integrity_small", "manifest", "expected_keys"),
+    "run": ("execute", "locating", "record_writes", "dequantizing", "merge", "distributed", "adapter"),
+    "render": ("shard_map",),
+}
+_MOVED_TO = {f"{__name__}.{module}": f"{__name__}.{package}.{module}" for package, modules in MOVED.items()
+             for module in modules}
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves `ckpttool.<old name>` as the module at its new home (asked only after the normal
+    finders found nothing: it sits last on sys.meta_path)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED_TO else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return importlib.import_module(_MOVED_TO[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
+    sys.meta_path.append(_OldPaths())
 
 
 def __getattr__(name: str) -> Any:

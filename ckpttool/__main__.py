@@ -12,7 +12,7 @@ from ckpttool.cli import main
 if "WORLD_SIZE" not in os.environ:
     main()
 else:
-    from ckpttool import distributed
+    from ckpttool.run import distributed
 
     if distributed.environment() is None:
         main()

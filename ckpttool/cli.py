@@ -19,7 +19,7 @@ from typing import Sequence
 import click
 
 from ckpttool import __version__
-from ckpttool.errors import EXIT_INVALID, CheckpointError
+from ckpttool.core.errors import EXIT_INVALID, CheckpointError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "show_default": True}
 
@@ -77,7 +77,7 @@ class CheckpointLocation(click.Path):
     (s3://, gs://, az://) pass as they are: reading them says what is missing."""
 
     def convert(self, value, param, ctx):
-        from ckpttool import storage
+        from ckpttool.store import storage
 
         if isinstance(value, str) and storage.is_remote(value):
             return value
@@ -126,7 +126,7 @@ def reads_source(command):
 
     @wraps(command)
     def run(*args, **kwargs):
-        from ckpttool import storage
+        from ckpttool.store import storage
         from ckpttool.source_options import SourceOptions  # not options.py: inspect and validate need no other
 
         with errors_reported():
@@ -198,7 +198,7 @@ def with_html_options(command):
 def write_shard_map(html: str, force: bool, report, problems=(), validated: bool = False, path=None) -> None:
     """Write the shard-map page of an inspect report (None: metadata unreadable) and validate's
     problems to `html`, atomically; say so on stderr."""
-    from ckpttool import shard_map
+    from ckpttool.render import shard_map
     from ckpttool.render.html import write_page, written_line
 
     built = shard_map.build(report, problems, path=path, validated=validated)

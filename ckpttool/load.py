@@ -31,19 +31,23 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, MutableMapping, NamedTuple, Sequence, overload
 
-from ckpttool import dtypes, execute, integrity, locating, quantization, readers
-from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.core import dtypes
+from ckpttool.model import quantization
+from ckpttool.run import execute, locating
+from ckpttool.core.checkpoint import Checkpoint, ChunkTable, Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, blob_bytes, decode_object, locate
-from ckpttool.errors import CorruptMetadata, KeyCollision, MissingEntry, UsageError
-from ckpttool.geometry import Box, intersect, volume
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, Task, parse_size, run_tasks
-from ckpttool.keys import KeyRules, output_keys
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.core.errors import CorruptMetadata, KeyCollision, MissingEntry, UsageError
+from ckpttool.core.geometry import Box, intersect, volume
+from ckpttool.store.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, Task, parse_size, run_tasks
+from ckpttool.model.keys import KeyRules, output_keys
+from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.naming.fused import Slot, plan_fill
 from ckpttool.options import SourceOptions
 from ckpttool.formats.fp8 import FLOAT8
 from ckpttool.plan.consolidate import OutputFormat, plan_dequantize, plan_tensor, select, target_dtype
-from ckpttool.quantization import Quantization, QuantizedWeight
+from ckpttool.model.quantization import Quantization, QuantizedWeight
 from ckpttool.plan.operations import STREAM_BLOCK, Copy, Gather, Operation, Record, Records
 from ckpttool.plan.reshard import Run, fill_runs
 
@@ -92,7 +96,7 @@ class CheckpointFile:
         self.problems = tuple(integrity.gate(checkpoint, follow_symlinks).problems)  # warnings only
         if assets is not None:  # a framework's names (torchtitan, Megatron-Core) read as transformers'
             from ckpttool.commands.consolidate import as_transformers
-            from ckpttool.safepaths import read_json_object
+            from ckpttool.store.safepaths import read_json_object
 
             config = read_json_object(Path(assets) / "config.json") if (Path(assets) / "config.json").exists() else None
             checkpoint = as_transformers(checkpoint, config, follow_symlinks, model_prefix) or checkpoint

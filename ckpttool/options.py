@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ckpttool import dtypes
-from ckpttool.errors import UsageError
-from ckpttool.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
+from ckpttool.core import dtypes
+from ckpttool.core.errors import UsageError
+from ckpttool.store.io import DEFAULT_MAX_MEMORY, DEFAULT_THREADS, ProgressFactory, no_progress, parse_size
 from ckpttool.outputs.notices import Notify, ignore
 from ckpttool.source_options import SourceOptions as SourceOptions  # its home; imported from here too
 
 if TYPE_CHECKING:  # keys.py is imported when a ConvertOptions is built: inspect and validate never build one
-    from ckpttool.keys import KeyRules
+    from ckpttool.model.keys import KeyRules
 
 DTYPE_CHOICES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -101,7 +101,7 @@ class ConvertOptions:
     shard_bytes: int | None = field(init=False, repr=False, compare=False)  # max_shard_size parsed
 
     def __post_init__(self) -> None:
-        from ckpttool.keys import KeyRules, Rename
+        from ckpttool.model.keys import KeyRules, Rename
 
         for name in ("filters", "renames", "dtype_map"):
             object.__setattr__(self, name, tuple(getattr(self, name)))

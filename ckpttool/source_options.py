@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from ckpttool import storage
+from ckpttool.store import storage
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ RUN_TIMEOUT = 90.0  # a run still going after this is dirty (hung)
 
 _ZYGOTE_IMPORTS = ("ckpttool.cli", "ckpttool.commands.consolidate", "ckpttool.commands.reshard",
                    "ckpttool.commands.export", "ckpttool.commands.import_", "ckpttool.commands.push",
-                   "ckpttool.storage", "ckpttool.s3", "ckpttool.outputs.remote", "s3fs", "aiobotocore.session",
+                   "ckpttool.store.storage", "ckpttool.store.s3", "ckpttool.outputs.remote", "s3fs", "aiobotocore.session",
                    "botocore.session", "huggingface_hub", "numpy", "torch")
 
 

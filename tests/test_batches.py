@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpttool.execute import BATCH_OPERATIONS, SMALL_OPERATION, batches
+from ckpttool.run.execute import BATCH_OPERATIONS, SMALL_OPERATION, batches
 from ckpttool.plan.operations import Copy
 
 

@@ -28,11 +28,13 @@ from test_validate import (CORRUPTIONS, EMBED, copy_fixture, rewrite_metadata, s
                            storage_key)
 from test_integrity import shifted_chunk_with_equal_gap
 
-from ckpttool import geometry, integrity, readers
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.core import geometry
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
 from ckpttool.commands import inspect as inspect_command
 from ckpttool.commands import validate as validate_command
-from ckpttool.errors import NotACheckpoint
+from ckpttool.core.errors import NotACheckpoint
 from ckpttool.render.inspect import inspect_document, inspect_text
 from ckpttool.render.text import emit_json
 from ckpttool.render.validate import validate_document, validate_text

@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 from conftest import FIXTURES, assert_same_bytes, flatten, save_with_writer_options
 
 from ckpttool.options import ConvertOptions, WriteOptions
-from ckpttool import execute
+from ckpttool.run import execute
 from ckpttool.commands.consolidate import consolidate
-from ckpttool.errors import VerificationFailed
+from ckpttool.core.errors import VerificationFailed
 from ckpttool.plan.operations import Copy
 from ckpttool.outputs.temps import TEMP_PREFIX
 

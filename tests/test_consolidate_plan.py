@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from ckpttool.dcp.blobs import RawData
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor
-from ckpttool.errors import KeyCollision, UsageError
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor
+from ckpttool.core.errors import KeyCollision, UsageError
 from ckpttool.formats import hub, safetensors
-from ckpttool.keys import KeyRules, Rename, normalise, output_keys
-from ckpttool.model_view import find_model
+from ckpttool.model.keys import KeyRules, Rename, normalise, output_keys
+from ckpttool.model.model_view import find_model
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.consolidate import plan_tensor, target_dtype
 from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather
@@ -179,7 +179,7 @@ def test_zip_layout_aligns_storages_to_64_bytes_and_uses_zip64_past_4gib():
 def test_a_cast_block_converted_in_place_equals_tensor_to(source, target):
     import torch
 
-    from ckpttool.execute import cast_in_place
+    from ckpttool.run.execute import cast_in_place
 
     torch.manual_seed(0)
     values = (torch.randn(4099) * 1e4).to(getattr(torch, source))

@@ -16,11 +16,11 @@ from conftest import FIXTURES
 from ckpttool.options import ConvertOptions
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.diff import diff
-from ckpttool.geometry import overlapping_boxes as overlapping_chunks, slabs
-from ckpttool.numerics import float8_table
+from ckpttool.core.geometry import overlapping_boxes as overlapping_chunks, slabs
+from ckpttool.core.numerics import float8_table
 from ckpttool.commands.reshard import reshard
 from ckpttool.dcp.blobs import DataFiles, locate
-from ckpttool.checkpoint import Chunk
+from ckpttool.core.checkpoint import Chunk
 from ckpttool.readers.dcp import read_checkpoint
 
 SOURCE = FIXTURES / "fsdp2_world3_uneven"  # model, AdamW state and plain objects, uneven world 3

@@ -29,12 +29,12 @@ from conftest import FIXTURES
 from ports import free_port
 
 from ckpttool.options import ConvertOptions
-from ckpttool import dtypes
+from ckpttool.core import dtypes
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
-from ckpttool.distributed import environment, split
+from ckpttool.run.distributed import environment, split
 from ckpttool.plan.operations import Convert, Copy, Gather
-from ckpttool.testpoints import FAIL_ENV, PAUSE_ENV
+from ckpttool.core.testpoints import FAIL_ENV, PAUSE_ENV
 
 SOURCE = FIXTURES / "fsdp2_world2_adamw"
 FP8 = FIXTURES / "quantized" / "deepseek_v3_fp8"

@@ -2,7 +2,7 @@
 
 Each case is a real job (`python -m torch.distributed.run --standalone --nproc-per-node 2 -m
 ckpttool consolidate|reshard SRC OUT`, gloo on CPU) in which one chosen process dies at a named
-step of the commit protocol, deterministically, through the test hooks of `ckpttool.testpoints`
+step of the commit protocol, deterministically, through the test hooks of `ckpttool.core.testpoints`
 (`CKPTTOOL_TEST_FAIL`: half-way through its share; `CKPTTOOL_TEST_DIE`: before joining, before
 the first collective, before the commit), by SIGKILL, an exception or SIGTERM. The other
 process must exit non-zero within BOUND seconds of the death, with one line naming the process
@@ -32,8 +32,8 @@ from ports import free_port
 
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
-from ckpttool.distributed import JOIN_TIMEOUT_ENV
-from ckpttool.testpoints import DIE_ENV, FAIL_ENV, PART_SIZE_ENV, PAUSE_ENV
+from ckpttool.run.distributed import JOIN_TIMEOUT_ENV
+from ckpttool.core.testpoints import DIE_ENV, FAIL_ENV, PART_SIZE_ENV, PAUSE_ENV
 
 SOURCE = FIXTURES / "fsdp2_world2"  # written by torch's dcp.save from a real FSDP2 run (fixtures/generate.py)
 BOUND = 30.0  # s from the death to the other process's exit: torchrun's own grace before SIGKILL is 30 s

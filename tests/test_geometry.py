@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from ckpttool.geometry import classify, coverage, find_overlaps, intersect, row_major_runs, split_dim0
+from ckpttool.core.geometry import classify, coverage, find_overlaps, intersect, row_major_runs, split_dim0
 
 
 @pytest.mark.parametrize("length,world", [(7, 3), (2, 3), (8, 4), (13, 8), (0, 2), (1, 1), (5, 8)])
@@ -78,7 +78,7 @@ def test_row_major_runs_reassemble_any_sub_box():
 def test_flat_boxes_cover_a_flat_range_with_contiguous_boxes_in_order():
     """Every element of [start, stop) once, in row-major order, each box one contiguous run
     starting at its flat_start; at most 2 * ndim - 1 boxes (a flat partition's piece)."""
-    from ckpttool.geometry import flat_boxes
+    from ckpttool.core.geometry import flat_boxes
 
     generator = random.Random(0)
     for _ in range(2000):

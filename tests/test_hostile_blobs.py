@@ -123,7 +123,7 @@ def test_an_object_blob_that_breaks_the_unpicklers_budget_is_refused_not_handed_
     import time
 
     from ckpttool.dcp.blobs import decode_object
-    from ckpttool.errors import CorruptBlob
+    from ckpttool.core.errors import CorruptBlob
 
     started = time.perf_counter()
     with pytest.raises(CorruptBlob):

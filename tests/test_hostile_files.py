@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import BadName, UnsafeDataFile
+from ckpttool.core.errors import BadName, UnsafeDataFile
 
 from test_hostile_metadata import COMMANDS as EVERY_COMMAND, MAX_RSS_MB, TIMEOUT_S, run_cli
 from test_reader import save_single_process

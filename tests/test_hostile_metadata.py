@@ -25,14 +25,14 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.checkpoint import Checkpoint, paused_gc
+from ckpttool.core.checkpoint import Checkpoint, paused_gc
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import _convert, read_checkpoint
 from ckpttool.safepickle import PickleRefused, RestrictedUnpickler
 from ckpttool.safepickle.allowlist import _ALLOWED, _find_allowed
 from ckpttool.safepickle.loader import MAX_NESTING, _Loader
 from ckpttool.safepickle.nodes import _Fallback
-from ckpttool.errors import CorruptMetadata, UnsafeMetadata
+from ckpttool.core.errors import CorruptMetadata, UnsafeMetadata
 
 from conftest import FIXTURES, FIXTURE_NAMES
 

@@ -1,7 +1,7 @@
 """Interrupted runs leave nothing behind, whatever the signal.
 
 A real `ckpttool` subprocess is paused at a known point of its run (the test-only
-`CKPTTOOL_TEST_PAUSE=<phase>:<seconds>` hook in `ckpttool.testpoints`, which prints
+`CKPTTOOL_TEST_PAUSE=<phase>:<seconds>` hook in `ckpttool.core.testpoints`, which prints
 `ckpttool-test: paused at <phase>` on stderr), then sent SIGINT, SIGTERM, SIGHUP or SIGKILL.
 Each run is bounded by `TIMEOUT`: a watchdog kills a run that never pauses or never ends.
 """
@@ -23,7 +23,9 @@ import pytest
 from conftest import FIXTURES
 
 from ckpttool.options import ConvertOptions
-from ckpttool import io, outputs, testpoints
+from ckpttool import outputs
+from ckpttool.core import testpoints
+from ckpttool.store import io
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
 from ckpttool.outputs import local, signals, temps

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import FIXTURES, assert_same_bytes
 
-from ckpttool.errors import UsageError
+from ckpttool.core.errors import UsageError
 from ckpttool.naming.fused import Slot, plan_fill
 
 TITAN = FIXTURES / "frameworks" / "torchtitan_families"

@@ -8,9 +8,9 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool import locating
+from ckpttool.run import locating
 from ckpttool.dcp.blobs import DataFiles, locate
-from ckpttool.errors import CheckpointError, CorruptBlob
+from ckpttool.core.errors import CheckpointError, CorruptBlob
 from ckpttool.plan import unique_chunks
 from ckpttool.readers.dcp import read_checkpoint
 
@@ -149,7 +149,7 @@ def test_records_damaged_anywhere_in_a_block_give_what_locating_each_chunk_alone
 
 def read_as_tables(path, monkeypatch):
     """The checkpoint at `path` read as a large `.metadata` is: every tensor's chunks a ChunkTable."""
-    from ckpttool.checkpoint import ChunkTable
+    from ckpttool.core.checkpoint import ChunkTable
     from ckpttool.readers import dcp as dcp_reader
 
     monkeypatch.setattr(dcp_reader, "COLUMNS_FROM_BYTES", 0)
@@ -221,7 +221,7 @@ def test_chunk_tables_are_located_from_columns_as_each_chunk_alone(source, inter
 
 
 def replace_chunks(tensor, chunks):
-    from ckpttool.checkpoint import Tensor
+    from ckpttool.core.checkpoint import Tensor
 
     return Tensor(tensor.fqn, tensor.dtype, tensor.shape, chunks)
 
@@ -270,7 +270,7 @@ def dataclasses_replace(checkpoint, tensors):
 def with_columns(checkpoint, change) -> object:
     """`checkpoint` with each table's columns passed through `change(fqn, columns)` (a dict of
     copies of `blob_offset`, `blob_length`, ... it may modify)."""
-    from ckpttool.checkpoint import ChunkTable
+    from ckpttool.core.checkpoint import ChunkTable
 
     tensors = {}
     for fqn, tensor in checkpoint.tensors.items():
@@ -346,7 +346,7 @@ def test_unique_table_rows_are_unique_chunks_of_each_table():
 
     import numpy as np
 
-    from ckpttool.checkpoint import Blob, Chunk, ChunkTable, Tensor
+    from ckpttool.core.checkpoint import Blob, Chunk, ChunkTable, Tensor
     from ckpttool.plan import unique_table_rows
 
     rng = random.Random(5)

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool import locating
+from ckpttool.run import locating
 from ckpttool.dcp.blobs import DataFiles, locate
-from ckpttool.errors import CheckpointError
+from ckpttool.core.errors import CheckpointError
 from ckpttool.plan import unique_chunks
 from ckpttool.readers import dcp as dcp_reader
 from ckpttool.readers.dcp import read_checkpoint

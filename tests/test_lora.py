@@ -119,7 +119,7 @@ def test_inspect_shows_the_adapter_its_rank_targets_and_trainable_and_frozen_cou
 
 
 def test_recognition_reads_peft_file_keys_embeddings_and_transposed_bases_from_shapes_alone():
-    from ckpttool.lora import find_lora
+    from ckpttool.model.lora import find_lora
 
     layout = find_lora({
         "base_model.model.wte.base_layer.weight": (10, 4), "base_model.model.wte.lora_embedding_A": (2, 10),
@@ -472,7 +472,7 @@ def test_packed_4bit_base_without_a_readable_quant_state_exports_the_adapter_and
 def test_merge_in_row_blocks_equals_merge_and_unload_for_linear_and_embedding_loras(hf, cli, tmp_path, monkeypatch):
     """The base weight is read, added to and rewritten a block of rows at a time (here 256 bytes:
     several blocks per tensor); an embedding's delta is (B @ A) transposed."""
-    from ckpttool import merge
+    from ckpttool.run import merge
 
     monkeypatch.setattr(merge, "MERGE_BLOCK", 256)
     model = peft_model(hf, tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "embed_tokens"])

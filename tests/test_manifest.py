@@ -18,10 +18,10 @@ import pytest
 
 from conftest import FIXTURES, tensor_bytes
 
-from ckpttool import locating
+from ckpttool.run import locating
 from ckpttool.commands.manifest import compute, manifest
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.manifest import Manifest, parse, plan_tensor, Block, Stream
+from ckpttool.check.manifest import Manifest, parse, plan_tensor, Block, Stream
 from ckpttool.options import WriteOptions
 from ckpttool.readers import open_checkpoint
 

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FIXTURES, assert_same_bytes
 
-from ckpttool.errors import UnsupportedFormat
+from ckpttool.core.errors import UnsupportedFormat
 from ckpttool.naming.megatron_config import common_file, hf_config, megatron_hf_config, read_args
 
 MEGATRON = FIXTURES / "frameworks" / "megatron_families"

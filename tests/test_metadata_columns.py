@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.checkpoint import Checkpoint, ChunkTable
+from ckpttool.core.checkpoint import Checkpoint, ChunkTable
 from ckpttool.dcp.writer import StoredChunk, StoredObject, StoredTensor, metadata_bytes
-from ckpttool.errors import CheckpointError
+from ckpttool.core.errors import CheckpointError
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers import dcp
 from ckpttool.safepickle.unpickler import unpickle_metadata

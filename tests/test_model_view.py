@@ -83,7 +83,7 @@ def load_safetensors(path: Path) -> dict:
     ("ids", "model", "module-tree"),
 ])
 def test_the_model_is_found_where_the_structure_puts_it(saved, name, prefix, selected):
-    from ckpttool.model_view import find_model
+    from ckpttool.model.model_view import find_model
     from ckpttool.readers import open_checkpoint
 
     view = find_model(open_checkpoint(saved[0][name]))

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FIXTURES, assert_same_bytes
 
-from ckpttool.errors import InvalidCheckpoint
+from ckpttool.core.errors import InvalidCheckpoint
 from ckpttool.naming import PERMUTE_Q, convert, find_family, rotary_rows
 from ckpttool.naming.torchtitan import FAMILIES, LLAMA3, QWEN3
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpttool import dtypes, numerics
+from ckpttool.core import dtypes, numerics
 
 
 def test_every_floating_dtype_has_a_rule():

@@ -21,9 +21,9 @@ import pytest
 from conftest import FIXTURES, assert_same_bytes, flatten, save_with_writer_options
 
 import ckpttool
-from ckpttool.checkpoint import ChunkTable, with_tables
+from ckpttool.core.checkpoint import ChunkTable, with_tables
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CheckpointError, MissingEntry, UsageError
+from ckpttool.core.errors import CheckpointError, MissingEntry, UsageError
 
 FRAMEWORKS = FIXTURES / "frameworks"
 # id -> (what the user points at, model_prefix)
@@ -239,7 +239,8 @@ def test_the_same_tensor_through_a_chunk_table_and_tuples(consolidated):
 def test_reads_on_the_thread_pool_give_the_same_bytes(consolidated, monkeypatch, small):
     import torch
 
-    from ckpttool import execute, load
+    from ckpttool import load
+    from ckpttool.run import execute
 
     monkeypatch.setattr(load, "INLINE_BYTES", 0)  # fixture tensors are small: every read would run inline
     monkeypatch.setattr(execute, "SMALL_OPERATION", small)
@@ -447,7 +448,7 @@ def test_keys_objects_and_unknown_names():
 
 
 def test_an_ambiguous_model_needs_model_prefix():
-    from ckpttool.model_view import AmbiguousModel
+    from ckpttool.model.model_view import AmbiguousModel
 
     with ckpttool.open(LAYOUTS["structures-two_models"][0]) as f:
         first = next(iter(f.checkpoint.tensors))
@@ -604,7 +605,7 @@ def test_storage_options_reach_the_reads(s3, monkeypatch):
     send its listing and GETs to AWS itself. Every GET goes to the given endpoint."""
     import os
 
-    from ckpttool import s3 as native
+    from ckpttool.store import s3 as native
 
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     monkeypatch.delenv("AWS_ENDPOINT_URL")

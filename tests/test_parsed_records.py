@@ -10,7 +10,7 @@ import zlib
 import pytest
 import torch
 
-from ckpttool.errors import CheckpointError
+from ckpttool.core.errors import CheckpointError
 from ckpttool.torchsave.record import ParsedRecords, parse_tensor_record, record_bytes, record_layout
 
 

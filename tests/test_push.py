@@ -27,7 +27,7 @@ from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.export import export
 from ckpttool.commands.push import push
-from ckpttool.errors import HubError
+from ckpttool.core.errors import HubError
 
 TOKEN = "hf_stand_in_valid_token"
 SOURCE = FIXTURES / "fsdp2_world2"

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool.errors import UsageError
+from ckpttool.core.errors import UsageError
 from quant_reference import (deepseek_weight_dequant, deepseek_weight_quant, read_folder_tensors,
                              reference_dequantized_state_dict, sha256_of)
 

@@ -13,7 +13,7 @@ from conftest import FIXTURES, flatten, tensor_bytes
 
 from ckpttool.dcp.blobs import DataFiles, locate, read_chunk
 from ckpttool.readers.dcp import read_checkpoint
-from ckpttool.errors import CorruptMetadata, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
+from ckpttool.core.errors import CorruptMetadata, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
 
 
 def chunk_of(full, chunk):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckpttool import readers
-from ckpttool.errors import CorruptBlob, CorruptMetadata, NotACheckpoint
+from ckpttool.core.errors import CorruptBlob, CorruptMetadata, NotACheckpoint
 from ckpttool.readers.detect import is_torchtitan
 from conftest import FIXTURES
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import FIXTURES
 
-from ckpttool import record_writes
+from ckpttool.run import record_writes
 from ckpttool.commands.reshard import reshard
 from ckpttool.plan.operations import Record, Records
 from ckpttool.plan.rank_files import plan_writes
@@ -281,7 +281,7 @@ def test_records_built_in_c_run_beside_other_tasks_and_in_python_take_turns(tmp_
     import os
     import threading
 
-    from ckpttool import locating
+    from ckpttool.run import locating
     from ckpttool.dcp.blobs import DataFiles
 
     source = FIXTURES / "fsdp2_world3_uneven"

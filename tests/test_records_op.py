@@ -13,9 +13,9 @@ import pytest
 
 from conftest import assert_same_bytes
 
-from ckpttool import distributed, execute, locating, record_writes
+from ckpttool.run import distributed, execute, locating, record_writes
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptBlob, VerificationFailed
+from ckpttool.core.errors import CorruptBlob, VerificationFailed
 from ckpttool.plan.operations import Record, Records
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.torchsave.record import record_layout

@@ -22,7 +22,7 @@ from conftest import FIXTURES
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from ckpttool import storage  # noqa: E402
+from ckpttool.store import storage  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
 from ckpttool.outputs import multipart  # noqa: E402
 from storage_emulators import aws_environment, moto_s3  # noqa: E402
@@ -78,7 +78,7 @@ class GetLog:
 
 @pytest.fixture
 def get_log(s3, monkeypatch):
-    from ckpttool import s3 as native
+    from ckpttool.store import s3 as native
 
     log = GetLog()
     real_open = native.S3Client._open
@@ -128,7 +128,7 @@ def test_consolidate_from_s3_is_byte_identical_to_the_local_run(s3, tmp_path, ge
 def test_an_uncoalesced_read_from_s3_is_one_get_streamed_through_a_small_buffer(s3, get_log, monkeypatch):
     """Without a budget for coalesced spans (`DataFiles` as validate and export open it), a
     range is one GET whose body is read into the piece buffer as it arrives (here 64 bytes)."""
-    from ckpttool import s3 as native
+    from ckpttool.store import s3 as native
     from ckpttool.dcp.blobs import DataFiles
 
     fills = []
@@ -155,7 +155,7 @@ def test_a_copy_from_coalesced_spans_is_written_in_pieces(s3, tmp_path, get_log,
     """consolidate from S3 fetches whole spans and writes each copy from them in views of at
     most `storage.PIECE` bytes (here 64)."""
     monkeypatch.setattr(storage, "PIECE", 64)
-    from ckpttool import io as moving
+    from ckpttool.store import io as moving
 
     writes = []
     real_write_at = moving.write_at
@@ -164,7 +164,7 @@ def test_a_copy_from_coalesced_spans_is_written_in_pieces(s3, tmp_path, get_log,
         writes.append(len(data))
         real_write_at(fd, data, offset)
 
-    monkeypatch.setattr("ckpttool.execute.write_at", write_at)
+    monkeypatch.setattr("ckpttool.run.execute.write_at", write_at)
     assert run_cli("consolidate", SOURCE, tmp_path / "local.safetensors", "--threads", "1")[0] == 0
     writes.clear()
     code, out, err = run_cli("consolidate", f"s3://{BUCKET}/src", tmp_path / "remote.safetensors", "--threads", "1")

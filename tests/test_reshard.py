@@ -310,7 +310,7 @@ def test_records_copied_in_the_kernel_with_crcs_from_the_stored_ones_equal_recor
     loads with torch.load, and torch's own DCP load of the output gives the source's tensors."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ckpttool import execute, record_writes
+    from ckpttool.run import execute, record_writes
 
     name, out = "fsdp2_world3_uneven", tmp_path / "out"  # one destination: torch records it in the metadata
     reshard(FIXTURES / name, out, world_size)
@@ -343,7 +343,7 @@ def test_execute_tells_each_output_done_once_as_soon_as_its_last_operation_ran(t
     output no operation writes is named at the end."""
     import numpy as np
 
-    from ckpttool import execute
+    from ckpttool.run import execute
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.plan.operations import Copy
 
@@ -376,7 +376,8 @@ def test_execute_tells_each_output_done_once_as_soon_as_its_last_operation_ran(t
 def test_every_rank_file_is_fsynced_exactly_once_before_the_metadata_is_written(tmp_path, monkeypatch):
     """Rank files are fsynced as each is written through (overlapping the copies into the
     next ones), each once, all before `.metadata` is written."""
-    from ckpttool import execute, io as ckpt_io
+    from ckpttool.run import execute
+    from ckpttool.store import io as ckpt_io
 
     events = []
     sync, write_file = ckpt_io.sync, execute.write_file
@@ -438,8 +439,8 @@ def test_cli_dry_run_prints_each_target_rank_and_writes_nothing(cli, tmp_path):
 
 
 def test_verify_catches_a_byte_that_differs_from_the_source_and_keeps_nothing(monkeypatch, tmp_path):
-    from ckpttool import execute
-    from ckpttool.errors import VerificationFailed
+    from ckpttool.run import execute
+    from ckpttool.core.errors import VerificationFailed
 
     real_write_at = execute.write_at
     flipped = []

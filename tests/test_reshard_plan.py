@@ -11,11 +11,11 @@ from conftest import FIXTURES
 
 from pathlib import Path
 
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
 from ckpttool.options import WriteOptions
 from ckpttool.readers.dcp import read_checkpoint
-from ckpttool.errors import CorruptMetadata, UsageError
-from ckpttool.geometry import intersect, row_major_runs, split_dim0, volume
+from ckpttool.core.errors import CorruptMetadata, UsageError
+from ckpttool.core.geometry import intersect, row_major_runs, split_dim0, volume
 from ckpttool.plan.reshard import (EVERY_TENSOR_RULE, Mesh, Run, _slab_runs, _zip_runs, fill_all_runs, fill_runs, is_sharded, parse_mesh,
                                    plan_reshard, sharding_rule)
 
@@ -274,7 +274,7 @@ def test_each_rank_file_holds_what_torchs_dedup_save_plans_leaves_that_rank(mesh
 def _written(checkpoint: Checkpoint, mesh: Mesh) -> tuple:
     """What reshard writes for `checkpoint` on `mesh`: file sizes, every record as a Record
     (Records expanded), the objects and the `.metadata` chunks."""
-    from ckpttool import locating
+    from ckpttool.run import locating
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.plan.operations import Records
     from ckpttool.plan.rank_files import plan_writes
@@ -299,7 +299,7 @@ def test_reshard_from_chunk_tables_writes_what_it_writes_from_chunk_tuples(name)
 
 
 def test_small_records_of_one_raw_run_are_written_by_records_and_the_rest_by_a_record_each():
-    from ckpttool import locating
+    from ckpttool.run import locating
     from ckpttool.dcp.blobs import DataFiles
     from ckpttool.plan.operations import Copy, Record, Records
     from ckpttool.plan.rank_files import RECORDS_RECORD, plan_writes

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("moto.server")
 
-from ckpttool import spans  # noqa: E402
+from ckpttool.store import spans  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
 from dcp_world import write_forked as write_world  # noqa: E402
 from s3_proxy import LatencyProxy  # noqa: E402

@@ -1,4 +1,4 @@
-"""The standard-library S3 reader (`ckpttool.s3`): listings and ranged GETs without s3fs.
+"""The standard-library S3 reader (`ckpttool.store.s3`): listings and ranged GETs without s3fs.
 
 Signatures are checked against botocore's own signer at a fixed time (moto, by default,
 checks none) and against moto with its IAM authentication switched on; listings and bytes
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("moto.server")
 botocore_auth = pytest.importorskip("botocore.auth")
 
-from ckpttool import s3  # noqa: E402
+from ckpttool.store import s3  # noqa: E402
 from storage_emulators import moto_s3  # noqa: E402
 
 BUCKET = "native-reads"
@@ -363,7 +363,7 @@ def test_without_static_credentials_botocores_chain_is_asked(scripted, tmp_path,
 def test_importing_the_reader_imports_nothing_outside_the_standard_library():
     import subprocess
 
-    code = ("import sys; before = set(sys.modules); import ckpttool.s3; "
+    code = ("import sys; before = set(sys.modules); import ckpttool.store.s3; "
             "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in "
             "('botocore', 'boto3', 's3fs', 'aiobotocore', 'fsspec', 'asyncio', 'aiohttp', 'torch')))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"

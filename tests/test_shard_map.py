@@ -113,7 +113,7 @@ def torch_chunks(checkpoint: Path) -> dict[str, list[tuple[tuple[int, ...], tupl
 
 def test_bytes_are_counted_per_layer_and_group():
     from ckpttool.commands.inspect import inspect
-    from ckpttool.shard_map import build, module_of
+    from ckpttool.render.shard_map import build, module_of
 
     assert module_of("model.layers.3.attn.wq.weight") == "model.layers.3"
     assert module_of("optim.state.model.layers.12.mlp.experts.7.w1.exp_avg") == "optim.state.model.layers.12"
@@ -130,9 +130,9 @@ def test_bytes_are_counted_per_layer_and_group():
 @pytest.mark.parametrize("tables", [False, True], ids=["chunks", "tables"])
 def test_chunk_rows_are_the_metadata_chunks_and_their_files(tables):
     from ckpttool import readers
-    from ckpttool.checkpoint import with_tables
+    from ckpttool.core.checkpoint import with_tables
     from ckpttool.commands.inspect import build_report
-    from ckpttool.shard_map import build
+    from ckpttool.render.shard_map import build
 
     checkpoint = readers.open_checkpoint(UNEVEN)
     shard_map = build(build_report(with_tables(checkpoint) if tables else checkpoint))
@@ -149,7 +149,7 @@ def test_chunk_rows_are_the_metadata_chunks_and_their_files(tables):
 def test_boxes_stored_twice_count_as_copies_and_their_bytes_once():
     from ckpttool import readers
     from ckpttool.commands.inspect import build_report
-    from ckpttool.shard_map import build
+    from ckpttool.render.shard_map import build
 
     checkpoint = readers.open_checkpoint(UNEVEN)
     fqn = "model.layers.0.fc1.weight"
@@ -163,8 +163,8 @@ def test_boxes_stored_twice_count_as_copies_and_their_bytes_once():
 
 def test_validate_problems_are_attached_to_the_tensors_they_name():
     from ckpttool.commands.inspect import inspect
-    from ckpttool.integrity import Problem
-    from ckpttool.shard_map import build
+    from ckpttool.check.integrity import Problem
+    from ckpttool.render.shard_map import build
 
     problems = [Problem("error", "checksum", "bytes changed", "__1_0.distcp", "model.layers.0.fc1.weight"),
                 Problem("warning", "unreferenced-file", "left over", "stray.distcp")]
@@ -178,7 +178,7 @@ def test_page_is_self_contained_deterministic_and_names_are_inert(tmp_path):
     from ckpttool import readers
     from ckpttool.commands.inspect import build_report
     from ckpttool.render.html import page
-    from ckpttool.shard_map import build
+    from ckpttool.render.shard_map import build
 
     checkpoint = readers.open_checkpoint(UNEVEN)
     hostile = "model.</script><img src=x onerror=alert(1)>.w"
@@ -245,7 +245,7 @@ def write_page(path: Path, checkpoint_dir: Path | None = None, *, checkpoint=Non
     from ckpttool import readers
     from ckpttool.commands.inspect import build_report
     from ckpttool.render.html import write_page as write
-    from ckpttool.shard_map import build
+    from ckpttool.render.shard_map import build
 
     checkpoint = checkpoint or readers.open_checkpoint(checkpoint_dir)
     write(build(build_report(checkpoint), problems, validated=validated), path, force=True)
@@ -375,7 +375,7 @@ def test_browser_marks_validate_problems_on_their_tensors_and_chunks(browser, tm
 def test_browser_opens_100k_chunks_with_the_detail_drawn_on_demand(browser, tmp_path):
     import numpy as np
 
-    from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
+    from ckpttool.core.checkpoint import Checkpoint, ChunkTable, Tensor
 
     tensors = {}
     for layer in range(1000):  # 1000 tensors of 100 dim-0 chunks, one per rank's file

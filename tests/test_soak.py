@@ -27,7 +27,7 @@ import soak_harness  # noqa: E402
 from fault_proxy import FaultProxy  # noqa: E402
 from storage_emulators import aws_environment, moto_s3  # noqa: E402
 
-from ckpttool import s3  # noqa: E402
+from ckpttool.store import s3  # noqa: E402
 from ckpttool.cli import main  # noqa: E402
 
 BUCKET = "faults"

@@ -35,7 +35,7 @@ from conftest import FIXTURES, ROOT
 from test_chunk_tables import DAMAGE
 from test_validate import copy_fixture
 
-from ckpttool.checkpoint import ChunkTable
+from ckpttool.core.checkpoint import ChunkTable
 
 EXAMPLE = FIXTURES / "fsdp2_world3_uneven"
 
@@ -62,34 +62,34 @@ with open(out, "w") as handle:
 # what neither command may import: prefixes (a module or anything under it)
 NEVER = (
     "torch", "huggingface_hub", "tqdm",
-    "ckpttool.dcp.writer", "ckpttool.torchsave.ptfile", "ckpttool.record_writes",  # the writers
+    "ckpttool.dcp.writer", "ckpttool.torchsave.ptfile", "ckpttool.run.record_writes",  # the writers
     "ckpttool.outputs.local", "ckpttool.outputs.remote", "ckpttool.outputs.temps", "ckpttool.outputs.multipart",
     "ckpttool.outputs.replacing",
     "ckpttool.plan.consolidate", "ckpttool.plan.reshard", "ckpttool.plan.operations", "ckpttool.plan.rank_files",
     "ckpttool.plan.merge",  # the plans
-    "ckpttool.execute", "ckpttool.locating", "ckpttool.dequantizing", "ckpttool.merge", "ckpttool.distributed",
+    "ckpttool.run.execute", "ckpttool.run.locating", "ckpttool.run.dequantizing", "ckpttool.run.merge", "ckpttool.run.distributed",
     "ckpttool.commands.consolidate", "ckpttool.commands.reshard", "ckpttool.commands.export",
     "ckpttool.commands.export_adapter", "ckpttool.commands.import_", "ckpttool.commands.push", "ckpttool.commands.diff",
-    "ckpttool.commands.manifest", "ckpttool.manifest", "ckpttool.shard_map",
+    "ckpttool.commands.manifest", "ckpttool.check.manifest", "ckpttool.render.shard_map",
     "ckpttool.readers.deepspeed", "ckpttool.readers.megatron", "ckpttool.readers.verl", "ckpttool.readers.torch_pt",
 )
 # a small checkpoint (the example): no numpy, no LoRA finder for a model without LoRA keys,
 # (validate without --deep reads metadata and file sizes) no blob reader or torch.save code, and
 # (the C reader reads the .metadata torch wrote, as tuples of Chunk) neither the checking
 # unpickler nor the readers of other layouts
-SMALL_NEVER = NEVER + ("ckpttool.options", "ckpttool.io", "numpy", "ckpttool.plan", "ckpttool.lora", "ckpttool.dcp.blobs", "ckpttool.torchsave", "ckpttool.spans",
-                       "ckpttool.numerics", "ckpttool.safepickle", "ckpttool.readers.dcp_records", "ckpttool.readers.dcp_hf",
+SMALL_NEVER = NEVER + ("ckpttool.options", "ckpttool.store.io", "numpy", "ckpttool.plan", "ckpttool.model.lora", "ckpttool.dcp.blobs", "ckpttool.torchsave", "ckpttool.store.spans",
+                       "ckpttool.core.numerics", "ckpttool.safepickle", "ckpttool.readers.dcp_records", "ckpttool.readers.dcp_hf",
                        "ckpttool.readers.hub_folder", "ckpttool.readers.safetensors", "ckpttool.formats.safetensors",
                        "ckpttool.formats.hub")
 # inspect reads metadata only: no integrity gate either, (no config.json, no float8 or MXFP4
 # tensor) no quantisation code, (a model no framework names: `naming.candidates` finds no
 # family's signature) neither the naming engine nor its tables, and (model_view normalises the
 # wrapper names itself) no key rules
-INSPECT_NEVER = SMALL_NEVER + ("ckpttool.integrity", "ckpttool.quantization", "ckpttool.naming.engine",
-                               "ckpttool.naming.torchtitan", "ckpttool.naming.megatron", "ckpttool.keys")
+INSPECT_NEVER = SMALL_NEVER + ("ckpttool.check.integrity", "ckpttool.model.quantization", "ckpttool.naming.engine",
+                               "ckpttool.naming.torchtitan", "ckpttool.naming.megatron", "ckpttool.model.keys")
 # validate of a checkpoint with no quantised weights and no config.json: no quantisation code,
 # and no key rules (only a ConvertOptions, which validate never builds, needs them)
-VALIDATE_NEVER = SMALL_NEVER + ("ckpttool.quantization", "ckpttool.keys")
+VALIDATE_NEVER = SMALL_NEVER + ("ckpttool.model.quantization", "ckpttool.model.keys")
 # printing text, not --json: no JSON encoder (nor decoder: no config.json is read)
 TEXT_NEVER = ("json",)
 RENDERERS = {f"ckpttool.render.{path.stem}" for path in (ROOT / "ckpttool" / "render").glob("*.py")} - {"ckpttool.render.__init__"}
@@ -125,8 +125,8 @@ def test_inspect_imports_neither_writers_plans_other_commands_nor_other_renderer
 @pytest.mark.parametrize("args", [("validate",), ("validate", "--json")], ids=["validate", "validate-json"])
 def test_validate_imports_neither_writers_plans_other_commands_nor_other_renderers(tmp_path, args):
     modules = imported(tmp_path, *args, str(EXAMPLE))
-    assert {"ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.integrity",
-            "ckpttool.integrity_small"} <= modules  # it ran, the small checkpoint's way
+    assert {"ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.check.integrity",
+            "ckpttool.check.integrity_small"} <= modules  # it ran, the small checkpoint's way
     assert forbidden(modules, VALIDATE_NEVER + (() if "--json" in args else TEXT_NEVER)) == set()
     assert {m for m in modules if m in RENDERERS} <= {"ckpttool.render.validate", "ckpttool.render.manifest",
                                                      "ckpttool.render.text"}
@@ -136,7 +136,7 @@ def test_help_imports_no_command_reader_or_renderer(tmp_path):
     modules = imported(tmp_path, "--help")
     assert "ckpttool.cli" in modules  # it ran
     assert forbidden(modules, ("ckpttool.commands", "ckpttool.readers", "ckpttool.render", "ckpttool.options",
-                               "ckpttool.source_options", "ckpttool.storage", "ckpttool.outputs", "ckpttool.io",
+                               "ckpttool.source_options", "ckpttool.store.storage", "ckpttool.outputs", "ckpttool.store.io",
                                "json")) == set()
 
 
@@ -153,14 +153,15 @@ def test_the_forbidden_lists_name_real_modules():
 def test_validate_deep_still_imports_the_blob_reader_and_numpy(tmp_path):
     """The small path is for the metadata checks only: --deep decodes blobs (and counts NaN/Inf with numpy)."""
     modules = imported(tmp_path, "validate", "--deep", str(EXAMPLE))
-    assert {"ckpttool.dcp.blobs", "ckpttool.numerics", "numpy"} <= modules
+    assert {"ckpttool.dcp.blobs", "ckpttool.core.numerics", "numpy"} <= modules
 
 
 @pytest.mark.parametrize("name", DAMAGE)
 def test_small_claims_give_the_numpy_paths_problems(tmp_path, monkeypatch, name):
     """`integrity_small` (pure Python, a checkpoint of tuples) against the numpy sort of the same
     claims (SMALL_CLAIMS 0), on damaged copies of a real checkpoint: the same problems, in order."""
-    from ckpttool import integrity, readers
+    from ckpttool import readers
+    from ckpttool.check import integrity
 
     path = copy_fixture(tmp_path)
     DAMAGE[name](path)
@@ -173,7 +174,7 @@ def test_small_claims_give_the_numpy_paths_problems(tmp_path, monkeypatch, name)
 
 
 def test_small_claims_order_ties_and_flag_sweeps_as_the_numpy_sort_does():
-    from ckpttool.integrity_small import adjacent, file_claims
+    from ckpttool.check.integrity_small import adjacent, file_claims
 
     claims = [(1, 0, 8, True), (0, 4, 8, False), (0, 4, 8, True), (0, 0, 4, True), (1, 8, 16, True), (0, 6, 9, True)]
     assert file_claims(claims) == [(1, [(0, 8, 0, True), (8, 16, 4, True)]),
@@ -213,7 +214,7 @@ def test_a_small_metadata_read_by_the_c_reader_is_the_checkpoint_the_loader_read
 
     from test_metadata_columns import _loader, _mutant, _outcome, _plain
 
-    from ckpttool.errors import CheckpointError
+    from ckpttool.core.errors import CheckpointError
     from ckpttool.readers import dcp
 
     def small(path, raw):
@@ -258,9 +259,9 @@ def test_a_small_metadata_read_by_the_c_reader_is_the_checkpoint_the_loader_read
 def test_validate_skips_the_quantisation_code_only_where_it_would_find_nothing():
     """`may_be_quantized` is False only where `quantization.find` (with the config beside the
     checkpoint) returns None: on every DCP fixture and on the quantised ones."""
-    from ckpttool import quantization
+    from ckpttool.model import quantization
     from ckpttool.commands.validate import may_be_quantized
-    from ckpttool.errors import CheckpointError
+    from ckpttool.core.errors import CheckpointError
     from ckpttool.readers import open_checkpoint
 
     skipped = kept = 0
@@ -281,8 +282,9 @@ def test_source_options_is_one_class_whichever_module_it_is_imported_from():
     """inspect and validate import `SourceOptions` from its own module; the writing commands and
     library callers from `options` beside the others: the same class, so equal options compare equal."""
     import ckpttool
-    from ckpttool import options, quantization, source_options
-    from ckpttool.readers.detect import config_beside
+    from ckpttool import options, source_options
+    from ckpttool.model import quantization
+    from ckpttool.formats.model_config import config_beside
 
     assert options.SourceOptions is source_options.SourceOptions is ckpttool.SourceOptions
     assert options.SourceOptions(model_prefix="app.model") == source_options.SourceOptions(model_prefix="app.model")
@@ -295,7 +297,7 @@ def test_inspect_of_a_quantised_checkpoint_still_imports_the_quantisation_code_a
     from ckpttool.commands.inspect import inspect
 
     path = FIXTURES / "quantized" / "deepseek_v3_fp8"
-    assert "ckpttool.quantization" in imported(tmp_path, "inspect", str(path))
+    assert "ckpttool.model.quantization" in imported(tmp_path, "inspect", str(path))
     assert inspect(path).quantization is not None
 
 
@@ -316,8 +318,8 @@ def test_the_signatures_inspect_reads_are_the_tables_and_find_the_same_families(
     signature, and `naming.candidates` is empty exactly where `find_family` finds no family, on
     the model keys of every fixture and on each family's own signature filled in."""
     from ckpttool import naming
-    from ckpttool.errors import CheckpointError
-    from ckpttool.model_view import find_model
+    from ckpttool.core.errors import CheckpointError
+    from ckpttool.model.model_view import find_model
     from ckpttool.naming import engine
     from ckpttool.readers import open_checkpoint
 

@@ -12,6 +12,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "ckpttool"
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 100
+# the floors of the house, lowest first: a room (a package, or a module loose in ckpttool/)
+# imports only rooms below its own (docs/code-layout.md draws the same map)
+FLOORS = ("core", "store", "safepickle", "torchsave", "formats", "model", "outputs", "source_options", "options",
+          "dcp", "readers", "plan", "check", "naming", "run", "commands", "load", "render", "cli", "__main__", "")
+MAX_LOOSE_MODULES = 8  # beside the packages: the public API, the CLI and what every command is given
 
 
 def modules() -> dict[str, Path]:
@@ -94,8 +99,8 @@ def test_the_cycle_finder_finds_a_loop_through_a_function_local_import(tmp_path)
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from ckpttool import io\n")
-    assert imported("ckpttool.m", module, {"ckpttool": PACKAGE, "ckpttool.io": PACKAGE / "io.py"}) == {"ckpttool.io"}
+    module.write_text("def f():\n    from ckpttool.store import io\n")
+    assert imported("ckpttool.m", module, {"ckpttool": PACKAGE, "ckpttool.store.io": PACKAGE / "store" / "io.py"}) == {"ckpttool.store.io"}
 
 
 def test_no_module_over_800_lines_and_no_function_over_100():
@@ -110,3 +115,33 @@ def test_no_module_over_800_lines_and_no_function_over_100():
                 if length > MAX_FUNCTION_LINES:
                     offenders.append(f"{name}.{node.name} (line {node.lineno}): {length} lines")
     assert offenders == []
+
+
+def room(name: str) -> str:
+    """Return the floor a module lives on: its package under ckpttool, or its own name when it is
+    loose there ("" for ckpttool/__init__.py, the public API)."""
+    return name.split(".")[1] if "." in name else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Return `a -> b` for every import of a room on the same floor or above."""
+    return sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                  if room(name) != room(target) and FLOORS.index(room(target)) >= FLOORS.index(room(name)))
+
+
+def test_every_room_has_a_floor_and_no_package_imports_upward():
+    known = modules()
+    assert sorted({room(name) for name in known} - set(FLOORS)) == []
+    graph = {name: imported(name, path, known) for name, path in known.items()}
+    assert upward_imports(graph) == []
+
+
+def test_the_floor_check_finds_an_import_of_a_higher_package():
+    graph = {"ckpttool.core.errors": {"ckpttool.store.io"}, "ckpttool.store.io": {"ckpttool.core.errors"},
+             "ckpttool.commands.x": {"ckpttool.commands.y", "ckpttool.load"}}
+    assert upward_imports(graph) == ["ckpttool.commands.x -> ckpttool.load", "ckpttool.core.errors -> ckpttool.store.io"]
+
+
+def test_at_most_eight_modules_loose_beside_the_packages():
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE_MODULES, loose

@@ -193,7 +193,7 @@ def test_a_missing_rank_file_is_named(cli, tmp_path):
 
 
 def test_a_non_contiguous_local_shard_is_refused_naming_file_and_tensor(tmp_path):
-    from ckpttool.errors import UnsupportedFormat
+    from ckpttool.core.errors import UnsupportedFormat
     from ckpttool.readers import open_checkpoint
 
     checkpoint = tmp_path / "actor"
@@ -218,7 +218,7 @@ def test_a_non_contiguous_local_shard_is_refused_naming_file_and_tensor(tmp_path
 
 def test_tied_weights_share_one_storage_and_validate(tmp_path):
     """A DTensor saved under two names (tie_word_embeddings) points both at the same bytes."""
-    from ckpttool import integrity
+    from ckpttool.check import integrity
     from ckpttool.readers import open_checkpoint
 
     checkpoint = tmp_path / "actor"

@@ -8,7 +8,8 @@ import os
 
 from conftest import FIXTURES
 
-from ckpttool import execute, io
+from ckpttool.run import execute
+from ckpttool.store import io
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.commands.reshard import reshard
 

@@ -26,11 +26,11 @@ import torch
 from conftest import FIXTURES, ROOT, assert_same_bytes, flatten, tensor_bytes
 
 import ckpttool.commands.reshard as reshard_command
-from ckpttool import dtypes
+from ckpttool.core import dtypes
 from ckpttool.commands.reshard import reshard
 from ckpttool.commands.validate import validate
 from ckpttool.dcp import writer
-from ckpttool.checkpoint import Blob
+from ckpttool.core.checkpoint import Blob
 from ckpttool.dcp.blobs import DataFiles, read_tensor_record, record_problems
 from ckpttool.dcp.writer import StoredChunk, StoredChunks, StoredObject, StoredTensor, metadata_bytes
 from ckpttool.readers.dcp import read_checkpoint

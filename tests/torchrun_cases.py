@@ -77,7 +77,7 @@ def _wait_for(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    from ckpttool import distributed
+    from ckpttool.run import distributed
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     world = distributed.environment()

@@ -19,20 +19,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Mapping, cast
 
-from ckpttool import distributed, execute, integrity, io, locating, naming, quantization, readers
-from ckpttool.checkpoint import Blob, Checkpoint, Tensor, as_path
+from ckpttool import naming, readers
+from ckpttool.check import integrity
+from ckpttool.model import quantization
+from ckpttool.run import distributed, execute, locating
+from ckpttool.store import io
+from ckpttool.core.checkpoint import Blob, Checkpoint, Tensor, as_path
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, object_bytes, read_chunk
-from ckpttool.distributed import ProcessStats
-from ckpttool.errors import CorruptMetadata, UsageError, WriteFailed
+from ckpttool.run.distributed import ProcessStats
+from ckpttool.core.errors import CorruptMetadata, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
-from ckpttool.integrity import Problem
-from ckpttool.io import parse_size, write_at
-from ckpttool.keys import KeyRules
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.check.integrity import Problem
+from ckpttool.store.io import parse_size, write_at
+from ckpttool.model.keys import KeyRules
+from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.outputs import atomic_directory, atomic_output, check_destination, refuse_overlap
 from ckpttool.naming import Family, megatron_config
-from ckpttool.quantization import Quantization, QuantizedWeight
+from ckpttool.model.quantization import Quantization, QuantizedWeight
 from ckpttool.plan.consolidate import (ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, quantizable,
                                        select)
 from ckpttool.readers.detect import LIGHTNING, LIGHTNING_METADATA
@@ -174,7 +178,7 @@ def consolidate(
         check_destination(target, write.force, write.notify)
     merge = None
     if merge_adapter is not None:  # LoRA's modules are imported by the commands that merge only
-        from ckpttool.adapter import AdapterMerge, check_merge_target
+        from ckpttool.run.adapter import AdapterMerge, check_merge_target
 
         merge = AdapterMerge(merge_adapter, None, source.follow_symlinks, write.verify)
         check_merge_target(target)

@@ -28,19 +28,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ckpttool import dtypes, integrity, numerics
-from ckpttool.checkpoint import Checkpoint, Chunk, Object, Tensor
+from ckpttool.check import integrity
+from ckpttool.core import dtypes, numerics
+from ckpttool.core.checkpoint import Checkpoint, Chunk, Object, Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, decode_object, locate, object_bytes, read_chunk
-from ckpttool.errors import KeyCollision, UsageError
-from ckpttool.integrity import Problem
-from ckpttool.io import ProgressFactory, no_progress
-from ckpttool.keys import Rename, normalise
-from ckpttool.geometry import Box, overlapping_boxes, row_major_runs, slabs, volume
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.core.errors import KeyCollision, UsageError
+from ckpttool.check.integrity import Problem
+from ckpttool.store.io import ProgressFactory, no_progress
+from ckpttool.model.keys import Rename, normalise
+from ckpttool.core.geometry import Box, overlapping_boxes, row_major_runs, slabs, volume
+from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions
 from ckpttool.readers import open_checkpoint
-from ckpttool.safepaths import read_json_object
-from ckpttool.storage import RemotePath
+from ckpttool.store.safepaths import read_json_object
+from ckpttool.store.storage import RemotePath
 from ckpttool.torchsave.archive import tensor_bytes
 
 GROUPS = ("model", "optimizer", "other")  # as `inspect` groups entries

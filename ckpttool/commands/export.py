@@ -32,21 +32,23 @@ from typing import Any, Mapping, cast
 
 from dataclasses import replace
 
-from ckpttool import __version__, naming, quantization, storage
-from ckpttool.checkpoint import Checkpoint, as_path
+from ckpttool import __version__, naming
+from ckpttool.model import quantization
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import Checkpoint, as_path
 from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
                                            plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import InvalidCheckpoint, UsageError, WriteFailed
-from ckpttool.execute import write_file
-from ckpttool.expected_keys import transformers_expected
+from ckpttool.core.errors import InvalidCheckpoint, UsageError, WriteFailed
+from ckpttool.run.execute import write_file
+from ckpttool.check.expected_keys import transformers_expected
 from ckpttool.naming import megatron_config
-from ckpttool.safepaths import read_json_object
+from ckpttool.store.safepaths import read_json_object
 from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
 from ckpttool.formats.safetensors import SUFFIX
-from ckpttool.io import parse_size
-from ckpttool.manifest import FILENAME as MANIFEST_FILENAME
+from ckpttool.store.io import parse_size
+from ckpttool.check.manifest import FILENAME as MANIFEST_FILENAME
 from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.plan.consolidate import ConsolidatePlan
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
@@ -142,7 +144,7 @@ def export(
     refuse_overlap(target, src)
     merge = None
     if merge_adapter is not None:  # LoRA's modules are imported by the commands that merge only
-        from ckpttool.adapter import AdapterMerge, check_merge_target
+        from ckpttool.run.adapter import AdapterMerge, check_merge_target
 
         merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks, write.verify)
         check_merge_target(target)

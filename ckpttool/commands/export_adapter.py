@@ -23,14 +23,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ckpttool import execute, locating
-from ckpttool.adapter import adapter_config, find_adapter
-from ckpttool.checkpoint import as_path
+from ckpttool.run import execute, locating
+from ckpttool.run.adapter import adapter_config, find_adapter
+from ckpttool.core.checkpoint import as_path
 from ckpttool.commands.consolidate import Planned, write_output
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import UsageError, WriteFailed
+from ckpttool.core.errors import UsageError, WriteFailed
 from ckpttool.formats import peft
-from ckpttool.keys import KeyRules
+from ckpttool.model.keys import KeyRules
 from ckpttool.options import AdapterOptions, SourceOptions, WriteOptions
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.plan.consolidate import OutputFormat, Selection, plan_consolidate

@@ -25,13 +25,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ckpttool import integrity, locating, readers
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.run import locating
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms
 from ckpttool.commands.reshard import ReshardReport, write_dcp
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import UsageError
+from ckpttool.core.errors import UsageError
 from ckpttool.options import SourceOptions, WriteOptions
-from ckpttool.model_view import find_model
+from ckpttool.model.model_view import find_model
 from ckpttool.outputs import check_destination, refuse_overlap
 from ckpttool.plan.reshard import parse_mesh, plan_reshard
 from ckpttool.readers.detect import DCP_HF, HUB_FOLDER, SAFETENSORS, TORCH_PT

@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
 
 from ckpttool import readers
-from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
-from ckpttool.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
-from ckpttool.errors import InvalidCheckpoint
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.core.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
+from ckpttool.core.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
+from ckpttool.core.errors import InvalidCheckpoint
+from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
 from ckpttool.formats.fp8 import FLOAT8
 from ckpttool.formats.mxfp4 import BLOCKS
-from ckpttool.readers.detect import config_beside
-from ckpttool.safepaths import is_safe_relative_path
+from ckpttool.formats.model_config import config_beside
+from ckpttool.store.safepaths import is_safe_relative_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -393,7 +393,7 @@ def _quantization(checkpoint: Checkpoint, config: dict | None, model: set[str]) 
     """Return the model's quantised weights, counted (None when it has none)."""
     if config is None and not any(t.dtype in FLOAT8 or t.fqn.endswith(BLOCKS) for t in checkpoint.tensors.values()):
         return None  # the common case, checked cheaply (and without importing the quantisation code)
-    from ckpttool import quantization
+    from ckpttool.model import quantization
 
     found = quantization.find(checkpoint, config)
     if found is None:
@@ -408,7 +408,7 @@ def _adapters(checkpoint: Checkpoint, view: ModelView) -> tuple[tuple[AdapterInf
     """Return the model's LoRA adapters, or why its LoRA keys do not form any."""
     if view.prefix is None or not any("lora_" in key or ".modules_to_save." in key for key in view.keys):
         return (), None  # the common case, checked cheaply: a million-tensor model pays one scan of its names
-    from ckpttool.lora import find_lora, model_shapes  # only for a model with LoRA keys
+    from ckpttool.model.lora import find_lora, model_shapes  # only for a model with LoRA keys
 
     try:
         layout = find_lora(model_shapes(checkpoint, view)[0])

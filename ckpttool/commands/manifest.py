@@ -22,17 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from ckpttool import integrity, locating, readers, storage
-from ckpttool.checkpoint import as_path
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.run import locating
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import as_path
 from ckpttool.commands.consolidate import EMBEDDING_KEY, HEAD_KEY
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CheckpointError, UsageError
-from ckpttool.integrity import ERROR, Problem
-from ckpttool.io import Task, run_tasks
-from ckpttool.keys import KeyRules
-from ckpttool.manifest import (MAX_MANIFEST_BYTES, Difference, FileEntry, Manifest, TiedKey, compare, hash_file, hash_tensors,
+from ckpttool.core.errors import CheckpointError, UsageError
+from ckpttool.check.integrity import ERROR, Problem
+from ckpttool.store.io import Task, run_tasks
+from ckpttool.model.keys import KeyRules
+from ckpttool.check.manifest import (MAX_MANIFEST_BYTES, Difference, FileEntry, Manifest, TiedKey, compare, hash_file, hash_tensors,
                                parse, plan_tensor)
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.outputs import atomic_output, check_destination, refuse_overlap
 from ckpttool.plan.consolidate import OutputFormat, select

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, TypedDict
 
-from ckpttool import integrity, readers
-from ckpttool.errors import HubError, UsageError
-from ckpttool.io import ProgressFactory, no_progress
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.core.errors import HubError, UsageError
+from ckpttool.store.io import ProgressFactory, no_progress
 from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.outputs.temps import TEMP_PREFIX
 from ckpttool.readers.detect import HUB_FOLDER, detect

@@ -27,16 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence, cast
 
-from ckpttool import distributed, execute, integrity, io, locating, readers
-from ckpttool.checkpoint import Checkpoint, as_path
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.run import distributed, execute, locating
+from ckpttool.store import io
+from ckpttool.core.checkpoint import Checkpoint, as_path
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.dcp.writer import metadata_bytes
-from ckpttool.distributed import ProcessStats
-from ckpttool.errors import CheckpointError, VerificationFailed, WriteFailed
-from ckpttool.integrity import Problem
+from ckpttool.run.distributed import ProcessStats
+from ckpttool.core.errors import CheckpointError, VerificationFailed, WriteFailed
+from ckpttool.check.integrity import Problem
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.plan.operations import Record
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.plan.rank_files import ReshardWrites, plan_writes
 from ckpttool.plan.reshard import Mesh, ReshardPlan, parse_mesh, plan_reshard

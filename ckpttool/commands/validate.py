@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool import dtypes, integrity, readers
-from ckpttool.checkpoint import Blob, Checkpoint, as_path
-from ckpttool.errors import CheckpointError, NotACheckpoint
-from ckpttool.integrity import ERROR, INFO, WARNING, Problem
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import Blob, Checkpoint, as_path
+from ckpttool.core.errors import CheckpointError, NotACheckpoint
+from ckpttool.check.integrity import ERROR, INFO, WARNING, Problem
 from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import METADATA_FILENAME
 
@@ -129,7 +131,7 @@ def _check_quantization(checkpoint: Checkpoint, report: ValidationReport) -> Non
     (a float8 tensor alone may be a plain float8 tensor)."""
     if not may_be_quantized(checkpoint):
         return  # the common case, checked without importing the quantisation code
-    from ckpttool import quantization
+    from ckpttool.model import quantization
 
     try:
         config = quantization.config_beside(checkpoint.path)
@@ -149,7 +151,7 @@ def may_be_quantized(checkpoint: Checkpoint) -> bool:
     local checkpoint (`quantization.config_beside`), no float8 tensor and no tensor named as a
     quantised weight's part (MXFP4's blocks and scales, FP8's block scale)."""
     from ckpttool.formats import fp8, mxfp4
-    from ckpttool.readers.detect import HUB_CONFIG
+    from ckpttool.formats.model_config import HUB_CONFIG
 
     if isinstance(checkpoint.path, Path) and os.path.isfile(checkpoint.path / HUB_CONFIG):
         return True
@@ -182,7 +184,7 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
     Needs no torch for torch_save and safetensors blobs of plain objects and tensors; torch
     is imported only to decode what must be decoded (zstd, strided records, torch objects).
     """
-    from ckpttool import numerics  # numpy: only --deep pays for its import
+    from ckpttool.core import numerics  # numpy: only --deep pays for its import
     from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, locate, read_chunk  # and the blob reader
 
     broken_files = {p.file for p in report.errors if p.file}

@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, MutableMapping, Protocol, Sequence, cast
 
-from ckpttool import dtypes, spans, storage
-from ckpttool.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, as_path, is_raw_range
-from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
+from ckpttool.core import dtypes
+from ckpttool.store import spans, storage
+from ckpttool.core.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, as_path, is_raw_range
+from ckpttool.core.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
 from ckpttool.formats import safetensors
-from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
+from ckpttool.store.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.safepickle import PickleRefused
 from ckpttool.torchsave.archive import tensor_bytes
 from ckpttool.torchsave.record import (ParsedRecords, TensorRecord, find_record_problems, parse_tensor_record,

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
 
-from ckpttool.checkpoint import paused_gc
+from ckpttool.core.checkpoint import paused_gc
 from ckpttool.formats.dcp import DATA_FILE_SUFFIX
-from ckpttool.geometry import positions_in_groups
+from ckpttool.core.geometry import positions_in_groups
 from ckpttool.torchsave import native
 from ckpttool.torchsave.pickle import Fragment, Global, LazyDict, LazyList, NewObject, Reduce, Writer, dumps, int_bytes
 

@@ -27,7 +27,7 @@ import json
 import math
 from typing import Any, Iterable, Mapping
 
-from ckpttool.errors import CorruptBlob
+from ckpttool.core.errors import CorruptBlob
 
 STATE_SUFFIXES = (".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")  # QuantState.valid_qs_type_keys
 SIBLINGS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")

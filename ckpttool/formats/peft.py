@@ -25,8 +25,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ckpttool.errors import InvalidCheckpoint, UsageError
-from ckpttool.safepaths import MAX_JSON_BYTES, read_json_object
+from ckpttool.core.errors import InvalidCheckpoint, UsageError
+from ckpttool.store.safepaths import MAX_JSON_BYTES, read_json_object
 
 WEIGHTS_NAME = "adapter_model.safetensors"  # peft.utils.constants.SAFETENSORS_WEIGHTS_NAME
 CONFIG_NAME = "adapter_config.json"  # peft.utils.constants.CONFIG_NAME

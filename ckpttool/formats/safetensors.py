@@ -24,8 +24,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from ckpttool import dtypes
-from ckpttool.errors import UsageError
+from ckpttool.core import dtypes
+from ckpttool.core.errors import UsageError
 
 SUFFIX = ".safetensors"
 METADATA = {"format": "pt"}  # what transformers and huggingface_hub write and check for

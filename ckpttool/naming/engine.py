@@ -41,9 +41,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
-from ckpttool.errors import InvalidCheckpoint, UsageError
-from ckpttool.geometry import Box, intersect, row_major_runs, slab_rows
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
+from ckpttool.core.errors import InvalidCheckpoint, UsageError
+from ckpttool.core.geometry import Box, intersect, row_major_runs, slab_rows
 from ckpttool.naming import pattern_regex as _regex, signature_matches
 
 RENAME, PERMUTE_Q, PERMUTE_K, EXPERTS = "rename", "permute-q", "permute-k", "experts"

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ckpttool.errors import UsageError
+from ckpttool.core.errors import UsageError
 
 
 @dataclass(frozen=True)

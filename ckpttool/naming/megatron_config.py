@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, overload
 
-from ckpttool import storage
+from ckpttool.store import storage
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptBlob, CorruptMetadata, UnsupportedFormat
+from ckpttool.core.errors import CorruptBlob, CorruptMetadata, UnsupportedFormat
 from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, detect
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED
 from ckpttool.torchsave.stored import DTypeName, StateDictUnpickler, load_data_pkl

@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ckpttool import storage
-from ckpttool.errors import UsageError
+from ckpttool.store import storage
+from ckpttool.core.errors import UsageError
 from ckpttool.outputs.notices import Notify, ignore
 
 if TYPE_CHECKING:

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from ckpttool import testpoints
-from ckpttool.errors import OutputExists
-from ckpttool.io import Output
+from ckpttool.core import testpoints
+from ckpttool.core.errors import OutputExists
+from ckpttool.store.io import Output
 from ckpttool.outputs.notices import Notify, Replaced, ignore
 from ckpttool.outputs.replacing import replacement
 from ckpttool.outputs.signals import deferred

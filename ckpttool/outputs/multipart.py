@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ckpttool import testpoints
-from ckpttool.storage import request_errors
+from ckpttool.core import testpoints
+from ckpttool.store.storage import request_errors
 
 PART = 8 << 20  # smallest multipart part we send (S3 needs >= 5 MiB for all parts but the last)
 MAX_PARTS = 9000  # of S3's 10,000: parts grow with the output to stay below

@@ -41,15 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ckpttool import testpoints
-from ckpttool.errors import OutputExists, StorageError
+from ckpttool.core import testpoints
+from ckpttool.core.errors import OutputExists, StorageError
 from ckpttool.outputs.notices import Notify, Replaced, ignore
 from ckpttool.outputs.replacing import is_ours, replacement
 from ckpttool.outputs.local import OutputDirectory
 from ckpttool.outputs.multipart import MultipartSink, put
 from ckpttool.outputs.signals import deferred
 from ckpttool.outputs.temps import WRITING_PREFIX, StaleTemp, dead_entries, new_token, temp_name
-from ckpttool.storage import RemotePath, request_errors
+from ckpttool.store.storage import RemotePath, request_errors
 
 SETTLE_SECONDS = 10  # a request still running when a run fails is waited for this long, then cancelled
 LAST_KEYS = (".metadata", ".index.json")  # copied last: a reader sees the checkpoint only when all else is there

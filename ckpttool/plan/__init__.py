@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ckpttool.checkpoint import ChunkTable, Tensor
+from ckpttool.core.checkpoint import ChunkTable, Tensor
 
 
 def unique_chunks(tensor: Tensor) -> list[int]:

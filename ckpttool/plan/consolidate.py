@@ -18,18 +18,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ckpttool import dtypes
-from ckpttool.checkpoint import Checkpoint, ChunkTable, Tensor
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import Checkpoint, ChunkTable, Tensor
 from ckpttool.dcp.blobs import RawData
-from ckpttool.errors import KeyCollision, UsageError
+from ckpttool.core.errors import KeyCollision, UsageError
 from ckpttool.formats import fp8, hub, safetensors
-from ckpttool.keys import KeyRules, match_dtype, normalise, output_keys
-from ckpttool.geometry import row_major_runs, slab_rows, slab_runs
-from ckpttool.model_view import ModelView
+from ckpttool.model.keys import KeyRules, match_dtype, normalise, output_keys
+from ckpttool.core.geometry import row_major_runs, slab_rows, slab_runs
+from ckpttool.model.model_view import ModelView
 from ckpttool.plan import unique_chunks
 from ckpttool.plan.operations import (CONVERT_BLOCK, DEQUANTIZE_ELEMENTS, Convert, Copy, Dequantize, Gather, Operation,
                                       Quantize, Rows)
-from ckpttool.quantization import QuantizedWeight
+from ckpttool.model.quantization import QuantizedWeight
 from ckpttool.torchsave import ptfile
 
 

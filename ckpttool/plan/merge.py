@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ckpttool.checkpoint import Tensor
-from ckpttool.errors import UnsupportedFormat, UsageError
+from ckpttool.core.checkpoint import Tensor
+from ckpttool.core.errors import UnsupportedFormat, UsageError
 from ckpttool.formats import peft
-from ckpttool.lora import Adapter
+from ckpttool.model.lora import Adapter
 from ckpttool.plan.consolidate import ConsolidatePlan, OutputTensor
 
 FLOATING = ("float32", "float16", "bfloat16", "float64")  # what LoRA merges into; 4/8-bit bases are refused

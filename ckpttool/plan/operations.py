@@ -28,8 +28,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ckpttool import dtypes
-from ckpttool.checkpoint import Tensor
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import Tensor
 from ckpttool.dcp.blobs import RawData
 from ckpttool.torchsave.record import record_layout
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ckpttool.checkpoint import Checkpoint, Tensor, paused_gc
+from ckpttool.core.checkpoint import Checkpoint, Tensor, paused_gc
 from ckpttool.dcp.blobs import RawData, RawDataRows
 from ckpttool.dcp.writer import StoredChunks, StoredObject, StoredTensor, data_file_name
 from ckpttool.plan.operations import Copy, Gather, Operation, Put, Record, Records

@@ -39,12 +39,12 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ckpttool.checkpoint import Blob, Checkpoint, ChunkTable, Tensor, paused_gc
+from ckpttool.core.checkpoint import Blob, Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.writer import data_file_name
-from ckpttool.errors import CorruptMetadata, UnsupportedFormat, UsageError
-from ckpttool.geometry import (COLUMN_LIMIT, Box, dim0_slabs, overlapping_boxes, positions_in_groups, row_major_runs,
+from ckpttool.core.errors import CorruptMetadata, UnsupportedFormat, UsageError
+from ckpttool.core.geometry import (COLUMN_LIMIT, Box, dim0_slabs, overlapping_boxes, positions_in_groups, row_major_runs,
                                torch_chunk, volume)
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.model.model_view import ModelView, find_model
 
 
 @dataclass(frozen=True)

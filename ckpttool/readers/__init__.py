@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ckpttool import storage
-from ckpttool.checkpoint import Blob, Checkpoint, Object, Tensor, as_path
-from ckpttool.errors import CorruptMetadata, UnsupportedFormat
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import Blob, Checkpoint, Object, Tensor, as_path
+from ckpttool.core.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,

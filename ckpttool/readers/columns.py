@@ -18,7 +18,7 @@ import operator
 from pathlib import Path
 from typing import Any, Iterable
 
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, refuse_bad_names
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, refuse_bad_names
 
 _first = operator.itemgetter(0)
 _new_chunk = functools.partial(tuple.__new__, Chunk)

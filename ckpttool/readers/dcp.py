@@ -24,12 +24,13 @@ import stat
 from pathlib import Path
 from typing import Any, cast
 
-from ckpttool import dtypes, storage
+from ckpttool.core import dtypes
+from ckpttool.store import storage
 from ckpttool.readers import columns
-from ckpttool.checkpoint import Checkpoint, as_path, paused_gc
+from ckpttool.core.checkpoint import Checkpoint, as_path, paused_gc
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
-from ckpttool.safepaths import file_kind
-from ckpttool.errors import CorruptMetadata, NotACheckpoint, clip
+from ckpttool.store.safepaths import file_kind
+from ckpttool.core.errors import CorruptMetadata, NotACheckpoint, clip
 
 # a 100k-chunk checkpoint's metadata is ~14 MB; 2 GiB is ~15M chunks
 MAX_METADATA_BYTES = 2 << 30

@@ -24,10 +24,10 @@ import os
 import re
 from pathlib import Path
 
-from ckpttool import storage
-from ckpttool.checkpoint import as_path
-from ckpttool.safepaths import containment_root
-from ckpttool.errors import CorruptMetadata, NotACheckpoint
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import as_path
+from ckpttool.store.safepaths import containment_root
+from ckpttool.core.errors import CorruptMetadata, NotACheckpoint
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.readers.safetensors import Header, build_checkpoint, read_header, read_index
 

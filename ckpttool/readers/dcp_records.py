@@ -11,9 +11,9 @@ import operator
 from pathlib import Path
 from typing import Any
 
-from ckpttool import dtypes
-from ckpttool.checkpoint import OUR_TRANSFORMS, Blob, Checkpoint, Chunk, Object, Tensor, refuse_bad_names
-from ckpttool.errors import CorruptMetadata, clip
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import OUR_TRANSFORMS, Blob, Checkpoint, Chunk, Object, Tensor, refuse_bad_names
+from ckpttool.core.errors import CorruptMetadata, clip
 from ckpttool.readers.columns import latest, match_storage
 from ckpttool.safepickle.allowlist import _CHUNK, _METADATA_INDEX, _STORAGE_INFO
 from ckpttool.safepickle.nodes import _ChunkBox, _IndexKey, _InfoBox, _Light, _TensorBox

@@ -54,11 +54,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms, refuse_bad_names
+from ckpttool.core import dtypes
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
-from ckpttool.geometry import flat_boxes
+from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
+from ckpttool.core.geometry import flat_boxes
 from ckpttool.readers.detect import DEEPSPEED_MODEL_PATTERN, DEEPSPEED_OPTIM_PATTERN, DEEPSPEED_UNIVERSAL_DIR as UNIVERSAL_DIR
 from ckpttool.torchsave.archive import saved_value
 from ckpttool.torchsave.pickle import dumps

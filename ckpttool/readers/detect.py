@@ -38,13 +38,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ckpttool import storage
-from ckpttool.checkpoint import Checkpoint, as_path
-from ckpttool.errors import CheckpointError, NotACheckpoint
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import Checkpoint, as_path
+from ckpttool.core.errors import CheckpointError, NotACheckpoint
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
-from ckpttool.safepaths import read_json_object
+from ckpttool.formats.model_config import HUB_CONFIG
 
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
@@ -72,7 +71,6 @@ VERL_MODEL_PATTERN = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_SUBDIRS = ("", "actor")
 TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's single-file checkpoints
 HUB_TORCH_FILE = "pytorch_model.bin"  # transformers WEIGHTS_NAME
-HUB_CONFIG = "config.json"  # transformers CONFIG_NAME: a model folder's config beside its weights
 
 RUN_ENTRY_PATTERN = re.compile(r"^(step-|step|iter_|global_step_|global_step|checkpoint-|checkpoint_|ep\d+-ba)(\d+)$")
 LATEST_POINTER = "latest"  # train_minimal, DeepSpeed, many trainers: a link or a small text file
@@ -205,15 +203,6 @@ def _directory_layout(path: Path) -> tuple[str | None, Checkpoint | None]:
     if (path / HUB_TORCH_FILE).is_file():
         return TORCH_PT, None
     return None, None
-
-
-def config_beside(path: Path | Any) -> dict[str, Any] | None:
-    """Return `config.json` beside a local checkpoint (a Hub folder's own: what names its
-    quantisation, `quantization.find`), or None."""
-    if not isinstance(path, Path):
-        return None  # object storage: the config comes with --assets
-    candidate = path / HUB_CONFIG
-    return read_json_object(candidate) if os.path.isfile(candidate) else None
 
 
 def is_torchtitan(fqns) -> bool:

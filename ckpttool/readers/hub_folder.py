@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckpttool import storage
-from ckpttool.checkpoint import as_path
-from ckpttool.safepaths import containment_root
-from ckpttool.errors import NotACheckpoint
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import as_path
+from ckpttool.store.safepaths import containment_root
+from ckpttool.core.errors import NotACheckpoint
 from ckpttool.formats.hub import INDEX_SUFFIX
 from ckpttool.formats.safetensors import SUFFIX
 from ckpttool.readers.safetensors import build_checkpoint, read_header, read_index

@@ -38,10 +38,10 @@ import dataclasses
 import math
 import re
 
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
 from ckpttool.dcp.blobs import DataFiles, read_tensor_record
-from ckpttool.errors import CheckpointError, CorruptMetadata
-from ckpttool.model_view import OPTIMIZER_KEYS, TRAINING_STATE_KEYS
+from ckpttool.core.errors import CheckpointError, CorruptMetadata
+from ckpttool.model.model_view import OPTIMIZER_KEYS, TRAINING_STATE_KEYS
 
 LAYERS = "layers"  # TransformerBlock: f'{prefix}layers.'
 MODEL_SUBTREE = "model"  # Megatron-LM's generate_state_dict: state_dict['model']

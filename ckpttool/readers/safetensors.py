@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, cast
 
-from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, refuse_bad_names
-from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
-from ckpttool.errors import CorruptMetadata, MissingFile
+from ckpttool.core import dtypes
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, refuse_bad_names
+from ckpttool.store.safepaths import check_data_file, containment_root, safe_relative_path
+from ckpttool.core.errors import CorruptMetadata, MissingFile
 from ckpttool.formats.safetensors import MAX_HEADER_BYTES, METADATA_KEY, SUFFIX, HeaderError, read_header as read_raw_header
 
 MAX_INDEX_BYTES = 64 << 20  # a `*.index.json` weight map; 100k tensors take ~10 MB

@@ -33,10 +33,11 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from ckpttool import dtypes, storage
-from ckpttool.checkpoint import Checkpoint, Chunk, Tensor, as_path, refuse_bad_names
+from ckpttool.core import dtypes
+from ckpttool.store import storage
+from ckpttool.core.checkpoint import Checkpoint, Chunk, Tensor, as_path, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptMetadata, NotACheckpoint, UnsupportedFormat
+from ckpttool.core.errors import CorruptMetadata, NotACheckpoint, UnsupportedFormat
 from ckpttool.readers.detect import HUB_TORCH_FILE
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
 from ckpttool.torchsave.stored import StateDictUnpickler, device, file_entries, ints, load_data_pkl, raw_blob, stored_dtype

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool import dtypes
-from ckpttool.checkpoint import Checkpoint, Chunk, Tensor, refuse_bad_names
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import Checkpoint, Chunk, Tensor, refuse_bad_names
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
-from ckpttool.geometry import split_dim0
+from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
+from ckpttool.core.geometry import split_dim0
 from ckpttool.readers.detect import VERL_MODEL_PATTERN, VERL_SUBDIRS, verl_files
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
 from ckpttool.torchsave.stored import (DTypeName, StateDictUnpickler, closing_build_as_pop, device, ints, load_data_pkl,

@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpttool.commands.inspect import GROUPS
 from ckpttool.outputs import atomic_output
-from ckpttool.shard_map import ShardMap
+from ckpttool.render.shard_map import ShardMap
 
 SCHEMA = "ckpttool.shard-map/1"  # the embedded document; its rows are described in `document`
 # the page may run only its own inline script and style: no network, no plugins, no frames

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.checkpoint import paused_gc
+from ckpttool.core.checkpoint import paused_gc
 from ckpttool.commands.inspect import GROUPS, ChunkInfos, InspectReport, QuantizationInfo, TensorInfo
 from ckpttool.render.chunk_tables import ChunkRows, chunk_table
 from ckpttool.render.lora import adapter_lines, adapters_document

@@ -15,7 +15,7 @@ import sys
 from typing import TYPE_CHECKING, AbstractSet, Any, Iterable, TextIO
 
 if TYPE_CHECKING:
-    from ckpttool.integrity import Problem
+    from ckpttool.check.integrity import Problem
 
 
 # Never sent raw to a terminal: C0 and C1 controls (ESC starts ANSI sequences; CR and BS

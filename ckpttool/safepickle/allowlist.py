@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool import dtypes
-from ckpttool.errors import UnsafeMetadata
+from ckpttool.core import dtypes
+from ckpttool.core.errors import UnsafeMetadata
 from ckpttool.safepickle.standins import (_DType, _Shape, _enum_member, _layout, _memory_format_encoding, _path,
                                           _record_class, _windows_path, _write_item_type)
 

@@ -7,8 +7,8 @@ import pickle
 import struct
 from typing import Any, Callable, cast
 
-from ckpttool.checkpoint import paused_gc
-from ckpttool.errors import clip
+from ckpttool.core.checkpoint import paused_gc
+from ckpttool.core.errors import clip
 from ckpttool.safepickle.calls import _SAMPLE, _identity_hashed, _known_call, _plain_new
 from ckpttool.safepickle.nodes import (_DICT, _EMPTY_TUPLE, _FROZENSET, _GLOBAL, _LIGHT_TYPES, _LIST, _OBJECT, _RESULT,
                                        _SALTED_KEYS, _SET, _SHORT_TUPLE, _TUPLE, _UNKEPT, PickleRefused, _describe,

@@ -7,7 +7,7 @@ import functools
 import re
 from typing import Any
 
-from ckpttool.checkpoint import Blob
+from ckpttool.core.checkpoint import Blob
 from ckpttool.safepickle.allowlist import _CHUNK, _METADATA_INDEX, _STORAGE_INFO, _TENSOR_PROPERTIES, _TENSOR_STORAGE
 from ckpttool.safepickle.nodes import (_GLOBAL, _SHORT_TUPLE, _TUPLE, _UNKEPT, _UNKEPTS, PickleRefused, _ChunkBox, _IndexKey,
                                        _InfoBox, _new_tuple, _Node, _TensorBox)

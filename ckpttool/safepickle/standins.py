@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ckpttool.errors import UnsafeMetadata
+from ckpttool.core.errors import UnsafeMetadata
 
 
 class _Record:

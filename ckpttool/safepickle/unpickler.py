@@ -9,7 +9,7 @@ import io
 import pickle
 from typing import Any
 
-from ckpttool.errors import CorruptMetadata, UnsafeMetadata, clip
+from ckpttool.core.errors import CorruptMetadata, UnsafeMetadata, clip
 from ckpttool.safepickle.allowlist import _ALLOWED, _find_allowed
 from ckpttool.safepickle.loader import _Loader, scan_pickle
 from ckpttool.safepickle.nodes import PickleRefused, _Fallback

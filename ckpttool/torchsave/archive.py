@@ -22,8 +22,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ckpttool import dtypes
-from ckpttool.errors import UnsupportedFormat
+from ckpttool.core import dtypes
+from ckpttool.core.errors import UnsupportedFormat
 from ckpttool.torchsave.pickle import Global, PersistentId, Reduce
 from ckpttool.torchsave.zip import ALIGNMENT, Placed, descriptor, directory, directory_length, place
 

@@ -28,8 +28,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpttool import dtypes
-from ckpttool.errors import CheckpointError, CorruptBlob, CorruptMetadata
+from ckpttool.core import dtypes
+from ckpttool.core.errors import CheckpointError, CorruptBlob, CorruptMetadata
 from ckpttool.safepickle import RestrictedUnpickler
 from ckpttool.torchsave import archive, native
 from ckpttool.torchsave.pickle import dumps

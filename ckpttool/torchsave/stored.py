@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pickle import BUILD, POP, STOP
 from typing import Any, Callable
 
-from ckpttool import dtypes
-from ckpttool.checkpoint import Blob, raw_range_transforms
-from ckpttool.errors import CheckpointError, CorruptMetadata, UnsafeMetadata, UnsupportedFormat
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import Blob, raw_range_transforms
+from ckpttool.core.errors import CheckpointError, CorruptMetadata, UnsafeMetadata, UnsupportedFormat
 from ckpttool.safepickle import PickleRefused, RestrictedUnpickler
 from ckpttool.torchsave.archive import contiguous_strides
 from ckpttool.torchsave.record import _persistent_storage, _Rebuilt, _Storage

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ckpttool.errors import CorruptBlob, UnsupportedFormat
+from ckpttool.core.errors import CorruptBlob, UnsupportedFormat
 
 # APPNOTE.TXT (PKWARE's zip specification) record layouts, signature first
 LOCAL = struct.Struct("<IHHHHHIIIHH")  # local file header, 30 bytes

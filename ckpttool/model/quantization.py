@@ -25,11 +25,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ckpttool import dtypes
-from ckpttool.checkpoint import Checkpoint, Tensor
-from ckpttool.errors import InvalidCheckpoint
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import Checkpoint, Tensor
+from ckpttool.core.errors import InvalidCheckpoint
 from ckpttool.formats import fp8, mxfp4
-from ckpttool.readers.detect import config_beside as config_beside  # where the config naming a quantisation is read
+from ckpttool.formats.model_config import config_beside as config_beside  # where the config naming a quantisation is read
 
 CONFIG_FILENAME = "config.json"  # transformers.utils.CONFIG_NAME
 CONFIG_KEY = "quantization_config"

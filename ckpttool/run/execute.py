@@ -21,11 +21,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from ckpttool import dtypes, record_writes, storage
-from ckpttool.dequantizing import dequantized_bytes, quantized_bytes, row_ranges
+from ckpttool.core import dtypes
+from ckpttool.run import record_writes
+from ckpttool.store import storage
+from ckpttool.run.dequantizing import dequantized_bytes, quantized_bytes, row_ranges
 from ckpttool.dcp.blobs import DataFiles, read_chunk
-from ckpttool.errors import CorruptBlob, VerificationFailed
-from ckpttool.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
+from ckpttool.core.errors import CorruptBlob, VerificationFailed
+from ckpttool.store.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
 from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Dequantize, Gather, Operation, Put, Quantize, Record, Records
 from ckpttool.torchsave.ptfile import crc32_combine
 from ckpttool.torchsave.record import RecordLayout, record_layout

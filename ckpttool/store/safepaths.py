@@ -11,7 +11,7 @@ Example:
     PurePosixPath('__0_0.distcp')
     >>> safe_relative_path("../../etc/passwd")
     Traceback (most recent call last):
-    ckpttool.errors.CorruptMetadata: data file path '../../etc/passwd' is absolute or leaves the checkpoint directory; refusing to read it
+    ckpttool.core.errors.CorruptMetadata: data file path '../../etc/passwd' is absolute or leaves the checkpoint directory; refusing to read it
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from ckpttool import storage
-from ckpttool.errors import CorruptMetadata, UnsafeDataFile
+from ckpttool.store import storage
+from ckpttool.core.errors import CorruptMetadata, UnsafeDataFile
 
 
 def is_safe_relative_path(relative: str) -> bool:

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Mapping, Sequence
 
-from ckpttool.errors import StorageError
+from ckpttool.core.errors import StorageError
 
 # protocol -> (package, ckpttool extra); the fsspec protocol names of each backend
 BACKENDS = {
@@ -74,7 +74,7 @@ def parse_option(text: str) -> tuple[str, Any]:
     """
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        from ckpttool.errors import UsageError
+        from ckpttool.core.errors import UsageError
 
         raise UsageError(f"--storage-option {text!r}: expected key=value, e.g. endpoint_url=http://127.0.0.1:9000")
     key = key.strip()
@@ -320,7 +320,7 @@ def _s3_client(options: Mapping[str, Any]) -> Any:
     every location opened with them shares its connections)."""
     import json
 
-    from ckpttool import s3
+    from ckpttool.store import s3
 
     setting = json.dumps([options, {k: v for k, v in os.environ.items() if k.startswith("AWS_")}],
                          sort_keys=True, default=str)
@@ -370,7 +370,7 @@ def _one_line(url: str, error: Exception) -> StorageError | None:
                             "--storage-option connection_string=... (or account_name=... account_key=...)", "storage-denied")
     if isinstance(error, (OSError, ValueError)) or \
             type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "google", "azure"):
-        from ckpttool.s3 import AGAIN
+        from ckpttool.store.s3 import AGAIN
 
         full = _first_line(error, limit=400)
         advice = AGAIN if AGAIN in full else "; check the endpoint and the network, then run the command again"
@@ -558,7 +558,7 @@ class RangeReader:
         with request_errors(self.url), _vanished(self.url), _changed(self.url):
             data = self.fs.cat_file(self.key, start=start, end=end)
         if len(data) != end - start:
-            from ckpttool.errors import CorruptBlob
+            from ckpttool.core.errors import CorruptBlob
 
             raise CorruptBlob(f"{self.url}: asked for bytes {start}..{end}, got {len(data)} bytes (object changed?)")
         return data
@@ -586,7 +586,7 @@ class RangeReader:
         size holds `len(buffer)` bytes (a whole-range `cat_file` would hold the range twice:
         the body's chunks and their join). Other backends get a `cat_file` per buffer.
         """
-        from ckpttool import s3
+        from ckpttool.store import s3
 
         if isinstance(self.fs, s3.S3Client):
             self._counted()
@@ -617,19 +617,19 @@ def _vanished(url: str) -> Iterator[None]:
     try:
         yield
     except FileNotFoundError:
-        from ckpttool.errors import MissingFile
+        from ckpttool.core.errors import MissingFile
 
         raise MissingFile(f"{url}: vanished while being read") from None
 
 
 @contextlib.contextmanager
 def _changed(url: str) -> Iterator[None]:
-    from ckpttool import s3
+    from ckpttool.store import s3
 
     try:
         yield
     except s3.ObjectChanged as error:
-        from ckpttool.errors import CorruptBlob
+        from ckpttool.core.errors import CorruptBlob
 
         raise CorruptBlob(f"{url}: {_first_line(error)}") from None
 

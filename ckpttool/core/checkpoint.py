@@ -24,10 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, cast, ove
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckpttool.storage import RemotePath
-
-from ckpttool import dtypes
-from ckpttool.errors import BadName
+from ckpttool.core import dtypes
+from ckpttool.core.errors import BadName
 
 # Our own blob markers, never written to disk: the blob is the chunk's raw row-major bytes as
 # they are, with no record around them (readers/verl.py: a storage inside a torch.save .pt
@@ -206,7 +204,7 @@ class Object:
     data: bytes | None = None
 
 
-def as_path(path: Path | RemotePath) -> Path:
+def as_path(path: object) -> Path:
     """`path` typed as the readers take it: a `storage.RemotePath` answers the `Path` questions
     they ask (`exists`, `is_file`, `iterdir`, `stat`, `read_bytes`, `/`), so it travels as a Path
     (a `Checkpoint.path` is one or the other); `storage.is_remote` tells them apart."""

@@ -19,8 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator
 
-from ckpttool import testpoints
-from ckpttool.errors import UsageError
+from ckpttool.core import testpoints
+from ckpttool.core.errors import UsageError
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

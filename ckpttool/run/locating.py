@@ -28,12 +28,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Sequence, TypeGuard, TypeVar, cast
 
-from ckpttool import spans
-from ckpttool.checkpoint import Blob, Chunk, ChunkTable, Tensor, paused_gc
+from ckpttool.store import spans
+from ckpttool.core.checkpoint import Blob, Chunk, ChunkTable, Tensor, paused_gc
 from ckpttool.dcp.blobs import DataFiles, RawData, RawDataRows, ReadAhead, locate
-from ckpttool.errors import CheckpointError, CorruptBlob, UnsupportedFormat
-from ckpttool.geometry import positions_in_groups
-from ckpttool.io import thread_buffer
+from ckpttool.core.errors import CheckpointError, CorruptBlob, UnsupportedFormat
+from ckpttool.core.geometry import positions_in_groups
+from ckpttool.store.io import thread_buffer
 from ckpttool.plan import unique_chunks, unique_table_rows
 from ckpttool.torchsave.record import ParsedRecords
 

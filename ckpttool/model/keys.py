@@ -20,10 +20,10 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from ckpttool.errors import KeyCollision, UsageError
+from ckpttool.core.errors import KeyCollision, UsageError
 # the wrapper names normalised away: model_view's (finding the model needs them; `inspect` imports no key rules)
-from ckpttool.model_view import DDP_PREFIX as DDP_PREFIX, WRAPPER_COMPONENTS as WRAPPER_COMPONENTS
-from ckpttool.model_view import normalise as normalise
+from ckpttool.model.model_view import DDP_PREFIX as DDP_PREFIX, WRAPPER_COMPONENTS as WRAPPER_COMPONENTS
+from ckpttool.model.model_view import normalise as normalise
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from ckpttool import dtypes
-from ckpttool.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
-from ckpttool.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
-from ckpttool.geometry import (COLUMN_LIMIT, Coverage, column_shape, column_volumes, columns_in_bounds, coverage,
+from ckpttool.core import dtypes
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
+from ckpttool.core.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
+from ckpttool.core.geometry import (COLUMN_LIMIT, Coverage, column_shape, column_volumes, columns_in_bounds, coverage,
                                dim0_tiling, find_overlaps, in_bounds)
-from ckpttool.safepaths import check_data_file, containment_root, safe_relative_path
+from ckpttool.store.safepaths import check_data_file, containment_root, safe_relative_path
 from ckpttool.formats import peft
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
-from ckpttool.integrity_small import SMALL_CLAIMS, adjacent, file_claims
+from ckpttool.check.integrity_small import SMALL_CLAIMS, adjacent, file_claims
 
 if TYPE_CHECKING:
     import numpy as np

@@ -31,8 +31,8 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Callable, Iterable, Iterator, Mapping
 
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import CorruptBlob
-from ckpttool.io import Output, copy_range, thread_buffer, write_at
+from ckpttool.core.errors import CorruptBlob
+from ckpttool.store.io import Output, copy_range, thread_buffer, write_at
 from ckpttool.plan.operations import RECORDS_WRITE_BLOCK, STREAM_BLOCK, Copy, Operation, Record, Records
 from ckpttool.torchsave import native
 from ckpttool.torchsave.assembly import assemble

@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator
 
-from ckpttool import dtypes
+from ckpttool.core import dtypes
 from ckpttool.dcp.blobs import DataFiles, RawData, read_chunk
-from ckpttool.errors import CorruptBlob
-from ckpttool.io import thread_buffer
+from ckpttool.core.errors import CorruptBlob
+from ckpttool.store.io import thread_buffer
 from ckpttool.formats import fp8, mxfp4
 from ckpttool.plan.operations import Dequantize, Quantize, Rows
 

@@ -30,10 +30,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from ckpttool.checkpoint import Tensor
+from ckpttool.core.checkpoint import Tensor
 from ckpttool.dcp.blobs import DataFiles, RawData, read_chunk
-from ckpttool.errors import UsageError
-from ckpttool.io import Task, run_tasks, thread_buffer
+from ckpttool.core.errors import UsageError
+from ckpttool.store.io import Task, run_tasks, thread_buffer
 from ckpttool.plan import unique_chunks
 
 SCHEMA = "ckpttool.manifest/1"

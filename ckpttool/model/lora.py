@@ -28,10 +28,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping
 
-from ckpttool.checkpoint import Checkpoint
-from ckpttool.errors import InvalidCheckpoint, UsageError
-from ckpttool.keys import normalise
-from ckpttool.model_view import ModelView
+from ckpttool.core.checkpoint import Checkpoint
+from ckpttool.core.errors import InvalidCheckpoint, UsageError
+from ckpttool.model.keys import normalise
+from ckpttool.model.model_view import ModelView
 
 WRAPPER_PREFIX = "base_model.model."  # peft.PeftModel -> LoraModel -> the base model
 BASE_LAYER = "base_layer"  # peft.tuners.tuners_utils.BaseTunerLayer wraps the original module here

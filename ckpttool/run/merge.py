@@ -18,11 +18,11 @@ import math
 import os
 from typing import Any, Iterator, Mapping
 
-from ckpttool.checkpoint import Checkpoint, Tensor
+from ckpttool.core.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles, read_chunk
 from ckpttool.formats import bnb4bit
-from ckpttool.errors import VerificationFailed
-from ckpttool.io import write_at
+from ckpttool.core.errors import VerificationFailed
+from ckpttool.store.io import write_at
 from ckpttool.plan.merge import MergePlan, MergeStep, Target
 
 MERGE_BLOCK = 16 << 20  # bytes of a base weight read, added to and rewritten at once

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ckpttool.commands.inspect import ChunkInfos, FileInfo, GroupInfo, InspectReport, Summary, TensorInfo
-from ckpttool.integrity import Problem
+from ckpttool.check.integrity import Problem
 
 if TYPE_CHECKING:
     import numpy as np

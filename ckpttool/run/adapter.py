@@ -17,14 +17,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ckpttool import integrity, readers
-from ckpttool.checkpoint import Checkpoint, Tensor
+from ckpttool import readers
+from ckpttool.check import integrity
+from ckpttool.core.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.errors import InvalidCheckpoint, UsageError
+from ckpttool.core.errors import InvalidCheckpoint, UsageError
 from ckpttool.formats import bnb4bit, peft
-from ckpttool.lora import Adapter, LoraLayout, find_lora, model_shapes
-from ckpttool.merge import run_merge, tensor_bytes
-from ckpttool.model_view import ModelView, find_model
+from ckpttool.model.lora import Adapter, LoraLayout, find_lora, model_shapes
+from ckpttool.run.merge import run_merge, tensor_bytes
+from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.options import AdapterOptions, SourceOptions
 from ckpttool.plan.consolidate import ConsolidatePlan
 from ckpttool.plan.merge import MergePlan, Quantised, plan_merge

@@ -45,8 +45,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, NoReturn, Sequence, TypeVar, cast
 
-from ckpttool import dtypes, io, storage, testpoints
-from ckpttool.errors import UsageError, WriteFailed
+from ckpttool.core import dtypes, testpoints
+from ckpttool.store import io, storage
+from ckpttool.core.errors import UsageError, WriteFailed
 from ckpttool.outputs import atomic_directory, atomic_output, signals, temps
 from ckpttool.outputs.multipart import MultipartSink
 from ckpttool.outputs.notices import Notify, ignore
@@ -123,7 +124,7 @@ def init() -> World:
     """
     world = environment()
     if world is None:
-        raise RuntimeError("ckpttool.distributed.init: not started by torchrun (WORLD_SIZE <= 1)")
+        raise RuntimeError("ckpttool.run.distributed.init: not started by torchrun (WORLD_SIZE <= 1)")
     import torch.distributed as dist
 
     global _group

@@ -37,8 +37,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from ckpttool.checkpoint import Checkpoint
-from ckpttool.errors import UsageError
+from ckpttool.core.checkpoint import Checkpoint
+from ckpttool.core.errors import UsageError
 
 # Module wrappers that insert a path component into parameter names:
 # FSDP1 (torch/distributed/fsdp/_common_utils.py FSDP_WRAPPED_MODULE), torch.compile
