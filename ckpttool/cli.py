@@ -111,10 +111,17 @@ def json_option(schema: str):
     return click.option("--json", "as_json", is_flag=True, help=f"Print the {schema} JSON document (see README).")
 
 
-model_prefix_option = click.option(
-    "--model-prefix", metavar="PREFIX", default=None,
-    help="Where the model's state dict sits in the checkpoint, dotted (e.g. app.model; '' for the top level).  "
-         "[default: found from the structure: the subtree the optimizer state names, else the one module tree]")
+def model_prefix_option(command):
+    """--model-prefix (where the model sits inside a checkpoint) and --layout (which checkpoint,
+    where SRC holds two of one step)."""
+    command = click.option(
+        "--layout", metavar="LAYOUT", default=None,
+        help="Where one step holds checkpoints of two layouts (a Hub model a trainer wrote beside its ZeRO save), "
+             "read the one of this layout, e.g. hub-folder.  [default: the training save]")(command)
+    return click.option(
+        "--model-prefix", metavar="PREFIX", default=None,
+        help="Where the model's state dict sits in the checkpoint, dotted (e.g. app.model; '' for the top level).  "
+             "[default: found from the structure: the subtree the optimizer state names, else the one module tree]")(command)
 
 follow_symlinks_option = click.option(
     "--follow-symlinks", is_flag=True, help="Read data files that are symlinks to places outside the checkpoint directory.")
@@ -134,6 +141,7 @@ def reads_source(command):
                 follow_symlinks=kwargs.pop("follow_symlinks", False),
                 storage_options=dict(storage.parse_option(value) for value in kwargs.pop("storage_options", ())),
                 model_prefix=kwargs.pop("model_prefix", None),
+                layout=kwargs.pop("layout", None),
             )
         return command(*args, source=source, **kwargs)
 

@@ -22,11 +22,13 @@ class SourceOptions:
     """How to read a checkpoint: data files that are symlinks out of it, object-storage
     options (fsspec's `storage_options`, e.g. `endpoint_url`; used for every URL the command
     opens, its output too), and where the model's state dict sits (`None`: found from the
-    structure, `""`: the top level)."""
+    structure, `""`: the top level); and where one step holds checkpoints of two layouts (a Hub
+    model beside the ZeRO save it was written from), the layout to read (`None`: the training save)."""
 
     follow_symlinks: bool = False
     storage_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     model_prefix: str | None = None
+    layout: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage_options", MappingProxyType(dict(self.storage_options)))  # read-only, like the rest

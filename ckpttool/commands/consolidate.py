@@ -73,6 +73,7 @@ class ConsolidateReport:
     requests: int = 0  # ranged GETs of the source's data files (object storage; 0 for local files)
     merged: str = ""  # --merge-adapter: what was merged
     quantization: str = ""  # quantised weights dequantised (--dtype) or written (--quantize): what was done
+    source_choice: str = ""  # SRC held two checkpoints of one step: which was read, and how to read the other
 
     @property
     def throughput(self) -> float:
@@ -114,6 +115,7 @@ class Planned:
     dequantized: bool = False  # written dequantised (a --dtype was asked for), not passed through
     quantized_keys: tuple[str, ...] = ()  # --quantize fp8: the keys written as FP8
     family: Family | None = None  # the naming table that converted a framework's names to transformers'
+    source_choice: str = ""  # readers.detect's choice between two checkpoints of one step (Detection.choice)
 
 
 class SourceFiles:
@@ -209,7 +211,7 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
     weights (FP8, MXFP4) are written dequantised and their scales left out; a float8 or packed
     tensor whose scale is missing or misshapen is refused, never cast. `families` (naming
     tables) convert a framework's model names to transformers' when the model is one of them."""
-    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
+    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks, layout=source.layout)
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix)
     if adapt is not None:
@@ -244,7 +246,7 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
             quantize=quantize,
         )
     return Planned(checkpoint, detection.describe(), view, convert.rules, kind, plan, warnings, found, dequantize,
-                   tuple(quantize), family)
+                   tuple(quantize), family, detection.choice() or "")
 
 
 def as_transformers(checkpoint: Checkpoint, config: Mapping[str, Any] | None, follow_symlinks: bool = False,
@@ -329,6 +331,7 @@ def report_of(planned: Planned, target: Path, written: tuple[Path, ...], process
         dropped=plan.dropped, dry_run=dry_run, verified=verified, layout=planned.layout,
         selected=selection_text(planned.view, planned.rules), model_view=planned.view,
         problems=planned.problems, processes=processes, requests=requests, quantization=quantization_note(planned),
+        source_choice=planned.source_choice,
     )
 
 

@@ -111,7 +111,7 @@ def import_checkpoint(
     if prefix and (not prefix.endswith(".") or any(not part for part in prefix[:-1].split("."))):
         raise UsageError(f"--prefix {prefix!r}: dotted names ending in a dot, e.g. 'model.' (or '' for none)")
     refuse_overlap(destination, origin)
-    detection, checkpoint = readers.read(origin, source.follow_symlinks)
+    detection, checkpoint = readers.read(origin, source.follow_symlinks, layout=source.layout)
     if detection.layout not in IMPORTABLE:
         raise UsageError(f"{origin}: a {detection.layout} checkpoint; import reads full weights (.safetensors, a Hub "
                          "folder, a .pt); rewrite a DCP checkpoint with `ckpttool reshard`")

@@ -190,6 +190,7 @@ class InspectReport:
     family: str | None = None  # the framework family whose names the model uses (naming tables)
     architectures: tuple[str, ...] = ()  # the transformers architectures that family converts to
     hf_names: dict[str, tuple[str, ...]] | None = None  # fqn -> its transformers names, when a family is found
+    found: str | None = None  # where SRC is not itself the checkpoint: which one was read and what else is there
 
 
 @dataclass(frozen=True)
@@ -314,10 +315,11 @@ def inspect(src: str | os.PathLike, filters: Sequence[str] = (), source: SourceO
     `tensors` and `objects` list only the matching ones. The model group is found from the
     structure (`model_view.find_model`) unless `source.model_prefix` names it.
     """
-    detection, checkpoint = readers.read(source.locate(src))
+    detection, checkpoint = readers.read(source.locate(src), layout=source.layout)
     config = config_beside(checkpoint.path)
     with paused_gc():
-        return build_report(checkpoint, tuple(filters), detection.layout, source.model_prefix, config)
+        report = build_report(checkpoint, tuple(filters), detection.layout, source.model_prefix, config)
+    return replace(report, found=detection.describe()) if detection.found_below else report
 
 
 def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: str = "dcp",

@@ -117,7 +117,7 @@ def compute(src: str | os.PathLike, *, everything: bool = False, files: bool = F
             ) -> tuple[Manifest, str, ModelView, int, tuple[Problem, ...], Path]:
     """Return (manifest, layout, model view, bytes hashed, gate warnings, path) of `src`:
     read, gated, selected, located, planned and hashed as the module says."""
-    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
+    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks, layout=source.layout)
     problems = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix if checkpoint.model_prefix is None else None)
     selection = select(checkpoint, view, KeyRules(everything=everything), OutputFormat("torch", False, None))

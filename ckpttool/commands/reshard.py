@@ -108,7 +108,7 @@ def reshard(
     target_mesh = parse_mesh(world_size, mesh)
     destination = as_path(source.locate(dst)) if dst is not None else default_destination(origin, target_mesh)
     refuse_overlap(destination, origin)
-    checkpoint = readers.open_checkpoint(origin, source.follow_symlinks, as_saved=True)  # DCP keys kept as the framework saved them
+    checkpoint = readers.open_checkpoint(origin, source.follow_symlinks, as_saved=True, layout=source.layout)  # DCP keys kept as the framework saved them
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix)
     plan = plan_reshard(checkpoint, target_mesh, keep_whole, view)

@@ -231,6 +231,9 @@ class Checkpoint:
     # where the layout itself keeps the model (dotted prefix; "" the top level: safetensors files,
     # Hub folders, verl), or None: found from the structure (model_view.find_model)
     model_prefix: str | None = None
+    # the attribute path inside the model's dict that holds the model, stripped from each model
+    # key (a LightningModule's `model`, Lightning's DeepSpeed wrapper `_forward_module.model`)
+    model_attribute: str | None = None
     # the model's parameters (fqns), when the layout names them apart from its buffers
     # (DeepSpeed's param_shapes and frozen parameters): reshard shards each, as fully_shard does
     parameters: frozenset[str] = frozenset()

@@ -149,6 +149,13 @@ def clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+class AmbiguousSource(UsageError):
+    """SRC holds several checkpoints or runs and nothing says which one is meant: naming one
+    of them as SRC chooses."""
+
+    code = "ambiguous-source"
+
+
 class MissingEntry(UsageError, KeyError):
     """A key that names no entry of the checkpoint (`ckpttool.open(...).get_tensor`); a
     KeyError as well, as a missing key of a mapping is."""

@@ -256,6 +256,10 @@ def _view(checkpoint: Checkpoint, prefix: str, selected: str, reason: str, optim
         key = _key(checkpoint, fqn, prefix, optimizers)
         if key is not None:
             keys[fqn] = key
+    attribute = checkpoint.model_attribute
+    if attribute and selected != OPTION:  # the model inside a trainer's module (readers: Lightning)
+        keys = {fqn: key[len(attribute) + 1:] for fqn, key in keys.items() if key.startswith(attribute + ".")}
+        reason = f"{reason}; its {attribute!r} holds every parameter: the model"
     keys = dict(sorted(keys.items()))
     parameters = frozenset(fqn for fqn, key in keys.items()
                            if fqn in checkpoint.tensors and (key in named or normalise(key) in named))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from ckpttool.store import storage
 from ckpttool.core.checkpoint import Blob, Checkpoint, Object, Tensor, as_path
@@ -27,23 +28,27 @@ from ckpttool.core.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
-                                     LAYOUTS, MEGATRON, SAFETENSORS, TORCH_PT, VERL, Detection, _detect, detect)
+                                     LAYOUTS, LIGHTNING_METADATA, MEGATRON, SAFETENSORS, TORCH_PT, VERL, Detection, _detect,
+                                     detect)
 
 
 # layouts that hold only the model, its fqns at the top level (model_view.find_model finds the
 # model of every other layout from its structure)
 TOP_LEVEL_MODEL = frozenset({DCP_HF, HUB_FOLDER, SAFETENSORS, VERL})
+LIGHTNING_WRAPPER = "_forward_module."  # lightning/pytorch/overrides/base.py: _LightningModuleWrapperBase._forward_module
 
 
-def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool = False) -> tuple[Detection, Checkpoint]:
+def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool = False,
+         layout: str | None = None) -> tuple[Detection, Checkpoint]:
     """Return what `detect` found at `path` and the checkpoint it names, read as our types.
     `as_saved`: keys exactly as the checkpoint stores them (Megatron's layers left stacked,
     so a reshard stays loadable by Megatron), not the model view consolidate and diff use.
+    `layout`: where one step holds checkpoints of two layouts, read this one (`detect`).
 
     Raises NotACheckpoint (listing what was looked for) when nothing matches, and
     UnsupportedFormat for what this build detects but cannot read.
     """
-    detection, found = _detect(as_path(storage.location(path)))
+    detection, found = _detect(as_path(storage.location(path)), layout)
     checkpoint = found if found is not None else _read(detection, follow_symlinks)
     if detection.layout == ACCELERATE:
         checkpoint = _with_accelerate_optimizer(checkpoint)
@@ -53,7 +58,7 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool 
         checkpoint = megatron_model_view(checkpoint, follow_symlinks)
     if detection.layout in TOP_LEVEL_MODEL:
         checkpoint = dataclasses.replace(checkpoint, model_prefix="")
-    return detection, checkpoint
+    return detection, _without_lightning_paths(checkpoint)
 
 
 def _with_accelerate_optimizer(model: Checkpoint) -> Checkpoint:
@@ -125,10 +130,43 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
                             "cannot read yet; convert it with the framework's own tool first")
 
 
-def open_checkpoint(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool = False) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool = False,
+                    layout: str | None = None) -> Checkpoint:
     """Return the checkpoint at `path` as our types, whatever its layout (for a run
-    directory, its newest checkpoint; `detect` says which; `as_saved` as for `read`)."""
-    return read(path, follow_symlinks, as_saved)[1]
+    directory, its newest checkpoint; `detect` says which; `as_saved` and `layout` as for `read`)."""
+    return read(path, follow_symlinks, as_saved, layout)[1]
+
+
+def _without_lightning_paths(checkpoint: Checkpoint) -> Checkpoint:
+    """A LightningModule's checkpoint with the model where the model is: past Lightning's
+    wrapper (`_forward_module.`, lightning/pytorch/overrides/base.py `_LightningModuleWrapperBase`,
+    what DeepSpeedStrategy hands to `deepspeed.initialize`) and past the LightningModule's one
+    attribute that holds every parameter (`self.model = LlamaForCausalLM(...)`: `model.`), so
+    that model keys are the model's own `state_dict()` names (`Checkpoint.model_attribute`).
+    Left as it is when the LightningModule holds parameters in more than one attribute."""
+    if not (_lightning_saved(checkpoint) or any(LIGHTNING_WRAPPER in fqn for fqn in checkpoint.tensors)):
+        return checkpoint  # the common case: no model search here (the command makes its own)
+    from ckpttool.model.model_view import find_model
+
+    view = find_model(checkpoint)
+    keys = [key for fqn, key in view.keys.items() if fqn in checkpoint.tensors]
+    if view.prefix is None or not keys:
+        return checkpoint
+    attribute = []
+    if all(key.startswith(LIGHTNING_WRAPPER) for key in keys):
+        keys = [key[len(LIGHTNING_WRAPPER):] for key in keys]
+        attribute.append(LIGHTNING_WRAPPER[:-1])
+    elif not _lightning_saved(checkpoint):
+        return checkpoint
+    tops = {key.split(".", 1)[0] for key in keys}
+    if len(tops) == 1 and all("." in key for key in keys) and len({key.split(".", 2)[1] for key in keys}) > 1:
+        attribute.append(tops.pop())
+    return dataclasses.replace(checkpoint, model_attribute=".".join(attribute)) if attribute else checkpoint
+
+
+def _lightning_saved(checkpoint: Checkpoint) -> bool:
+    """True for a save of Lightning's FSDP strategy (`meta.pt` beside the DCP files)."""
+    return isinstance(checkpoint.path, Path) and (checkpoint.path / LIGHTNING_METADATA).is_file()
 
 
 __all__ = ["Detection", "LAYOUTS", "detect", "open_checkpoint", "read"]

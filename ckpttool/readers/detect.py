@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ckpttool.store import storage
 from ckpttool.core.checkpoint import Checkpoint, as_path
-from ckpttool.core.errors import CheckpointError, NotACheckpoint
+from ckpttool.core.errors import AmbiguousSource, CheckpointError, NotACheckpoint, UsageError
 from ckpttool.formats.dcp import METADATA_FILENAME, RANK_METADATA_PATTERN
 from ckpttool.formats.model_config import HUB_CONFIG
 
@@ -73,22 +73,35 @@ TORCH_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")  # .ckpt: Lightning's singl
 HUB_TORCH_FILE = "pytorch_model.bin"  # transformers WEIGHTS_NAME
 
 RUN_ENTRY_PATTERN = re.compile(r"^(step-|step|iter_|global_step_|global_step|checkpoint-|checkpoint_|ep\d+-ba)(\d+)$")
+# Lightning's ModelCheckpoint: `epoch={epoch}-step={step}` (+ `-v1` on a clash), a folder for the
+# DeepSpeed and sharded FSDP strategies (lightning/pytorch/callbacks/model_checkpoint.py)
+LIGHTNING_ENTRY_PATTERN = re.compile(r"^epoch=(\d+)-step=(\d+)(?:-v(\d+))?(?:\.ckpt)?$")
 LATEST_POINTER = "latest"  # train_minimal, DeepSpeed, many trainers: a link or a small text file
 COMPOSER_LATEST = "latest-rank0.pt"  # composer/callbacks/checkpoint_saver.py: a link to the newest save
 ITERATION_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, verl
 MAX_POINTER_BYTES = 4096
+# What a trainer writes beside its training save for the same step: the module's weights (HF
+# Trainer's model.safetensors at ZeRO-2, or ZeRO-3 with stage3_gather_16bit_weights_on_model_save)
+MODULE_EXPORTS = frozenset({"hub-folder", "torch-pt", "dcp-hf", "safetensors"})
+MAX_NESTING = 3  # run directory -> step folder -> save dir (`latest`) -> tag folder
+MAX_SEARCH_DEPTH = 3  # folders below SRC looked into for a checkpoint (lightning_logs/version_0/checkpoints)
+MAX_SEARCHED_FOLDERS = 2000  # folders of one level: past this, SRC is a data tree, not a run's output
+MAX_LISTED = 8  # candidates named in an ambiguous-source error
 LOOKED_FOR = (
     ".metadata (dcp), shard-*.safetensors with DCP_SHARDING_INFO (dcp-hf), model.safetensors or "
     "model.safetensors.index.json (hub-folder), pytorch_model_fsdp_0/ (accelerate), model_and_optim/ "
     "(olmo-core), *_optim_states.pt beside *_model_states.pt (deepspeed), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
-    "step-*, step*, iter_*, global_step_*, global_stepN, checkpoint-*, ep*-ba* (run directory)"
+    "step-*, step*, iter_*, global_step_*, global_stepN, checkpoint-*, ep*-ba*, epoch=E-step=S (run directory), "
+    f"up to {MAX_SEARCH_DEPTH} folders down"
 )
 
 
 @dataclass(frozen=True)
 class Detection:
     """What `detect` found: the layout, the path that holds it, and for a run directory the
-    checkpoints inside (oldest first) and which is the newest (the one `path` points at)."""
+    checkpoints inside (oldest first) and which is the newest (the one `path` points at).
+    `beside`: other checkpoints of the same step that were not chosen (a Hub model a trainer
+    wrote beside its ZeRO save), as (layout, path); `chosen_by` says why this one was."""
 
     layout: str
     path: Path
@@ -96,30 +109,53 @@ class Detection:
     checkpoints: tuple[str, ...] = ()
     newest: str | None = None
     newest_by: str | None = None  # what named the newest: a pointer file, or "highest number"
+    beside: tuple[tuple[str, Path], ...] = ()
+    chosen_by: str | None = None
 
     @property
     def run_directory(self) -> bool:
         return bool(self.checkpoints)
 
+    @property
+    def found_below(self) -> bool:
+        """True when SRC is not itself the checkpoint read: a run's newest step, a save a
+        pointer names, one found further down, or one of two checkpoints of one step."""
+        return self.run_directory or bool(self.beside) or self.path != _read_path(self.layout, self.requested)
+
     def describe(self) -> str:
         """Return one line, e.g. `dcp-hf` or `dcp: step-20, newest of 3 checkpoints (by latest)`."""
-        if not self.run_directory:
-            return self.layout
-        return (f"{self.layout}: {self.newest}, newest of {len(self.checkpoints)} checkpoints in "
-                f"{self.requested} (by {self.newest_by})")
+        if not self.run_directory:  # the path itself, or where it was found below (a pointer, a search)
+            text = self.layout if self.path == _read_path(self.layout, self.requested) else f"{self.layout}: {self.path}"
+        else:
+            text = (f"{self.layout}: {self.newest}, newest of {len(self.checkpoints)} checkpoints in "
+                    f"{self.requested} (by {self.newest_by})")
+        return text + (f"; {self.choice()}" if self.beside else "")
+
+    def choice(self) -> str | None:
+        """Return the line saying which of several checkpoints of one step was read, or None."""
+        if not self.beside:
+            return None
+        others = ", ".join(f"{layout} {path}" for layout, path in self.beside)
+        picks = " or ".join(f"--layout {layout}" for layout in sorted({layout for layout, _ in self.beside}))
+        return f"read the {self.layout} save {self.path} ({self.chosen_by}); not read: {others} ({picks} reads it)"
 
 
-def detect(path: str | os.PathLike) -> Detection:
+def detect(path: str | os.PathLike, layout: str | None = None) -> Detection:
     """Return the layout at `path`, or raise NotACheckpoint listing what was looked for.
 
-    DCP directories are told apart (torchtitan vs plain dcp) by their top-level keys, which
-    reads `.metadata`; `readers.open_checkpoint` reuses that read.
+    `path` may be a checkpoint, a run directory of several steps (the newest is taken), or a
+    folder holding either a few levels down. Where one step holds checkpoints of two layouts
+    (a Hub model beside the ZeRO save it was written from), the training save is read, or the
+    one of `layout`. DCP directories are told apart (torchtitan vs plain dcp) by their
+    top-level keys, which reads `.metadata`; `readers.open_checkpoint` reuses that read.
     """
-    return _detect(as_path(storage.location(path)))[0]
+    return _detect(as_path(storage.location(path)), layout)[0]
 
 
-def _detect(requested: Path) -> tuple[Detection, Checkpoint | None]:
+def _detect(requested: Path, prefer: str | None = None) -> tuple[Detection, Checkpoint | None]:
     """Return the detection and, when deciding needed it, the already-read Checkpoint."""
+    if prefer is not None and prefer not in LAYOUTS:
+        raise UsageError(f"--layout {prefer}: not a layout ckpttool reads; one of {', '.join(LAYOUTS)}")
     if not _lexists(requested):
         raise NotACheckpoint(f"{requested}: no such file or directory")
     if requested.is_file():
@@ -127,21 +163,120 @@ def _detect(requested: Path) -> tuple[Detection, Checkpoint | None]:
         if layout is None:
             raise NotACheckpoint(f"{requested}: not a checkpoint file ckpttool knows (.safetensors, "
                                  f"{', '.join(TORCH_PT_SUFFIXES)}) or a checkpoint directory")
-        return Detection(layout, requested, requested), None
+        return _preferred(Detection(layout, requested, requested), prefer), None
     if not requested.is_dir():
         raise NotACheckpoint(f"{requested}: not a regular file or directory")
-    layout, checkpoint = _directory_layout(requested)
-    if layout is not None:
-        return Detection(layout, _read_path(layout, requested), requested), checkpoint
-    found = run_checkpoints(requested)
-    if found:
-        newest, by = newest_checkpoint(requested, found)
-        inner, checkpoint = _directory_layout(requested / newest)
+    found = _resolve(requested, requested, prefer, MAX_NESTING)
+    if found is None:
+        below = search(requested)
+        if len(below) > 1:
+            shown = "; ".join(str(path) for path in below[:MAX_LISTED]) + ("; ..." if len(below) > MAX_LISTED else "")
+            raise AmbiguousSource(f"{requested}: holds {len(below)} checkpoints or runs, not one: {shown}; "
+                                  "name one of them as the source")
+        if below:
+            found = _resolve(below[0], requested, prefer, MAX_NESTING)
+    if found is None:
+        raise NotACheckpoint(f"{requested}: no checkpoint found; looked for {LOOKED_FOR}")
+    return _preferred(found[0], prefer), found[1]
+
+
+def _preferred(detection: Detection, prefer: str | None) -> Detection:
+    """`detection` when it is of layout `prefer` (or none was asked for); else a usage error."""
+    if prefer is None or detection.layout == prefer:
+        return detection
+    raise UsageError(f"{detection.requested}: --layout {prefer}, but it holds no {prefer} checkpoint "
+                     f"(found {detection.layout} {detection.path})")
+
+
+def _resolve(path: Path, requested: Path, prefer: str | None,
+             depth: int) -> tuple[Detection, Checkpoint | None] | None:
+    """Return what the folder `path` holds as one checkpoint, or None: the folder itself, the
+    newest step of a run directory, the save a `latest` pointer names, and where one step holds
+    a module export beside a training save, the one chosen (`_choose`)."""
+    layout, checkpoint = _directory_layout(path)
+    if layout is not None and layout not in MODULE_EXPORTS:
+        return Detection(layout, _read_path(layout, path), requested), checkpoint
+    entries = run_checkpoints(path) if depth > 0 else []
+    inner: tuple[Detection, Checkpoint | None] | None = None
+    if entries:
+        newest, by = newest_checkpoint(path, entries)
+        inner = _resolve(path / newest, requested, prefer, depth - 1)
         if inner is None:
-            raise NotACheckpoint(f"{requested / newest}: the newest checkpoint of {requested} (by {by}) holds "
+            raise NotACheckpoint(f"{path / newest}: the newest checkpoint of {path} (by {by}) holds "
                                  f"no checkpoint; looked for {LOOKED_FOR}")
-        return Detection(inner, _read_path(inner, requested / newest), requested, tuple(found), newest, by), checkpoint
-    raise NotACheckpoint(f"{requested}: no checkpoint found; looked for {LOOKED_FOR}")
+        if layout is None:  # a step of a run: say which, of how many (the outermost run: a step's own save dir is one)
+            inner = (replace(inner[0], checkpoints=tuple(entries), newest=newest, newest_by=by,
+                             requested=requested), inner[1])
+    elif depth > 0 and (pointed := _pointed_folder(path)) is not None:
+        inner = _resolve(path / pointed, requested, prefer, depth - 1)  # Lightning's DeepSpeed `.ckpt/latest`
+    if layout is None:
+        return inner
+    here = Detection(layout, _read_path(layout, path), requested)
+    if inner is None or inner[0].layout in MODULE_EXPORTS:
+        return here, checkpoint
+    # one step's save (HF Trainer's checkpoint-N/: one global_stepN/ beside model.safetensors), or
+    # a run's newest save beside a model written at some other time (the run's output folder)
+    same_step = len(entries) <= 1 and inner[0].path == path / (entries[0] if entries else inner[0].path.name)
+    if not same_step and prefer is None:
+        raise AmbiguousSource(f"{path}: holds a {layout} model and the training saves {', '.join(entries)}, "
+                              f"and nothing says they are the same step: --layout {layout} reads the model, "
+                              f"--layout {inner[0].layout} the newest save ({inner[0].path}); or name one as SRC")
+    return _choose(here, checkpoint, inner, prefer)
+
+
+def _choose(export: Detection, export_checkpoint: Checkpoint | None, training: tuple[Detection, Checkpoint | None],
+            prefer: str | None) -> tuple[Detection, Checkpoint | None]:
+    """One step's module export (a Hub folder, a torch.save file) beside its training save
+    (HF Trainer's `checkpoint-N/`: model.safetensors and `global_stepN/`): the training save,
+    which holds the fp32 master weights and the optimizer state (the 16-bit module is their
+    rounding), unless `prefer` names the export's layout."""
+    saved = training[0]
+    if prefer is not None and prefer == export.layout and prefer != saved.layout:
+        return replace(export, checkpoints=saved.checkpoints, newest=saved.newest, newest_by=saved.newest_by,
+                       beside=((saved.layout, saved.path),), chosen_by="--layout"), export_checkpoint
+    return (replace(saved, beside=((export.layout, export.path),),
+                    chosen_by="--layout" if prefer == saved.layout else
+                    "the training save: master weights and optimizer state; the default"), training[1])
+
+
+def _pointed_folder(path: Path) -> str | None:
+    """Return the subfolder a `latest` file names when it is a checkpoint (Lightning's
+    DeepSpeed `epoch=E-step=S.ckpt/`: `latest` says `checkpoint`), else None."""
+    named = _pointer(path / LATEST_POINTER)
+    if not named or named in (".", "..") or "/" in named:
+        return None
+    return named if (path / named).is_dir() and _looks_like_checkpoint(path / named) else None
+
+
+def search(path: Path, depth: int = MAX_SEARCH_DEPTH) -> list[Path]:
+    """Return the checkpoints and run directories below `path`, at most `depth` folders down,
+    not looking inside one once found (its own steps are its business), sorted. Reads only
+    folder listings and small pointer files."""
+    found: list[Path] = []
+    level = [path]
+    for _ in range(depth):
+        below: list[Path] = []
+        for folder in level:
+            for name in sorted(_subfolders(folder)):
+                child = folder / name
+                if _looks_like_checkpoint(child) or run_checkpoints(child):
+                    found.append(child)
+                else:
+                    below.append(child)
+        if len(below) > MAX_SEARCHED_FOLDERS:
+            break  # a data tree, not a training run's output: stop before reading all of it
+        level = below
+    return sorted(found)
+
+
+def _subfolders(path: Path) -> list[str]:
+    try:
+        if storage.is_remote(path):
+            return [entry.name for entry in path.iterdir() if entry.is_dir() and not entry.name.startswith(".")]
+        return [entry.name for entry in os.scandir(path)
+                if entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")]
+    except OSError:
+        return []
 
 
 def _read_path(layout: str, path: Path) -> Path:
@@ -284,41 +419,59 @@ def _safetensors_layout(path: Path) -> str | None:
 
 def run_checkpoints(path: Path) -> list[str]:
     """Return the checkpoint folders of a run directory (those holding a layout we know by
-    its file names), oldest first."""
+    its file names), oldest first: by the step their names carry, never by name order."""
     try:
         entries = path.iterdir() if storage.is_remote(path) else os.scandir(path)
-        names = [entry.name for entry in entries if entry.is_dir() and RUN_ENTRY_PATTERN.match(entry.name)]
+        names = [entry.name for entry in entries if entry.is_dir() and step_of(entry.name) is not None]
     except OSError:
         return []
     names = [name for name in names if _looks_like_checkpoint(path / name)]
     return sorted(names, key=_run_entry_order)
 
 
-def _run_entry_order(name: str) -> tuple[int, str]:
-    """Sort key of a run directory's checkpoint folder (one RUN_ENTRY_PATTERN matches): its number, then its name."""
+def step_of(name: str) -> int | None:
+    """Return the step a run directory's entry names (`step-900`, `global_step12`,
+    `checkpoint-10`, `iter_0000005`, Lightning's `epoch=0-step=10.ckpt`), or None."""
     match = RUN_ENTRY_PATTERN.match(name)
-    assert match is not None  # run_checkpoints keeps only the names it matches
-    return int(match.group(2)), name
+    if match:
+        return int(match.group(2))
+    match = LIGHTNING_ENTRY_PATTERN.match(name)
+    return int(match.group(2)) if match else None
 
 
-def _looks_like_checkpoint(path: Path) -> bool:
+def _run_entry_order(name: str) -> tuple[int, int, str]:
+    """Sort key of a run directory's checkpoint folder: its step, then Lightning's version, then its name."""
+    step = step_of(name)
+    assert step is not None  # run_checkpoints keeps only the names that carry a step
+    match = LIGHTNING_ENTRY_PATTERN.match(name)
+    return step, int(match.group(3) or 0) if match else 0, name
+
+
+def _looks_like_checkpoint(path: Path, nested: bool = True) -> bool:
+    """True when `path` holds a layout we know by its file names; `nested`: or a save one
+    level down that it names or numbers (HF Trainer's `checkpoint-N/global_stepN/`, Lightning's
+    DeepSpeed `epoch=E-step=S.ckpt/checkpoint/` named by `latest`)."""
     from ckpttool.readers import hub_folder
 
-    return (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR) or any(verl_files(path / s) for s in VERL_SUBDIRS)
-            or is_deepspeed(path) or is_deepspeed_universal(path)
+    if (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR)
+            or any(verl_files(path / s) for s in VERL_SUBDIRS) or is_deepspeed(path) or is_deepspeed_universal(path)
             or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
-            or (path / HUB_TORCH_FILE).is_file())  # an index alone: a save whose data went missing, not "no checkpoint"
+            or (path / HUB_TORCH_FILE).is_file()):  # an index alone: a save whose data went missing, not "no checkpoint"
+        return True
+    if not nested:
+        return False
+    named = _pointer(path / LATEST_POINTER)
+    if named and "/" not in named and named not in (".", "..") and _looks_like_checkpoint(path / named, nested=False):
+        return True
+    return any(step_of(name) is not None and _looks_like_checkpoint(path / name, nested=False)
+               for name in _subfolders(path))
 
 
 def newest_checkpoint(path: Path, found: list[str]) -> tuple[str, str]:
     """Return the newest of `found` and what said so: the `latest` link or file, Megatron's
-    and verl's iteration tracker, or else the highest number."""
+    and verl's iteration tracker, or else the highest step."""
     for pointer in (path / LATEST_POINTER, path / COMPOSER_LATEST, path / DEEPSPEED_UNIVERSAL_LATEST):
-        named = None
-        if pointer.is_symlink():
-            named = Path(os.readlink(pointer)).name
-        elif pointer.is_file() and pointer.name in (LATEST_POINTER, DEEPSPEED_UNIVERSAL_LATEST):
-            named = Path(_small_text(pointer)).name
+        named = _pointer(pointer)
         if named in found:
             return named, pointer.name
     iteration = _small_text(path / ITERATION_TRACKER)
@@ -327,6 +480,15 @@ def newest_checkpoint(path: Path, found: list[str]) -> tuple[str, str]:
             if name in found:
                 return name, ITERATION_TRACKER
     return found[-1], "highest number"
+
+
+def _pointer(pointer: Path) -> str | None:
+    """Return the folder name a pointer names: a link's target, or a `latest` file's text."""
+    if pointer.is_symlink():
+        return Path(os.readlink(pointer)).name
+    if pointer.is_file() and pointer.name in (LATEST_POINTER, DEEPSPEED_UNIVERSAL_LATEST):
+        return Path(_small_text(pointer)).name or None
+    return None
 
 
 def _small_text(path: Path) -> str:

@@ -56,6 +56,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "requests": report.requests,
         "merged_adapter": report.merged or None,
         "quantization": report.quantization or None,
+        "source_choice": report.source_choice or None,
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }
@@ -102,7 +103,8 @@ def consolidate_notes(report: ConsolidateReport) -> list[str]:
     for tie in report.ties:
         action = "dropped" if tie.dropped in report.dropped else "both written (--drop-tied keeps one)"
         lines.append(f"tied: {shown(tie.dropped)} is the same tensor as {shown(tie.kept)}: {shown(tie.dropped)} {action}")
-    return lines + ([report.merged] if report.merged else []) + ([report.quantization] if report.quantization else [])
+    return (([report.source_choice] if report.source_choice else []) + lines + ([report.merged] if report.merged else [])
+            + ([report.quantization] if report.quantization else []))
 
 
 def _consolidate_plan_text(report: ConsolidateReport) -> str:

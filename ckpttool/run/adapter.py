@@ -48,7 +48,7 @@ class FoundAdapter:
 def find_adapter(src: str | os.PathLike, name: str | None, source: SourceOptions) -> FoundAdapter:
     """Return the checkpoint at `src` with its LoRA adapter `name` (None: the only one);
     UsageError when the model holds no LoRA weights."""
-    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks)
+    detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks, layout=source.layout)
     problems = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
     view = find_model(checkpoint, source.model_prefix).require()
     shapes, fqns = model_shapes(checkpoint, view)
