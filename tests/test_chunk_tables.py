@@ -34,15 +34,16 @@ from ckpttool.core import geometry
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, with_tables
 from ckpttool.commands import inspect as inspect_command
 from ckpttool.commands import validate as validate_command
-from ckpttool.core.errors import NotACheckpoint
+from ckpttool.core.errors import AmbiguousSource, NotACheckpoint
 from ckpttool.render.inspect import inspect_document, inspect_text
 from ckpttool.render.text import emit_json
 from ckpttool.render.validate import validate_document, validate_text
 
 
-# Directories under fixtures/ that are not checkpoints: what holds the fixtures, framework
-# configs, reference outputs, trainer state and PEFT adapters (read by the adapter commands).
-# Every other directory must read: one a broken reader cannot read fails the test below.
+# Directories under fixtures/ that are not one checkpoint: what holds several fixtures (refused
+# as ambiguous: SRC is searched a few folders down), framework configs, reference outputs,
+# trainer state and PEFT adapters (read by the adapter commands). Every other directory must
+# read: one a broken reader cannot read fails the test below.
 NOT_CHECKPOINTS = {
     "frameworks", "frameworks/accelerate", "frameworks/composer", "frameworks/deepspeed",
     "frameworks/deepspeed/trainer_llama_zero2", "frameworks/lightning", "frameworks/lightning/checkpoints",
@@ -54,6 +55,8 @@ NOT_CHECKPOINTS = {
     "llama_tied_world2", "llama_tied_world2/config", "llama_world2", "llama_world2/config",
     "peft", "peft/attention", "peft/mlp_rslora", "peft/tied",
     "quantized", "quantized/compressed_reference", "structures", "structures/expected", "structures/recipe_config",
+    "frameworks/lightning_deepspeed", *(f"frameworks/lightning_deepspeed/{case}/hf_config" for case in (
+        "zero2_tied", "zero2_untied", "zero3_tied", "zero3_untied", "zero2_bf16_tied")),
 }
 # DeepSpeed universal checkpoints keep a folder per tensor under zero/ (read through global_step2)
 UNIVERSAL_TENSOR_FOLDERS = re.compile(r"frameworks/deepspeed/zero[123]_fp32/universal/global_step2/zero(/[^/]+)?")
@@ -68,7 +71,7 @@ def read_fixture_directories() -> tuple[list[Path], list[str]]:
         name = path.relative_to(FIXTURES).as_posix()
         try:
             readers.read(path)
-        except NotACheckpoint as error:
+        except (NotACheckpoint, AmbiguousSource) as error:
             if name not in NOT_CHECKPOINTS and not UNIVERSAL_TENSOR_FOLDERS.fullmatch(name):
                 unexpected.append(f"{name}: {error}")
         except Exception as error:  # named by the test below, never dropped

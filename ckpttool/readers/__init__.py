@@ -36,6 +36,7 @@ from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, D
 # model of every other layout from its structure)
 TOP_LEVEL_MODEL = frozenset({DCP_HF, HUB_FOLDER, SAFETENSORS, VERL})
 LIGHTNING_WRAPPER = "_forward_module."  # lightning/pytorch/overrides/base.py: _LightningModuleWrapperBase._forward_module
+LIGHTNING_DEEPSPEED_TAG, LIGHTNING_SUFFIX = "checkpoint", ".ckpt"  # DeepSpeedStrategy's tag, ModelCheckpoint's FILE_EXTENSION
 
 
 def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool = False,
@@ -165,8 +166,12 @@ def _without_lightning_paths(checkpoint: Checkpoint) -> Checkpoint:
 
 
 def _lightning_saved(checkpoint: Checkpoint) -> bool:
-    """True for a save of Lightning's FSDP strategy (`meta.pt` beside the DCP files)."""
-    return isinstance(checkpoint.path, Path) and (checkpoint.path / LIGHTNING_METADATA).is_file()
+    """True for a save of Lightning's FSDP strategy (`meta.pt` beside the DCP files) or of its
+    DeepSpeed strategy (the ZeRO files under the tag `checkpoint` in a `.ckpt` folder:
+    lightning/pytorch/strategies/deepspeed.py `save_checkpoint(filepath, ..., tag="checkpoint")`)."""
+    path = checkpoint.path
+    return isinstance(path, Path) and ((path / LIGHTNING_METADATA).is_file() or (
+        path.name == LIGHTNING_DEEPSPEED_TAG and path.parent.name.endswith(LIGHTNING_SUFFIX)))
 
 
 __all__ = ["Detection", "LAYOUTS", "detect", "open_checkpoint", "read"]
