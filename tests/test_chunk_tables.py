@@ -55,6 +55,7 @@ NOT_CHECKPOINTS = {
     "llama_tied_world2", "llama_tied_world2/config", "llama_world2", "llama_world2/config",
     "peft", "peft/attention", "peft/mlp_rslora", "peft/tied",
     "quantized", "quantized/compressed_reference", "structures", "structures/expected", "structures/recipe_config",
+    "frameworks/hf_trainer_deepspeed",
     "frameworks/lightning_deepspeed", *(f"frameworks/lightning_deepspeed/{case}/hf_config" for case in (
         "zero2_tied", "zero2_untied", "zero3_tied", "zero3_untied", "zero2_bf16_tied")),
 }

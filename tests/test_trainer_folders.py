@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
@@ -29,6 +28,9 @@ from conftest import FIXTURES
 FRAMEWORKS = FIXTURES / "frameworks"
 LIGHTNING = FRAMEWORKS / "lightning_deepspeed"
 LIGHTNING_CASES = ("zero2_tied", "zero2_untied", "zero3_tied", "zero3_untied", "zero2_bf16_tied")
+HF_TRAINER = FRAMEWORKS / "hf_trainer_deepspeed"
+HF_TRAINER_CASES = ("zero2_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16")  # ZeRO-3 fp32: no module written
+CASES = LIGHTNING_CASES + tuple(f"hf-{case}" for case in HF_TRAINER_CASES)
 NEWEST = "epoch=0-step=10.ckpt"  # sorts before epoch=0-step=5.ckpt: name order would take the older save
 # logits of the same weights on another CPU: float32 sums of at most 17 products in another order
 # (hidden 14, MLP 17) differ by a few ulps of values ~10; bf16 ones by a few bf16 ulps
@@ -39,9 +41,25 @@ def lightning_case(case: str) -> dict:
     root = LIGHTNING / case
     expected = json.loads((root / "expected.json").read_text())
     return {"root": root, "run": root / "checkpoints", "checkpoint": root / "checkpoints" / NEWEST,
+            "save": root / "checkpoints" / NEWEST / "checkpoint",
             "expected": expected, "optimizer": json.loads((root / "optimizer.json").read_text()),
             "assets": root / "hf_config", "names": expected["transformers_names"],
             "bf16": "bf16" in case}
+
+
+def trainer_case(case: str) -> dict:
+    """HF Trainer's output_dir (`run/`), its newest `checkpoint-10/` and the ZeRO save inside."""
+    root = HF_TRAINER / case
+    expected = json.loads((root / "expected.json").read_text())
+    checkpoint = root / "run" / "checkpoint-10"
+    return {"root": root, "run": root / "run", "checkpoint": checkpoint, "save": checkpoint / "global_step10",
+            "expected": expected, "optimizer": json.loads((root / "optimizer.json").read_text()),
+            "assets": checkpoint, "names": {key: key for key in expected["tensors"]}, "bf16": "bf16" in case,
+            "module": expected["trainer_files"].get("model.safetensors")}
+
+
+def case_of(case: str) -> dict:
+    return trainer_case(case.removeprefix("hf-")) if case.startswith("hf-") else lightning_case(case)
 
 
 def sha256(tensor) -> str:
@@ -56,6 +74,12 @@ def test_every_listed_trainer_fixture_is_there():
         for name in ("expected.json", "optimizer.json", "hf_config/config.json", "logits.safetensors",
                      f"checkpoints/{NEWEST}/latest", f"checkpoints/{NEWEST}/checkpoint", "checkpoints/epoch=0-step=5.ckpt"):
             assert (root / name).exists(), root / name
+    for case in HF_TRAINER_CASES:
+        root = HF_TRAINER / case
+        for name in ("expected.json", "optimizer.json", "logits.safetensors", "run/checkpoint-10/config.json",
+                     "run/checkpoint-10/latest", "run/checkpoint-10/global_step10", "run/checkpoint-5/global_step5"):
+            assert (root / name).exists(), root / name
+        assert (root / "run" / "checkpoint-10" / "model.safetensors").exists() == (case != "zero3_fp32")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +90,7 @@ def consolidated(tmp_path_factory, run):
         if (case, where) not in cache:
             from safetensors.torch import load_file
 
-            found = lightning_case(case)
+            found = case_of(case)
             out = tmp_path_factory.mktemp("consolidated") / f"{case}-{where}.safetensors"
             result = run("consolidate", found[where], out, "--quiet")
             assert result.exit_code == 0, result.output
@@ -77,13 +101,15 @@ def consolidated(tmp_path_factory, run):
 
 
 @pytest.mark.parametrize("where", ["run", "checkpoint"])
-@pytest.mark.parametrize("case", LIGHTNING_CASES)
-def test_lightning_deepspeed_inspects_validates_and_consolidates_as_zero_to_fp32(run, consolidated, case, where):
-    found = lightning_case(case)
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_folder_inspects_validates_and_consolidates_as_zero_to_fp32(run, consolidated, case, where):
+    found = case_of(case)
     inspected = run("inspect", found[where], "--json")
     assert inspected.exit_code == 0, inspected.output
     document = json.loads(inspected.stdout)
-    assert document["layout"] == "deepspeed" and document["path"] == str(found["checkpoint"] / "checkpoint")
+    assert document["layout"] == "deepspeed" and document["path"] == str(found["save"])
+    if found.get("module"):  # the Trainer's model.safetensors beside the ZeRO save: shown, not read
+        assert f"not read: hub-folder {found['checkpoint']}" in document["found"]
     assert run("validate", found[where]).exit_code == 0
     ours = consolidated(case, where)
     reference = {found["names"][key]: row for key, row in found["expected"]["tensors"].items()}
@@ -93,15 +119,35 @@ def test_lightning_deepspeed_inspects_validates_and_consolidates_as_zero_to_fp32
             row["shape"], row["dtype"], row["sha256"]), key
 
 
-@pytest.mark.parametrize("case", LIGHTNING_CASES)
-def test_lightning_deepspeed_export_loads_in_transformers_and_gives_the_trained_logits(run, tmp_path, case):
+@pytest.mark.parametrize("case", [f"hf-{case}" for case in HF_TRAINER_CASES if case != "zero3_fp32"])
+def test_the_trainers_16_bit_module_is_the_zero_saves_masters_cast(run, tmp_path, case):
+    """Why the ZeRO save is read by default: the model.safetensors the Trainer writes beside it
+    is its fp32 masters rounded to the module's dtype, byte for byte, so nothing is lost."""
+    from safetensors.torch import load_file
+
+    found = case_of(case)
+    module = found["module"]["tensors"]
+    dtype = {row["dtype"] for row in module.values()}
+    assert len(dtype) == 1
+    out = tmp_path / "cast.safetensors"
+    cast = ("--dtype", "bf16") if dtype == {"bfloat16"} else ()
+    assert run("consolidate", found["run"], out, "--quiet", *cast).exit_code == 0
+    ours = load_file(out)
+    assert sorted(ours) == sorted(module)
+    assert all(sha256(ours[key]) == row["sha256"] for key, row in module.items())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_folder_export_loads_in_transformers_and_gives_the_trained_logits(run, tmp_path, case):
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    found = lightning_case(case)
+    found = case_of(case)
     out = tmp_path / "hf"
-    cast = ("--dtype", "bf16") if found["bf16"] else ()  # the module trained in bf16: its masters' rounding
+    # Lightning's bf16 logits are the bf16 module's, its masters' rounding; HF Trainer's oracle
+    # logits come from the fp32 masters (the generator loaded zero_to_fp32's tensors)
+    cast = ("--dtype", "bf16") if found["bf16"] and not case.startswith("hf-") else ()
     result = run("export", found["run"], out, "--assets", found["assets"], "--quiet", *cast)
     assert result.exit_code == 0, result.output
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
@@ -109,16 +155,16 @@ def test_lightning_deepspeed_export_loads_in_transformers_and_gives_the_trained_
     stored = load_file(found["root"] / "logits.safetensors")
     with torch.no_grad():
         logits = model(stored["input_ids"]).logits.float()
-    tolerance = LOGIT_TOLERANCE["bfloat16" if found["bf16"] else "float32"]
+    tolerance = LOGIT_TOLERANCE["bfloat16" if cast else "float32"]
     assert torch.allclose(logits, stored["logits"], rtol=0, atol=tolerance), (logits - stored["logits"]).abs().max()
 
 
-@pytest.mark.parametrize("case", LIGHTNING_CASES)
-def test_lightning_deepspeed_reshard_carries_deepspeeds_optimizer_state(run, tmp_path, case):
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_folder_reshard_carries_deepspeeds_optimizer_state(run, tmp_path, case):
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    found = lightning_case(case)
+    found = case_of(case)
     out = tmp_path / "fsdp2"
     result = run("reshard", found["run"], out, "--world", "2", "--quiet")
     assert result.exit_code == 0, result.output
