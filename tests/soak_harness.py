@@ -18,6 +18,8 @@ run:
   then goes without --force);
 - and in both cases the source is untouched (hashed before and after) and the next fault-free
   run succeeds, byte-identical, with nothing left over;
+- an S3 point within the retry budget (no one request, method and path, met RETRY_BUDGET faults)
+  must be **identical**: a clean failure there is a retry that did not happen, so it is dirty;
 - **dirty**: anything else, printed with its seed to replay (`benchmarks/soak.py --seed S --only N`).
 
 Runs are real processes of ckpttool's CLI, forked from a process that has imported it once
@@ -44,11 +46,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from soak_runs import RUN_TIMEOUT, Run, Zygote, moto_process, run_forked, run_torchrun
+
+from ckpttool.store.s3 import ATTEMPTS
+from ckpttool.store.storage import S3_ATTEMPTS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -63,6 +69,9 @@ STALL = 2.0
 STORES = ("local", "s3-src", "s3-dst", "s3")  # where the source and the destination are
 RECORD_MARK = "/.ckpttool-commit-"  # a run's commit record beside its S3 output (ckpttool/outputs/remote.py)
 VERDICTS = ("identical", "clean failure", "dirty")
+# tries of one S3 request: ckpttool's own client (store/s3.py) and botocore's standard mode (store/storage.py);
+# a run none of whose requests met this many faults must succeed
+RETRY_BUDGET = min(ATTEMPTS, S3_ATTEMPTS)
 FAULT_KINDS = ("sigkill", "sigterm", "disk-full", "s3", "torchrun-kill")
 
 
@@ -151,6 +160,7 @@ class Outcome:
     seconds: float = 0.0
     stderr: str = ""
     injected: int = 0
+    most_faults_on_one_request: int = 0  # the most faults injected into one method and path (its retries)
     leftovers_after_kill: int = 0  # SIGKILL leftovers the next run removed
     undone: int = 0  # keys a run SIGKILLed mid-commit had made visible, listed in its commit record
     phases: dict[str, float] = field(default_factory=dict)  # seconds the harness spent per step of the point
@@ -460,12 +470,18 @@ class Soak:
         with _timed(phases, "faulted run"):
             run, mounted = self._faulted_run(point, command, reference, proxy)
         injected = len(proxy.injected)
+        # ranged GETs of one key share a path: counted together, a request's retries are overestimated,
+        # so a point is never held to "identical" beyond its budget
+        most = max(Counter(path for _, _, path in proxy.injected).values(), default=0)
         proxy.configure(seed=0, rate=0.0)
         outcome = Outcome(point, "", code=run.code, seconds=run.seconds, stderr=run.stderr.strip()[-2000:],
-                          injected=injected, phases=phases)
+                          injected=injected, most_faults_on_one_request=most, phases=phases)
         with _timed(phases, "look"):
             state = mounted if mounted is not None else self.state(command, point.store)
             self._classify(outcome, command, reference, state, initial)
+            if point.fault == "s3" and outcome.verdict != "identical" and most < RETRY_BUDGET:
+                outcome.reasons.append(f"exit {run.code} within the retry budget: no request met more than {most} "
+                                       f"faults, and each is tried {RETRY_BUDGET} times")
             if self.source_hashes(command, point.store) != before:
                 outcome.reasons.append("the source changed")
         with _timed(phases, "next run"):

@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, import_native
 from test_validate import (CORRUPTIONS, EMBED, copy_fixture, rewrite_metadata, save_safetensors_format,
                            storage_key)
 from test_integrity import shifted_chunk_with_equal_gap
@@ -618,7 +618,7 @@ def test_the_c_writers_read_columns_in_any_strides_and_refuse_other_types():
     """`json_rows` and `file_sums` read a table's columns where they are (views of the scanned
     columns: strided, int32 file ids) as they read contiguous copies; other types are refused."""
     np = pytest.importorskip("numpy")
-    _dcpscan = pytest.importorskip("ckpttool.readers._dcpscan")
+    _dcpscan = import_native("ckpttool.readers._dcpscan")
     coords = np.arange(-40, 40, dtype=np.int64).reshape(20, 4) * 7919
     offsets, sizes = coords[:, :2], coords[::-1, 2:]  # interleaved rows, one of them read backwards
     file = np.array([r % 3 - 1 for r in range(20)], dtype=np.int32)

@@ -47,7 +47,8 @@ FRAMEWORKS = FIXTURES / "frameworks"
 TORCHTITAN = FRAMEWORKS / "torchtitan"
 ACCELERATE = FRAMEWORKS / "accelerate"
 LIGHTNING = FRAMEWORKS / "lightning"
-MEGATRON = FRAMEWORKS / "megatron"  # written by another change; its cases skip until it exists
+MEGATRON = FRAMEWORKS / "megatron"
+MEGATRON_DCP = MEGATRON / "checkpoints" / "iter_0000002"  # named, not globbed: missing, its cases fail
 HF_MODEL_FILE = "model-00001-of-00001.safetensors"  # torch's consolidated HF output (_hf_utils.py FILE_NAME)
 HF_SHARD_0 = "shard-00001-model-00001-of-00001.safetensors"  # rank 0 (torch numbers shards from 1)
 HF_SHARD_1 = "shard-00002-model-00001-of-00001.safetensors"
@@ -197,7 +198,8 @@ def megatron_cases() -> list[Case]:
     neighbour right after it along that dim."""
     from ckpttool.readers.dcp import read_checkpoint
 
-    dcp_dir = sorted(MEGATRON.rglob(".metadata"))[0].parent
+    dcp_dir = MEGATRON_DCP
+    assert (dcp_dir / ".metadata").is_file(), f"{dcp_dir}: the megatron fixture is missing"
     tensors = list(read_checkpoint(dcp_dir).tensors.values())
     last_start: dict[str, int] = {}
     for tensor in tensors:
@@ -208,12 +210,11 @@ def megatron_cases() -> list[Case]:
                 if c.offsets[d] == 0 and c.sizes[d] > 1 and any(
                     o.offsets[d] == c.sizes[d] and o.offsets[:d] + o.offsets[d + 1:] == c.offsets[:d] + c.offsets[d + 1:]
                     for o in t.chunks)), None)
-    cases = _dcp("megatron", dcp_dir, "", sorted(last_start)[-1], lie, gap or ("", 0, 0))
+    assert gap is not None, f"{dcp_dir}: no tensor of the megatron fixture is split (its sharding-gap case needs one)"
+    cases = _dcp("megatron", dcp_dir, "", sorted(last_start)[-1], lie, gap)
     # consolidate and validate read the model view, one tensor per layer (decoder.layers.0.X for
     # the stacked decoder.layers.X): the line names the layer's tensor; reshard keeps the stacked name
     cases = [replace(case, names=case.names + tuple(n.rsplit("layers.", 1)[-1] for n in case.names)) for case in cases]
-    if gap is None:
-        cases[2] = replace(cases[2], damage=lambda root: pytest.skip("no tensor of the megatron fixture is split"))
     return cases
 
 
@@ -227,8 +228,6 @@ def damaged(tmp_path_factory):
 
     def get(case_id: str) -> tuple[Path, Case]:
         if case_id.startswith("megatron-") and case_id not in cases:
-            if not any(MEGATRON.rglob(".metadata")):
-                pytest.skip("fixtures/frameworks/megatron/ is not there yet")
             cases.update({case.id: case for case in megatron_cases()})
         case = cases[case_id]
         if case_id not in made:

@@ -56,6 +56,15 @@ by_id = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 dcp_by_id = pytest.mark.parametrize("case", DCP_CASES, ids=[c.id for c in DCP_CASES])
 
 
+def test_every_framework_case_is_on_disk():
+    """The cases are listed by name, not found by a glob: a fixture that went missing fails here
+    instead of leaving its tests to skip or pass on nothing."""
+    paths = [path for case in CASES for path in (case.src, case.expected, *case.dcp_dirs)]
+    paths += [TORCHTITAN_HF_FILE, ACCELERATE_MERGED, LIGHTNING_CONSOLIDATED]
+    assert [str(path) for path in paths if not path.exists()] == []
+    assert all((path / ".metadata").is_file() for case in DCP_CASES for path in case.dcp_dirs)
+
+
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     return tmp_path_factory.mktemp("frameworks")

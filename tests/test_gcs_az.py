@@ -162,15 +162,30 @@ def test_every_url_form_round_trips(stores, local, form):
 
 
 def assert_same_checkpoint(stores, url: str, expected: Path) -> None:
-    """The DCP checkpoint at `url` holds the local `expected` one's bytes: its data files
-    identical, its .metadata the same but for the checkpoint_id torch records in it (where it
-    was written), so compared as inspect reads it."""
+    """The DCP checkpoint at `url` holds the local `expected` one's bytes: the same files, its
+    data files identical, its .metadata too but for the checkpoint_id torch records in it (where
+    it was written: `url`, not the local path; see assert_same_metadata)."""
     written, local_files = stores.files(url.replace(f"@{AZURITE_ACCOUNT}.dfs.core.windows.net", "")), files_of(expected)
-    assert written.pop(".metadata")[:2] == local_files.pop(".metadata")[:2]
+    assert sorted(written) == sorted(local_files)
+    assert_same_metadata(written.pop(".metadata"), local_files.pop(".metadata"), url)
     assert written == local_files
     _, remote_doc, _ = run_cli("inspect", url, "--json", *stores.options(url))
     _, local_doc, _ = run_cli("inspect", expected, "--json")
     assert remote_doc.replace(url, str(expected)) == local_doc
+
+
+def assert_same_metadata(written: bytes, expected: bytes, url: str) -> None:
+    """Every byte of the written `.metadata` up to the checkpoint_id (the last entry but three,
+    in storage_meta) is the local one's; from there on each value is the local one's as torch
+    reads them, but checkpoint_id, which is `url` (torch's FsspecWriter records the URL)."""
+    import pickle
+
+    start = expected.rindex(b"checkpoint_id")
+    assert written[:start] == expected[:start], "the .metadata bytes differ before its checkpoint_id"
+    ours, local = pickle.loads(written), pickle.loads(expected)  # torch's classes; both written by this test
+    assert ours.storage_meta.checkpoint_id == url, ours.storage_meta
+    ours.storage_meta.checkpoint_id = local.storage_meta.checkpoint_id
+    assert ours == local
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +316,20 @@ def test_gs_without_credentials_is_one_line_saying_what_to_set(stores):
     assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert GS in result.stderr and "GOOGLE_APPLICATION_CREDENTIALS" in result.stderr and "token=anon" in result.stderr
     assert time.monotonic() - started < BOUNDED
+
+
+def test_gs_with_storage_emulator_host_and_no_token_reads_and_writes_anonymously(stores, local, tmp_path):
+    """Issue 44 item 8: STORAGE_EMULATOR_HOST names an emulator, which checks no credentials;
+    without a token gs:// goes there anonymously, as gcsfs and Google's client libraries do (it
+    refused every command: "no Google Cloud credentials found")."""
+    env = {"STORAGE_EMULATOR_HOST": stores.gcs_endpoint}
+    result = run_process("consolidate", GS, tmp_path / "model.safetensors", "--quiet", env=env)
+    assert result.returncode == 0, result.stderr
+    assert files_of(tmp_path / "model.safetensors") == files_of(local / "model.safetensors")
+    out = f"gs://{CONTAINER}/emulator-host/model.safetensors"
+    result = run_process("consolidate", SOURCE, out, "--quiet", env=env)
+    assert result.returncode == 0, result.stderr
+    assert stores.files(out) == files_of(local / "model.safetensors")
 
 
 @pytest.mark.parametrize("store", ["gs", "az"])

@@ -400,10 +400,12 @@ def test_config_whose_rank_or_targets_disagree_with_the_weights_exits_1_naming_t
 @pytest.mark.parametrize("quant_type, double", [("nf4", True), ("fp4", False)])
 def test_qlora_adapter_exports_and_merge_dequantizes_as_bitsandbytes_and_peft_do(hf, cli, tmp_path, quant_type, double):
     """A real QLoRA model (transformers' BitsAndBytesConfig, 4-bit on CPU): --adapter equals
-    save_pretrained; --merge-adapter equals, for each LoRA module, PEFT's own Linear4bit.merge
-    before it requantises (`dequantize_bnb_weight(W) + get_delta_weight`), and for every other
-    4-bit weight bitsandbytes' `dequantize_4bit`. Rows are 64 and 128 values, whole blocks of 64:
-    there bitsandbytes' CPU kernel and its generic one agree (see formats/bnb4bit.py)."""
+    save_pretrained; --merge-adapter equals, byte for byte, for each LoRA module PEFT's own
+    Linear4bit.merge before it requantises (`dequantize_4bit(W) + get_delta_weight`), and for
+    every other 4-bit weight bitsandbytes' `dequantize_4bit`, both with the dequantisation of
+    bitsandbytes' reference implementation, the same on every CPU. Its CPU kernel, what PEFT
+    runs here, gives the same values: it differs from the reference only in the sign of fp4's
+    zero (code 8), by CPU (formats/bnb4bit.py). Rows are 64 and 128 values, whole blocks of 64."""
     import torch
 
     bnb = pytest.importorskip("bitsandbytes")
@@ -427,22 +429,43 @@ def test_qlora_adapter_exports_and_merge_dequantizes_as_bitsandbytes_and_peft_do
     merged = cli("export", source, tmp_path / "merged", "--merge-adapter", "--assets", tmp_path / "base",
                  "--lora-alpha", "8", "-q")
     assert merged.exit_code == 0, merged.output
-    expected = {}
+    expected, kernel = {}, {}  # kernel: what PEFT and bitsandbytes compute with the CPU kernel of this machine
     with torch.no_grad():
         for name, module in model.base_model.model.named_modules():
             if isinstance(module, peft.tuners.lora.bnb.Linear4bit):
                 weight = module.get_base_layer().weight
-                expected[f"{name}.weight"] = dequantize_bnb_weight(weight, state=weight.quant_state) + \
-                    module.get_delta_weight("default")
+                delta = module.get_delta_weight("default")
+                expected[f"{name}.weight"] = reference_dequantize_4bit(bnb, weight) + delta
+                kernel[f"{name}.weight"] = dequantize_bnb_weight(weight, state=weight.quant_state) + delta
             elif isinstance(module, bnb.nn.Linear4bit) and not name.endswith("base_layer"):
-                expected[f"{name}.weight"] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+                expected[f"{name}.weight"] = reference_dequantize_4bit(bnb, module.weight)
+                kernel[f"{name}.weight"] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         for key, value in model.base_model.model.state_dict().items():
             if ".lora_" not in key and "base_layer" not in key and key not in expected and value.dtype != torch.uint8 \
                     and not any(part in key for part in ("absmax", "quant_map", "quant_state")):
                 expected[key] = value
-    assert_same_state(load_file(tmp_path / "merged" / "model.safetensors"), expected)
+    written = load_file(tmp_path / "merged" / "model.safetensors")
+    assert_same_state(written, expected)
+    assert [key for key in kernel if not torch.equal(written[key], kernel[key])] == []  # -0.0 == 0.0
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def reference_dequantize_4bit(bnb, weight):
+    """`bitsandbytes.functional.dequantize_4bit(weight)` as its reference implementation
+    computes it (backends/default/ops.py `_dequantize_4bit_compute`: the quant_map's value times
+    the block's absmax, in float32), the same on every CPU; a double-quantised absmax restored
+    first as dequantize_4bit does."""
+    import torch
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+
+    state = weight.quant_state
+    absmax = state.absmax
+    if state.nested:
+        absmax = bnb.functional.dequantize_blockwise(state.absmax, state.state2)
+        absmax += state.offset
+    return _dequantize_4bit_compute(weight.data.view(torch.uint8).reshape(-1), absmax.float(), state.code,
+                                    state.blocksize, state.shape, state.dtype)
 
 
 def test_packed_4bit_base_without_a_readable_quant_state_exports_the_adapter_and_refuses_to_merge(hf, cli, tmp_path):

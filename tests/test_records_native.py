@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 import zlib
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, import_native
 
 from ckpttool.run import record_writes
 from ckpttool.commands.reshard import reshard
@@ -22,10 +23,23 @@ from ckpttool.torchsave import archive, assembly
 from ckpttool.torchsave import native as native_module
 from ckpttool.torchsave.record import record_layout
 
-native = pytest.importorskip("ckpttool.torchsave._records", reason="the C module is not built (no compiler)")
+native = import_native("ckpttool.torchsave._records")
 
 SHAPES = [("float32", (4,)), ("bfloat16", (3, 5)), ("float32", ()), ("int64", (2, 2, 2)), ("float32", (0, 64)),
           ("float8_e4m3fn", (17,))]
+
+
+@pytest.mark.parametrize("name", ["ckpttool.torchsave._records", "ckpttool.readers._dcpscan"])
+def test_a_c_module_not_built_fails_its_tests_under_ckpttool_require_native(monkeypatch, name):
+    """CI sets CKPTTOOL_REQUIRE_NATIVE=1 (README's test command): an install without the C
+    modules (no compiler) fails the tests that need them instead of skipping them."""
+    monkeypatch.setitem(sys.modules, name, None)  # not built: `import` fails
+    monkeypatch.setenv("CKPTTOOL_REQUIRE_NATIVE", "1")
+    with pytest.raises(pytest.fail.Exception, match="CKPTTOOL_REQUIRE_NATIVE is set"):
+        import_native(name)
+    monkeypatch.delenv("CKPTTOOL_REQUIRE_NATIVE")
+    with pytest.raises(pytest.skip.Exception, match="not built"):
+        import_native(name)
 
 
 def test_the_serialization_id_in_c_is_the_blake2b_one_for_any_length():

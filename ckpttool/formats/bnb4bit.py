@@ -7,13 +7,18 @@ nibble first, flattened to (bytes / itemsize, 1) in its quant_storage dtype) and
 quantisation: `W.nested_absmax`, `W.nested_quant_map`), `W.quant_map` (the 16 code values) and
 `W.quant_state.bitsandbytes__<nf4|fp4>`, a uint8 tensor holding JSON (quant_type, blocksize,
 dtype, shape, nested_blocksize, nested_dtype, nested_offset). `dequantize` computes what
-`bitsandbytes.functional.dequantize_4bit` does (backends/default/ops.py
-`_dequantize_4bit_compute`, `_dequantize_blockwise_compute`): one float32 multiply per value,
-then a cast to the original dtype. Measured with bitsandbytes 0.50.2 on CPU: bit-identical to
-its CPU kernel (what `dequantize_4bit` runs on CPU) when a row holds whole blocks (row length
-a multiple of the blocksize, as in real models), including the -0.0 of fp4's code 8 (its
-generic implementation writes +0.0 there, from the quant_map); for shorter rows (e.g. 32 values with blocksize 64) that kernel gives other values,
-about 3x further from the original weights than the generic implementation and this one.
+`bitsandbytes.functional.dequantize_4bit` does in its reference implementation
+(backends/default/ops.py `_dequantize_4bit_compute`, `_dequantize_blockwise_compute`): the
+saved quant_map's value for each code times its block's absmax, one float32 multiply, then a
+cast to the original dtype; the same on every CPU. bitsandbytes 0.50.2's CPU kernel (csrc/cpu_ops.cpp
+`dequantizeBlockwise4bitCpu`, what `dequantize_4bit` runs on CPU) does the same multiply from
+its own table, and agrees bit for bit when a row holds whole blocks (as in real models), with
+one exception of its own: fp4's code 8 (the sign bit alone, 0.0 in the quant_map) is +0.0 in the
+table of its AVX-512 path (a CPU with AVX-512F, rows a multiple of 16) and -0.0 in its scalar
+path's (other CPUs, other rows) and on CUDA. We follow the quant_map (+0.0): one answer on
+every machine, equal in value to each of theirs. For rows shorter than a block (e.g. 32 values
+with blocksize 64) the AVX-512 path gives other values, about 3x further from the original
+weights than the reference implementation and this one.
 
 Example:
     >>> quantised_weights(["fc.weight", "fc.weight.absmax", "fc.weight.quant_map",
@@ -33,9 +38,6 @@ STATE_SUFFIXES = (".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__
 SIBLINGS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 DTYPES = ("float32", "float16", "bfloat16")  # what dequantize_4bit restores
 MAX_STATE_BYTES = 1 << 16
-# fp4 code 8 is the sign bit alone: its quant_map entry is 0.0, but bitsandbytes' CPU kernel
-# (csrc cpu_ops, what dequantize_4bit runs on CPU) applies the sign and writes -0.0
-FP4_NEGATIVE_ZERO = 8
 
 
 def quantised_weights(keys: Iterable[str]) -> dict[str, tuple[str, ...]]:
@@ -70,7 +72,7 @@ def read_state(data: bytes, where: str) -> dict[str, Any]:
 
 def dequantize(torch: Any, packed: Any, tensors: Mapping[str, Any], state: Mapping[str, Any], dtype: str,
                where: str) -> Any:
-    """Return the weight `packed` holds, in `dtype`, as bitsandbytes' dequantize_4bit computes it.
+    """Return the weight `packed` holds, in `dtype`, as bitsandbytes' reference dequantize_4bit computes it.
 
     `tensors` holds the sibling entries by suffix (`absmax`, `quant_map`, `nested_absmax`,
     `nested_quant_map`)."""
@@ -92,11 +94,7 @@ def dequantize(torch: Any, packed: Any, tensors: Mapping[str, Any], state: Mappi
     values = torch.empty(codes.numel() * 2, dtype=torch.int32)
     values[1::2] = codes & 0xF
     values[::2] = codes >> 4
-    table = code.float()
-    if state["quant_type"] == "fp4" and table.numel() > FP4_NEGATIVE_ZERO and table[FP4_NEGATIVE_ZERO] == 0:
-        table = table.clone()
-        table[FP4_NEGATIVE_ZERO] = -0.0  # the sign bit of code 8: bitsandbytes' CPU kernel gives -0.0 there
-    values = table[values][:count]
+    values = code.float()[values][:count]  # the checkpoint's own table, fp4's code 8 included (see the docstring)
     return _scale(torch, values, absmax, blocksize).reshape(shape).to(getattr(torch, dtype))
 
 

@@ -166,8 +166,9 @@ def open_filesystem(protocol: str, storage_options: Mapping[str, Any] | None = N
     if protocol in GCS_PROTOCOLS:
         options.setdefault("requests_timeout", _gcs_timeout())
         # gcsfs would try gcloud's old token cache and the metadata server again (14-50 s without a network),
-        # then go on anonymously: Application Default Credentials or a one-line error
-        options.setdefault("token", "google_default")
+        # then go on anonymously: Application Default Credentials or a one-line error. An emulator checks no
+        # credentials: with STORAGE_EMULATOR_HOST, anonymous, as gcsfs ends up and Google's client libraries start
+        options.setdefault("token", "anon" if _gcs_emulator_host() else "google_default")
         cls = _gcs_filesystem_class()
     elif protocol in AZURE_PROTOCOLS:
         options = _azure_options(url, host, options)
@@ -238,6 +239,13 @@ def _connection_account(connection: str) -> str | None:
     """The AccountName of an Azure connection string."""
     fields = dict(part.split("=", 1) for part in connection.split(";") if "=" in part)
     return fields.get("AccountName")
+
+
+def _gcs_emulator_host() -> str | None:
+    """The emulator STORAGE_EMULATOR_HOST names (gcsfs sends every request there), or None when
+    unset or "default" (gcsfs's word for Google's own endpoint)."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    return None if host in ("", "default") else host
 
 
 def _gcs_timeout() -> Any:
