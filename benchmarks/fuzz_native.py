@@ -1,14 +1,14 @@
 """Fuzz ckpttool's C modules, `_dcpscan` and `_records`, built with sanitizers (`.ci/sanitize`).
 
     python benchmarks/fuzz_native.py seeds DIR [--mapped]
-    python benchmarks/fuzz_native.py run --build DIR --seeds DIR [--count 3000] [--seed 0] [--workers 2] [--only N]
+    python benchmarks/fuzz_native.py run --build DIR --seeds DIR [--count 6000] [--seed 0] [--workers 2] [--only N]
 
 `seeds` (no sanitizer; imports torch) writes the seed `.metadata` files: a varied state dict
-saved by torch's own `dcp.save` (0-d to 5-d tensors, 11 dtypes, empty tensors, optimizer
+saved by torch's own `dcp.save` (0-d to 5-d tensors, 10 dtypes, empty tensors, optimizer
 state, bytes entries), the same Metadata pickled at protocols 2 and 5 and without memo PUTs
 (`pickletools.optimize`), and "grown" ones past the size at which readers/dcp.py builds chunk
 tables from the scanned columns (COLUMNS_FROM_BYTES, 2 MiB): torch's Metadata of that save with
-its tensors copied under 5,000 names and split into 1 to 4 chunks on 4 ranks' files, pickled as
+its tensors copied under enough names (~450 copies) and split into 1 to 4 chunks on 4 ranks' files, pickled as
 torch's FileSystemWriter pickles it (`pickle.dump`); with `--mapped`, one padded past
 MAP_METADATA_BYTES (64 MiB), where the reader maps the file and the C reader hands pages back
 (`release`). The repository's fixtures/**/.metadata (real FSDP, torchtitan, Megatron, ...
@@ -22,7 +22,9 @@ and calls them with seeded inputs:
   size fields inflated or shrunk (strings, FRAME, LONG1, memo slots), ints set to edge values,
   opcodes dropped, doubled or swapped, runs of opcodes deleted or repeated (whole records),
   strings swapped for others of the file, opcode snippets spliced, ranges of another seed
-  spliced in. Accepted results are checked against the invariants readers/columns.py indexes by.
+  spliced in; most get their FRAME lengths set to what each frame then holds (else any
+  truncated protocol-4 pickle ends the scan at its first FRAME). Half are of the seeds past
+  2 MiB. Accepted results are checked against the invariants readers/columns.py indexes by.
 - encode_rows, assemble, spans, match (`_records`), json_rows and file_sums (`_dcpscan`):
   random columns and layouts, in range and past it (edge ints, strided and aliased arrays,
   wrong dtypes and lengths), compared with a reference written here in Python from each
@@ -67,10 +69,11 @@ MAP_METADATA_BYTES = 64 << 20  # readers/dcp.py: from here the file is mapped an
 MAPPED_SEED_BYTES = MAP_METADATA_BYTES + (8 << 20)
 GROWN_SEED_BYTES = COLUMNS_FROM_BYTES + (256 << 10)  # the grown seeds: just past the tables' threshold
 
-# torch dtype names a `.metadata` may name (`torch.<name>`): what readers/dcp.py's KNOWN_DTYPES holds
+# the dtypes `scan` is given (readers/dcp.py's KNOWN_DTYPES: the names of core/dtypes.py's ITEMSIZE)
 DTYPES = frozenset({
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "int64", "int32", "int16",
+    "int8", "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e8m0fnu",
 })
 
 EDGE_INTS = (0, 1, 0xFF, 0x100, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, -1, -0x80000000, -0x80000001,
@@ -215,6 +218,7 @@ class Seed:
     group: str  # "small", "fixture", "past 2 MiB" (chunk tables), "mapped" (past 64 MiB)
     ops: list  # (start, end, opcode byte) of each opcode
     strings: list  # (start, end) of each SHORT_BINUNICODE
+    frames: list  # (start, length) of each FRAME (protocol 4+: 8-byte length, then that many bytes)
 
 
 def read_seeds(directory: Path, fixtures: bool) -> tuple[list[Seed], Path | None]:
@@ -229,7 +233,7 @@ def read_seeds(directory: Path, fixtures: bool) -> tuple[list[Seed], Path | None
             mapped = path
             continue
         data = path.read_bytes()
-        ops, strings = [], []
+        ops, strings, frames = [], [], []
         try:
             found = [(position, op.code) for op, _, position in pickletools.genops(data)]
         except Exception as error:  # not a pickle: useless as a seed
@@ -240,9 +244,11 @@ def read_seeds(directory: Path, fixtures: bool) -> tuple[list[Seed], Path | None
             ops.append((start, end, ord(code)))
             if code == "\x8c":
                 strings.append((start, end))
+            elif code == "\x95":
+                frames.append((start, int.from_bytes(data[start + 1:start + 9], "little")))
         group = "past 2 MiB" if size > COLUMNS_FROM_BYTES else "fixture" if path.is_relative_to(ROOT / "fixtures") else "small"
         seeds.append(Seed(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name), data, group, ops,
-                          strings))
+                          strings, frames))
     return seeds, mapped
 
 
@@ -276,7 +282,7 @@ def int_opcode(value: int) -> bytes:
 def one_edit(seed: Seed, others: list[Seed], rng: random.Random) -> tuple[int, int, bytes, str] | None:
     """One mutation of `seed` as (start, stop, new bytes, name): data[start:stop] becomes the new bytes."""
     data, ops = seed.data, seed.ops
-    kind = rng.choice(("set", "set", "bits", "truncate", "argument", "argument", "argument", "int", "drop", "double",
+    kind = rng.choice(("set", "set", "bits", "truncate", "truncate", "argument", "argument", "argument", "int", "drop", "double",
                        "swap", "delete-run", "repeat-run", "string", "splice", "splice", "memo", "crossover"))
     n = len(data)
     if kind == "set":
@@ -285,8 +291,8 @@ def one_edit(seed: Seed, others: list[Seed], rng: random.Random) -> tuple[int, i
     if kind == "bits":
         at = rng.randrange(n)
         return at, at + 1, bytes([data[at] ^ (1 << rng.randrange(8))]), kind
-    if kind == "truncate":
-        at = boundary(seed, rng) if rng.random() < 0.5 else rng.randrange(n)
+    if kind == "truncate":  # anywhere, between opcodes, or inside an opcode's argument
+        at = rng.choice((rng.randrange(n), boundary(seed, rng), min(n - 1, boundary(seed, rng) + rng.randint(1, 12))))
         return at, n, b"", kind
     if kind == "argument":
         return argument_edit(seed, rng)
@@ -338,7 +344,7 @@ def one_edit(seed: Seed, others: list[Seed], rng: random.Random) -> tuple[int, i
     return at, at if rng.random() < 0.5 else boundary(seed, rng), other.data[other.ops[first][0]:other.ops[last][0]], kind
 
 
-def mutate(seed: Seed, others: list[Seed], rng: random.Random) -> tuple[bytes, str]:
+def mutate(seed: Seed, others: list[Seed], rng: random.Random) -> tuple[bytearray, str]:
     """Return a mutant of `seed` (one to three edits, none overlapping) and the names of its edits."""
     edits: list[tuple[int, int, bytes, str]] = []
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
@@ -352,10 +358,33 @@ def mutate(seed: Seed, others: list[Seed], rng: random.Random) -> tuple[bytes, s
         edit = (start, stop, edit[2], edit[3])
         if all(stop <= a or start >= b for a, b, _, _ in edits) and all(start != a for a, _, _, _ in edits):
             edits.append(edit)
-    data = seed.data
-    for start, stop, new, _ in sorted(edits, key=lambda edit: edit[0], reverse=True):
-        data = data[:start] + new + data[stop:]
+    edits.sort(key=lambda edit: edit[0])
+    view, at = memoryview(seed.data), 0
+    pieces: list[Any] = []
+    for start, stop, new, _ in edits:
+        pieces += [view[at:start], new]
+        at = stop
+    data = bytearray().join(pieces + [view[at:]])
+    if seed.frames and rng.random() < 0.85:
+        reframe(data, seed.frames, edits)
     return data, "+".join(name for _, _, _, name in edits) or "none"
+
+
+def reframe(data: bytearray, frames: list, edits: list) -> None:
+    """Set each FRAME's length in `data` (a mutant) to the bytes its frame holds after `edits`
+    (sorted), as pickle's framer would have: a frame whose length no longer fits ends every
+    scan at its FRAME (the C reader checks the length against what is left), so a truncated
+    or shrunk protocol-4 pickle would otherwise never be read past its first opcode. A FRAME
+    an edit touched is left as it is."""
+    for start, length in frames:
+        if any((a < start + 9 and b > start) if a != b else start < a < start + 9 for a, b, _, _ in edits):
+            continue
+        shift = sum(len(new) - (b - a) for a, b, new, _ in edits if a <= start)
+        inside = sum(len(new) - (b - a) for a, b, new, _ in edits if start + 9 <= a < start + 9 + length)
+        at = start + shift
+        if at < 0 or at + 9 > len(data):
+            continue
+        data[at + 1:at + 9] = max(0, min(length + inside, len(data) - at - 9)).to_bytes(8, "little")
 
 
 # ---- what an accepted scan must hold (readers/columns.py indexes by these) ----
@@ -545,7 +574,7 @@ def call_encode_rows(records: Any, np: Any, rng: random.Random) -> str:
 
 
 def call_assemble(records: Any, np: Any, rng: random.Random) -> str:
-    layouts = []
+    layouts: list[Any] = []
     for _ in range(rng.randint(1, 4)):
         crcs = rng.choice((0, 4, 8, 16, 40, 400))
         split = 4 * rng.randint(0, crcs // 4)
@@ -582,7 +611,7 @@ def call_assemble(records: Any, np: Any, rng: random.Random) -> str:
             layouts[0] = "not a tuple"
         try:
             result = records.assemble(out, source, kinds, positions, tuple(layouts), first, limit)
-        except (ValueError, TypeError, OverflowError):
+        except (ValueError, TypeError, OverflowError, SystemError):  # SystemError: a layout not a tuple (PyArg_ParseTuple)
             return "refused"
         # the change may have left the records this call writes valid: then it writes them
         assert isinstance(result, tuple), "assemble returned something else"
@@ -648,7 +677,7 @@ def call_match(records: Any, np: Any, rng: random.Random) -> str:
             return "refused"
         raise AssertionError("match read a word past the block")
     got = records.match(block, np.array(starts, np.int64), runs)
-    expected = bytearray()
+    same = bytearray()
     for at in starts:
         equal = True
         for first, end, words, mask in runs:
@@ -656,8 +685,8 @@ def call_match(records: Any, np: Any, rng: random.Random) -> str:
             if mask is not None:
                 have = bytes(a & b for a, b in zip(have, mask))
             equal = equal and have == words
-        expected.append(equal)
-    assert got == bytes(expected), "match differs from the reference"
+        same.append(equal)
+    assert got == bytes(same), "match differs from the reference"
     return "ok"
 
 
@@ -768,52 +797,57 @@ class Fuzz:
         choice = random.Random(f"{self.seed}:{number}:kind").random()
         return "scan" if choice < 0.75 else random.Random(f"{self.seed}:{number}:call").choice(sorted(TABLE_CALLS))
 
-    def mutant(self, number: int) -> tuple[Seed, bytes, str]:
+    def mutant(self, number: int) -> tuple[Seed, bytearray, str]:
         rng = random.Random(f"{self.seed}:{number}")
         group = rng.choice(("small", "fixture", "past 2 MiB", "past 2 MiB"))
         seed = rng.choice(self.by_group.get(group) or self.seeds)
         data, mutations = mutate(seed, self.seeds, rng)
         return seed, data, mutations
 
-    def mapped_mutant(self, number: int) -> tuple[bytes, str]:
-        """The mapped seed with one edit past the first release (64 MiB in), or as it is (input 0)."""
-        data = self.mapped.read_bytes()
-        if number == 0:
-            return data, "none"
+    def write_mapped_mutant(self, number: int, path: Path) -> str:
+        """Write the mapped seed with one edit past the first release (64 MiB in), or as it is
+        (input 0), to `path` (a piece at a time: no copy of it in memory); return the edit's name."""
+        assert self.mapped is not None
+        size = self.mapped.stat().st_size
         rng = random.Random(f"{self.seed}:{number}")
-        at = rng.randrange(MAP_METADATA_BYTES + (1 << 20), len(data))
-        choice = rng.randrange(3)
-        if choice == 0:
-            return data[:at], "truncate"
-        if choice == 1:
-            return data[:at] + bytes([rng.randrange(256)]) + data[at + 1:], "set"
-        return data[:at] + rng.choice(SNIPPETS) + data[at:], "splice"
+        at = rng.randrange(MAP_METADATA_BYTES + (1 << 20), size)
+        kind = "none" if number == 0 else rng.choice(("truncate", "set", "splice"))
+        new, skip = {"none": (b"", 0), "truncate": (b"", size - at), "set": (bytes([rng.randrange(256)]), 1),
+                     "splice": (rng.choice(SNIPPETS), 0)}[kind]
+        with open(self.mapped, "rb") as source, open(path, "wb") as out:
+            left = at if kind != "none" else size
+            while left:
+                left -= out.write(source.read(min(left, 1 << 20)))
+            out.write(new)
+            source.seek(at + skip if kind != "none" else size)
+            shutil.copyfileobj(source, out, 1 << 20)
+        return kind
 
-    def run_one(self, number: int, stats: Counter) -> None:
-        """Run input `number`; raise AssertionError (or whatever a call raised) on a failure."""
+    def run_one(self, number: int, stats: Counter) -> str:
+        """Run input `number` and return its row of the table (a seed group or a function); raise
+        AssertionError (or whatever a call raised) on a failure."""
         kind = self.kind(number)
         if kind == "mapped":
-            data, mutations = self.mapped_mutant(number)
             path = self.scratch / f"mapped-{os.getpid()}.metadata"
-            path.write_bytes(data)
-            del data
+            self.write_mapped_mutant(number, path)
             with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 scanned = self.scanner.scan(mapped, DTYPES, True, True)
                 length = len(mapped)
             path.unlink()
             self.count_scan(stats, "mapped", scanned, length)
-            return
+            return "mapped"
         if kind == "scan":
             seed, data, _ = self.mutant(number)
             scanned = self.scanner.scan(data, DTYPES, True, False)
             self.count_scan(stats, seed.group, scanned, len(data))
             if not isinstance(scanned, int) and random.Random(number).random() < 0.05:
-                assert self.scanner.scan(bytearray(data), DTYPES, True, False) == scanned, "scan is not deterministic"
-            return
+                assert self.scanner.scan(bytes(data), DTYPES, True, False) == scanned, "scan is not deterministic"
+            return seed.group
         module, call = TABLE_CALLS[kind]
         outcome = call(self.scanner if module == "scanner" else self.records, self.np,
                        random.Random(f"{self.seed}:{number}"))
         stats[f"{kind} {outcome}"] += 1
+        return kind
 
     @staticmethod
     def count_scan(stats: Counter, group: str, scanned: Any, length: int) -> None:
@@ -827,22 +861,25 @@ class Fuzz:
             stats[f"scan {group} accepted"] += 1
 
 
-def worker(fuzz: Fuzz, numbers: range, current: Any, slot: int, report: int) -> None:
-    """A forked worker: run `numbers`, noting each in `current[slot]` first; report stats and failures; exit."""
+def worker(fuzz: Fuzz, numbers: range, current: Any, slot: int, report: Path) -> None:
+    """A forked worker: run `numbers`, noting each in `current[slot]` first; write the stats and
+    failures to `report` (a file: a pipe would fill before the parent reads it); exit."""
     stats: Counter = Counter()
     failures = []
     status = 0
     try:
         for number in numbers:
             current[slot] = number
+            started = time.process_time()
             try:
-                fuzz.run_one(number, stats)
+                row = fuzz.run_one(number, stats)
+                stats[f"seconds {row}"] += time.process_time() - started
             except MemoryError:
                 stats["memory"] += 1
             except Exception:
                 failures.append((number, traceback.format_exc()[-3000:]))
         current[slot] = -1
-        os.write(report, json.dumps({"stats": stats, "failures": failures}).encode())
+        report.write_text(json.dumps({"stats": stats, "failures": failures}))
     except BaseException:
         traceback.print_exc()
         status = 3
@@ -854,12 +891,14 @@ def write_failure(fuzz: Fuzz, number: int, out: Path) -> str:
     """Write input `number`'s bytes (a .metadata mutant) to `out` for replay; return what was written."""
     kind = fuzz.kind(number)
     out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{number}.metadata"
     if kind == "scan":
         seed, data, mutations = fuzz.mutant(number)
-        path = out / f"{number}.metadata"
         path.write_bytes(data)
         return f"{path} (seed {seed.name}, {mutations})"
-    return f"input {number} is a {kind} call"
+    if kind == "mapped":
+        return f"{path} (the mapped seed, {fuzz.write_mapped_mutant(number, path)}; scanned through a map)"
+    return f"a call of {kind}"
 
 
 def main() -> None:
@@ -871,7 +910,7 @@ def main() -> None:
     run = commands.add_parser("run", help="fuzz the two modules built in --build")
     run.add_argument("--build", type=Path, required=True, help="directory of the _dcpscan and _records .so files")
     run.add_argument("--seeds", type=Path, required=True, help="directory `seeds` wrote")
-    run.add_argument("--count", type=int, default=3000, help="inputs to run (default 3000)")
+    run.add_argument("--count", type=int, default=6000, help="inputs to run (default 6000: ~80 s on 2 cores)")
     run.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
     run.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="forked workers (default: cores)")
     run.add_argument("--mapped-count", type=int, default=3, help="inputs scanned through a map (default 3)")
@@ -923,36 +962,33 @@ def main() -> None:
 
     current = mmap.mmap(-1, 8 * args.workers)  # shared with the workers: the input each is on
     slots = memoryview(current).cast("q")
-    children: dict[int, tuple[int, int]] = {}
+    children: dict[int, int] = {}
     for slot in range(args.workers):
         slots[slot] = -1
-        read_end, write_end = os.pipe()
+        sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            os.close(read_end)
-            worker(fuzz, range(slot, args.count, args.workers), slots, slot, write_end)
-        os.close(write_end)
-        children[pid] = (slot, read_end)
+            worker(fuzz, range(slot, args.count, args.workers), slots, slot, scratch / f"report-{slot}.json")
+        children[pid] = slot
     stats = Counter()
     failures: list[str] = []
     while children:
         pid, status = os.wait()
-        slot, read_end = children.pop(pid)
-        chunks = []
-        while chunk := os.read(read_end, 1 << 16):
-            chunks.append(chunk)
-        os.close(read_end)
-        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and chunks:
-            report = json.loads(b"".join(chunks))
+        slot = children.pop(pid)
+        written = scratch / f"report-{slot}.json"
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and written.is_file():
+            report = json.loads(written.read_text())
             stats.update(report["stats"])
-            failures += [f"input {number}: {text}" for number, text in report["failures"]]
+            failures += [f"input {number}, {write_failure(fuzz, number, out)} (replay: --only {number}):\n{text}"
+                         for number, text in report["failures"]]
             continue
         number = slots[slot]
         how = (f"killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
                else f"exit status {os.WEXITSTATUS(status)}")
         failures.append(f"worker {slot} died ({how}, a sanitizer report above?) on input {number}: "
-                        f"{write_failure(fuzz, number, out) if number >= 0 else 'between inputs'}; replay: "
-                        f"benchmarks/fuzz_native.py run ... --seed {args.seed} --only {number}")
+                        f"{write_failure(fuzz, number, out) if number >= 0 else 'between inputs'}; replay (sanitized): "
+                        f"benchmarks/fuzz_native.py run --build {args.build} --seeds {args.seeds} --seed {args.seed} "
+                        f"--only {number}")
     slots.release()
     current.close()
     elapsed = time.perf_counter() - started
@@ -960,16 +996,19 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
     print(f"{args.count} inputs (seed {args.seed}) in {elapsed:.1f} s on {args.workers} workers")
-    print(f"  {'.metadata mutants':24} {'scanned':>8} {'accepted':>9} {'declined':>9} {'read before declining':>22}")
+    print(f"  {'.metadata mutants':24} {'scanned':>8} {'accepted':>9} {'declined':>9} {'read before declining':>22} "
+          f"{'CPU s':>6}")
     for group in ("small", "fixture", "past 2 MiB", "mapped"):
         total = stats[f"scan {group}"]
         if total:
             refused = stats[f"scan {group} declined"]
             depth = stats[f"scan {group} depth"] / refused if refused else 0
-            print(f"  {group:24} {total:>8} {stats[f'scan {group} accepted']:>9} {refused:>9} {depth:>21.0%}")
-    print(f"  {'calls':24} {'ok':>8} {'refused':>9}")
+            print(f"  {group:24} {total:>8} {stats[f'scan {group} accepted']:>9} {refused:>9} {depth:>21.0%} "
+                  f"{stats[f'seconds {group}']:>6.1f}")
+    print(f"  {'calls':24} {'ok':>8} {'refused':>9} {'':>9} {'':>22} {'CPU s':>6}")
     for name in sorted(TABLE_CALLS):
-        print(f"  {name:24} {stats[f'{name} ok']:>8} {stats[f'{name} refused']:>9}")
+        print(f"  {name:24} {stats[f'{name} ok']:>8} {stats[f'{name} refused']:>9} {'':>9} {'':>22} "
+              f"{stats[f'seconds {name}']:>6.1f}")
     if stats["memory"]:
         print(f"  MemoryError: {stats['memory']}")
     for failure in failures:
