@@ -1,5 +1,7 @@
-"""Benchmark how long the first command takes: `ckpttool --help`, `inspect`, `validate` and
-`inspect --json` of the bundled example (fixtures/fsdp2_world3_uneven), each a fresh process.
+"""Benchmark how long the first command takes: `ckpttool --help`, `ckpttool export --help` (the
+command with the most options: its module is imported only when it is named), `inspect`,
+`validate` and `inspect --json` of the bundled example (fixtures/fsdp2_world3_uneven), each a
+fresh process.
 
 Against floors measured in the same run: `python -c pass` (the interpreter and site, with the
 venv's .pth files), `python -c "import click"` (what any click CLI pays), `python -c "import
@@ -75,6 +77,7 @@ def commands(example: Path) -> dict[str, list[str]]:
     first: its own code instead of LAUNCH)."""
     rows = {
         "ckpttool --help": ["--help"],
+        "ckpttool export --help": ["export", "--help"],  # one command's options, built when it is named
         "ckpttool inspect EXAMPLE": ["inspect", str(example)],
         "ckpttool validate EXAMPLE": ["validate", str(example)],
         "ckpttool inspect --json EXAMPLE": ["inspect", "--json", str(example)],

@@ -16,9 +16,7 @@ The public API, imported lazily so that `import ckpttool` stays cheap (no torch)
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
-import importlib.util
 import sys
 import types
 from typing import Any
@@ -65,12 +63,13 @@ _MOVED_TO = {f"{__name__}.{module}": f"{__name__}.{package}.{module}" for packag
              for module in modules}
 
 
-class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _OldPaths:
     """Serves `ckpttool.<old name>` as the module at its new home (asked only after the normal
-    finders found nothing: it sits last on sys.meta_path)."""
+    finders found nothing: it sits last on sys.meta_path). A finder and loader by protocol, not
+    by importlib.abc's classes, whose import costs more than the rest of `import ckpttool`."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED_TO else None
+        return importlib.machinery.ModuleSpec(fullname, self) if fullname in _MOVED_TO else None  # type: ignore[arg-type]
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         return importlib.import_module(_MOVED_TO[spec.name])

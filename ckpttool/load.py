@@ -610,7 +610,8 @@ def load_into(module: "torch.nn.Module", path: str | os.PathLike, *, strict: boo
     the module's dtype as `Tensor.copy_` casts. `assets` (the model's config.json folder) loads a
     transformers model straight from a torchtitan or Megatron-Core checkpoint (see `open`).
     transformers' fused-expert tensors (`mlp.experts.gate_up_proj` [E, 2F, D]) are filled from
-    per-expert keys by naming/fused.py's table, one expert's part at a time, in place.
+    per-expert keys by the naming families' fused-expert layouts (naming/fused.py), one expert's
+    part at a time, in place.
 
     Example:
         >>> model = transformers.AutoModelForCausalLM.from_config(config)

@@ -82,7 +82,8 @@ class ConvertOptions:
     weights (`everything`), `filters` globs, wrapper names kept (`keep_keys`), `--rename`
     rules, a `dtype` for floating tensors and per-key `dtype_map` (`GLOB=DTYPE`), one copy of
     tied weights (`drop_tied`), the largest shard of a directory output (`max_shard_size`),
-    and `quantize="fp8"` to write the linear weights as fine-grained FP8 in `block`s."""
+    `quantize="fp8"` to write the linear weights as fine-grained FP8 in `block`s, and the framework
+    tensors a naming table may leave out although they change the outputs (`drops`, globs)."""
 
     everything: bool = False
     filters: tuple[str, ...] = ()
@@ -94,6 +95,7 @@ class ConvertOptions:
     max_shard_size: str | int | None = None
     quantize: str | None = None  # "fp8": write fine-grained FP8 (formats.fp8) from a bf16/fp32 source
     block: tuple[int, int] = (128, 128)  # --quantize fp8's block (rows, cols)
+    drops: tuple[str, ...] = ()  # --drop: globs of framework tensors export may leave out although they change the outputs
     # derived, checked when built
     rules: KeyRules = field(init=False, repr=False, compare=False)
     cast: str | None = field(init=False, repr=False, compare=False)  # the torch dtype name of `dtype`
@@ -103,7 +105,7 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         from ckpttool.model.keys import KeyRules, Rename
 
-        for name in ("filters", "renames", "dtype_map"):
+        for name in ("filters", "renames", "dtype_map", "drops"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         rules = KeyRules(self.everything, not self.keep_keys, tuple(Rename.parse(r) for r in self.renames), self.filters)
         object.__setattr__(self, "rules", rules)

@@ -3,7 +3,8 @@ build the fixture's model (the generator's own `build_model`), `fully_shard` it,
 AdamW with the run's param groups, `dcp.load` the migrated checkpoint into
 `get_state_dict(model, optimizer)`, `set_state_dict`, and take the training step DeepSpeed took
 from the same save (step_reference.*). Rank 0 writes, per case, the loss and per tensor the
-largest difference from DeepSpeed's step, as JSON.
+largest difference from DeepSpeed's step, as JSON. `_trainer_rank`: the bundled trainer's own
+resume of such a migration, recording what it loaded.
 
     python tests/deepspeed_resume.py WORLD OUT.json CASE MIGRATED_DCP_DIR [CASE DIR ...]
 """
@@ -79,6 +80,56 @@ def _resume(case: str, source: str) -> dict:
         differences[key] = float((ours.float() - expected.float()).abs().max())
     steps = {float(s["step"]) for s in optimizer.state.values()}
     return {"loss": repr(float(loss.detach())), "differences": differences, "steps": sorted(steps)}
+
+
+def _trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
+    """The bundled trainer's own `train` on this rank, its command line `argv` (`--resume` of a
+    migrated DeepSpeed save): its `load_checkpoint` is wrapped to record, as soon as it returns,
+    the SHA-256 of every full parameter and of its AdamW exp_avg and exp_avg_sq (and the steps);
+    then the run goes on as the trainer's does. Rank 0 writes what was loaded as JSON."""
+    import torch.distributed as dist
+
+    import train_minimal.train as trainer
+    from fsdp_loads import exit_spawned_rank
+    from train_minimal.config import parse_args
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    loaded: dict = {}
+    load_checkpoint = trainer.load_checkpoint
+
+    def recording(app, checkpoint) -> None:
+        load_checkpoint(app, checkpoint)
+        loaded.update(_loaded_state(app.model, app.optimizer))
+
+    trainer.load_checkpoint = recording
+    trainer.train(parse_args(argv))
+    if rank == 0:
+        Path(out).write_text(json.dumps(loaded))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_spawned_rank()
+
+
+def _loaded_state(model, optimizer) -> dict:
+    """{"tensors": {"<fqn>.fp32" | "<fqn>.exp_avg" | "<fqn>.exp_avg_sq": sha256 of the full
+    tensor's bytes}, "steps": [...]}, named as optimizer.json names DeepSpeed's; collective."""
+    import hashlib
+
+    import torch
+
+    def full(tensor):
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        return hashlib.sha256(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    tensors, steps = {}, set()
+    for name, parameter in sorted(model.named_parameters()):
+        tensors[f"{name}.fp32"] = full(parameter)
+        state = optimizer.state[parameter]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            tensors[f"{name}.{kind}"] = full(state[kind])
+        steps.add(float(state["step"]))
+    return {"tensors": tensors, "steps": sorted(steps)}
 
 
 def main() -> None:

@@ -65,14 +65,18 @@ def test_a_run_directory_is_read_as_its_latest_zero_save(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_consolidate_equals_zero_to_fp32_tensor_for_tensor(consolidated, case):
-    """Every tensor zero_to_fp32 gives, byte for byte (sha256), the tied head included; floating
-    buffers of a bf16 run are kept as the module saved them (bf16), where zero_to_fp32 upcasts
-    them: equal after that exact upcast."""
+    """Every tensor zero_to_fp32 gives and no other, byte for byte (sha256), the tied head
+    included; floating buffers of a bf16 run are kept as the module saved them (bf16), where
+    zero_to_fp32 upcasts them: equal after that exact upcast. At stage 1 one tensor more: the
+    frozen parameter zero_to_fp32 loses (next test)."""
     import torch
     from safetensors.torch import load_file
 
     ours = load_file(consolidated[case])
     reference = expected(case)
+    lost = {reference["frozen"]["fqn"]} - set(reference["tensors"])
+    assert lost == ({reference["frozen"]["fqn"]} if case.startswith("zero1") else set()), lost
+    assert sorted(ours) == sorted({*reference["tensors"], *lost}) and len(ours) == len(reference["tensors"]) + len(lost)
     for fqn, facts in reference["tensors"].items():
         tensor = ours[fqn]
         if tensor.dtype == torch.bfloat16 and facts["dtype"] == "float32":
@@ -101,7 +105,14 @@ def test_the_optimizer_state_per_parameter_equals_deepspeeds(case):
     import ckpttool
 
     facts = expected(case, "optimizer.json")
+    trained = {entry.rsplit(".", 1)[0] for entry in facts["tensors"]}
+    states = {f"optim.state.{entry}" for entry in facts["tensors"] if not entry.endswith(".fp32")}
     with ckpttool.open(run_dir(case)) as checkpoint:
+        names = set(checkpoint.keys())
+        assert {name for name in names if name.startswith("optim.state.")} == states | {f"optim.state.{fqn}.step" for fqn in trained}
+        model = {name for name in names if name.startswith("model.")}
+        reference = expected(case)
+        assert model == {f"model.{fqn}" for fqn in {*reference["tensors"], reference["frozen"]["fqn"]}}, model
         for entry, fact in facts["tensors"].items():
             fqn, key = entry.rsplit(".", 1)
             name = f"model.{fqn}" if key == "fp32" else f"optim.state.{fqn}.{key}"
@@ -235,6 +246,27 @@ def test_partition_sizes_that_disagree_exit_1_naming_file_and_group(tmp_path, cl
     assert result.exit_code == 1 and "param group 0" in result.stderr and "partition sizes" in result.stderr, result.stderr
 
 
+def test_a_sub_group_in_no_param_group_exits_1_naming_the_file_and_the_sub_group(tmp_path, cli):
+    """Stage 3's optimizer state lists each sub-group in its param group (`params: [0, 1, 2, 3]`
+    and `[4]` here); with sub-group 3 listed in none, its hyperparameters are unknown: refused,
+    never put in group 0."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir("zero3_fp32"), run)
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+    def unlisted(data: bytes) -> bytes:  # `params: [0, 1, 2, 3]` -> `[0, 1, 2, 0]`
+        key = b"K\x00K\x01K\x02K\x03e"
+        assert data.count(key) == 1
+        return data.replace(key, b"K\x00K\x01K\x02K\x00e")
+
+    _rewritten(run, name, unlisted)
+    result = cli("consolidate", run, tmp_path / "out.safetensors")
+    line = result.stderr.strip()
+    assert result.exit_code == 1 and "\n" not in line and name in line, result.output
+    assert "sub-group 3 of 5 (model.layers.0.mlp.down_proj.weight)" in line and "in none of" in line, line
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 @pytest.mark.parametrize("case", ["zero1_fp32", "zero3_bf16"])
 def test_export_writes_one_copy_of_the_tied_pair_and_the_frozen_parameter(tmp_path, cli, case):
     """(The fixture's model persists its rotary `inv_freq` and `position_ids` buffers, which
@@ -282,8 +314,9 @@ def test_a_universal_checkpoint_reads_as_the_zero_save_it_was_made_from(cli, cas
 def test_load_into_fills_the_model_deepspeed_trained_with_its_master_weights(case):
     """The generator's own model class, freshly initialised with other weights: every
     parameter and buffer comes from the save (the fp32 masters; the tied head through the
-    embedding), and its logits equal DeepSpeed's on the reference input (fp32 runs; a bf16
-    run computed them in bf16)."""
+    embedding), and its logits on the reference input equal, bit for bit, those of the same
+    class holding DeepSpeed's own module state, both computed here (fp32 runs; a bf16 run's
+    module is not its masters)."""
     import sys
 
     import torch
@@ -301,28 +334,43 @@ def test_load_into_fills_the_model_deepspeed_trained_with_its_master_weights(cas
         if f"{name}.fp32" in facts:
             assert sha256_of(parameter) == facts[f"{name}.fp32"]["sha256"], name
     if case.endswith("fp32"):
-        from safetensors.torch import load_file
-
-        reference = expected(case, "step_reference.json")
-        ids = torch.tensor(reference["input_ids"])
+        # The oracle: DeepSpeed's `module` in its save (what its load_checkpoint restores; pinned to the
+        # live engine's module by expected.json), in the same class, its forward run on this machine: the
+        # stored logits_before came from the BLAS kernels of the generator's CPU, not comparable bit for bit
+        saved = torch.load(run_dir(case) / "global_step2" / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+        live = {name: facts["sha256"] for name, facts in expected(case)["live_module_state"].items() if name != "note"}
+        assert {name: sha256_of(tensor) for name, tensor in saved.items()} == live
+        oracle = generator.build_model(seed=2)  # other weights again: whatever load_into missed would differ
+        oracle.load_state_dict(saved)
+        ids = torch.tensor(expected(case, "step_reference.json")["input_ids"])
         with torch.no_grad():
-            logits = model(ids)
-        assert torch.equal(logits, load_file(DEEPSPEED / case / "step_reference.safetensors")["logits_before"])
+            assert torch.equal(model(ids), oracle(ids))
 
 
 def test_the_bundled_trainer_continues_a_deepspeed_run_from_its_migration(tmp_path, migrated):
     """DeepSpeed trained the trainer's own Llama 2 steps (ZeRO-2); `reshard --world 2` of that
-    save, then `python -m train_minimal --resume` with the same model flags: the weights and
-    the AdamW state load (the first step is AdamW's third: step 3.0 in the trainer's own
-    checkpoint), on a fresh LR schedule."""
+    save, then the trainer's `--resume` with the same model flags (its `train` on 2 ranks, the
+    command line `python -m train_minimal` gets): what it loaded is DeepSpeed's, every fp32
+    master weight, exp_avg and exp_avg_sq byte for byte (optimizer.json, from the live engine),
+    and the first step is AdamW's third (step 3.0 in the trainer's own checkpoint), on a fresh
+    LR schedule."""
     import ckpttool
-    from trainer_runs import latest_step, run_trainer
+    from fsdp_loads import free_port
+    from rank_forks import run_ranks
+    from trainer_runs import latest_step, trainer_command
 
     case = "trainer_llama_zero2"
     flags = json.loads((DEEPSPEED / case / "train_config.json").read_text())
     source = migrated(case, 2)
-    ckpt = run_trainer(tmp_path, *flags, "--resume", str(source), "--steps", "1", steps=1)
+    argv = trainer_command(tmp_path, *flags, "--resume", str(source), "--steps", "1", steps=1)[3:]  # past `python -m train_minimal`
+    run_ranks("deepspeed_resume:_trainer_rank", 2, 2, free_port(), argv, str(tmp_path / "loaded.json"), timeout=600)
+    ckpt = tmp_path / "ckpt"
     facts = expected(case, "optimizer.json")
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    assert loaded["steps"] == [facts["step"]]
+    reference = {name: tensor["sha256"] for name, tensor in facts["tensors"].items()}
+    assert sorted(loaded["tensors"]) == sorted(reference)
+    assert [name for name in reference if loaded["tensors"][name] != reference[name]] == []
     with ckpttool.open(latest_step(ckpt)) as resumed:
         steps = {float(resumed.get_tensor(name)) for name in resumed.keys() if name.startswith("optim.state.") and name.endswith(".step")}
         assert steps == {facts["step"] + 1}

@@ -187,6 +187,27 @@ def test_a_common_pt_of_a_model_without_swiglu_exits_1_naming_the_arg(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
 
 
+def test_with_assets_a_common_pt_setting_the_tables_cannot_represent_still_exits_1_naming_it(tmp_path, cli):
+    """--assets gives config.json, but common.pt says what the model computes: a rotary layout or
+    activation the tables cannot write is refused whatever the config says (it was not checked
+    when a config was given)."""
+    def interleaved(data: bytes) -> bytes:  # the BUILD dict's `"rotary_interleaved": False` -> True
+        key = b"X\x12\x00\x00\x00rotary_interleavedq"
+        at = data.index(key) + len(key) + 1
+        assert data.count(key) == 1 and data[at:at + 1] == b"\x89", data[at:at + 1]  # NEWFALSE
+        return data[:at] + b"\x88" + data[at + 1:]  # NEWTRUE
+
+    run, common = crafted_copy(tmp_path, interleaved)
+    assets = MEGATRON / "llama_tp2" / "hf"
+    result = cli("export", run, tmp_path / "out", "--assets", assets)
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{common}: args rotary_interleaved=True" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+    unchanged, _ = crafted_copy(tmp_path / "unchanged", lambda data: data)
+    assert cli("export", unchanged, tmp_path / "unchanged" / "out", "--assets", assets, "--quiet").exit_code == 0
+
+
 def test_a_common_pt_without_megatron_lms_args_still_asks_for_assets(tmp_path, cli):
     """A save by megatron-core alone keeps no `args`: the head counts come from --assets, as before."""
     def without_args(data: bytes) -> bytes:

@@ -1,12 +1,14 @@
 """The first command is fast because it imports only what it uses (issue 33): `inspect` and
-`validate` load no writer, plan, executor, torchrun code, other command or other renderer, and
-`--help` loads no command at all. An eager import re-added anywhere on their path (a renderer
-importing a report type at module level, `cli.py` importing a command at the top, a reader
-package importing every reader) fails here. Neither imports numpy for a small checkpoint (the
+`validate` load no writer, plan, executor, torchrun code, other command (nor its CLI module) or
+other renderer, and `--help` loads no command at all, not even the CLI's modules declaring their
+options (the group lists each command's one-line help from `cli.COMMANDS`, checked here against
+click's own listing of the loaded commands). An eager import re-added anywhere on their path (a
+renderer importing a report type at module level, the CLI's group importing a command's module, a
+reader package importing every reader) fails here. Neither imports numpy for a small checkpoint (the
 bundled example: its import alone costs more than the whole command): `validate` checks a few
 hundred claimed byte ranges in pure Python (`integrity_small`, the same findings as the numpy
-path, checked here on damaged copies), and the naming tables compile their patterns only when
-a key is matched. Neither imports the checking unpickler for a `.metadata` torch wrote: the C
+path, checked here on damaged copies), and the naming tables compile no regex (a pattern is
+split into its literals). Neither imports the checking unpickler for a `.metadata` torch wrote: the C
 reader reads a small one into tuples of Chunk (the loader's checkpoint, checked here on every
 fixture and on mutants), and `validate` imports the quantisation code only where it could find
 something (checked against `quantization.find`). Nor do they import the writing commands'
@@ -35,7 +37,9 @@ from conftest import FIXTURES, ROOT
 from test_chunk_tables import DAMAGE
 from test_validate import copy_fixture
 
+from ckpttool.cli import COMMANDS, CONTEXT
 from ckpttool.core.checkpoint import ChunkTable
+from ckpttool.naming import REGISTRY
 
 EXAMPLE = FIXTURES / "fsdp2_world3_uneven"
 
@@ -72,6 +76,8 @@ NEVER = (
     "ckpttool.commands.export_adapter", "ckpttool.commands.import_", "ckpttool.commands.push", "ckpttool.commands.diff",
     "ckpttool.commands.manifest", "ckpttool.check.manifest", "ckpttool.render.shard_map",
     "ckpttool.readers.deepspeed", "ckpttool.readers.megatron", "ckpttool.readers.verl", "ckpttool.readers.torch_pt",
+    "ckpttool.cli.consolidate", "ckpttool.cli.reshard", "ckpttool.cli.export", "ckpttool.cli.import_",
+    "ckpttool.cli.push", "ckpttool.cli.diff", "ckpttool.cli.manifest",  # the other commands' options, built on demand
 )
 # a small checkpoint (the example): no numpy, no LoRA finder for a model without LoRA keys,
 # (validate without --deep reads metadata and file sizes) no blob reader or torch.save code, and
@@ -85,14 +91,18 @@ SMALL_NEVER = NEVER + ("ckpttool.options", "ckpttool.store.io", "numpy", "ckptto
 # tensor) no quantisation code, (a model no framework names: `naming.candidates` finds no
 # family's signature) neither the naming engine nor its tables, and (model_view normalises the
 # wrapper names itself) no key rules
-INSPECT_NEVER = SMALL_NEVER + ("ckpttool.check.integrity", "ckpttool.model.quantization", "ckpttool.naming.engine",
-                               "ckpttool.naming.torchtitan", "ckpttool.naming.megatron", "ckpttool.model.keys")
+INSPECT_NEVER = SMALL_NEVER + ("ckpttool.cli.validate", "ckpttool.check.integrity", "ckpttool.model.quantization", "ckpttool.naming.engine",
+                               "ckpttool.naming.fused", "ckpttool.naming.megatron_config", "ckpttool.naming.families",
+                               "ckpttool.model.keys")
 # validate of a checkpoint with no quantised weights and no config.json: no quantisation code,
 # and no key rules (only a ConvertOptions, which validate never builds, needs them)
-VALIDATE_NEVER = SMALL_NEVER + ("ckpttool.model.quantization", "ckpttool.model.keys")
+VALIDATE_NEVER = SMALL_NEVER + ("ckpttool.cli.inspect", "ckpttool.model.quantization", "ckpttool.model.keys")
 # printing text, not --json: no JSON encoder (nor decoder: no config.json is read)
 TEXT_NEVER = ("json",)
 RENDERERS = {f"ckpttool.render.{path.stem}" for path in (ROOT / "ckpttool" / "render").glob("*.py")} - {"ckpttool.render.__init__"}
+# the CLI's modules beside its group: one per command, and the options and running they share
+CLI_MODULES = tuple(sorted(f"ckpttool.cli.{path.stem}" for path in (ROOT / "ckpttool" / "cli").glob("*.py")
+                           if path.stem != "__init__"))
 
 
 def imported(tmp_path: Path, *args: str, how: str = "script") -> set[str]:
@@ -116,7 +126,8 @@ def forbidden(modules: set[str], prefixes: tuple[str, ...]) -> set[str]:
 ], ids=["inspect", "inspect-json", "python-m-inspect"])
 def test_inspect_imports_neither_writers_plans_other_commands_nor_other_renderers(tmp_path, args, how):
     modules = imported(tmp_path, *args, how=how)
-    assert {"ckpttool.commands.inspect", "ckpttool.render.inspect", "ckpttool.readers.dcp"} <= modules  # it ran
+    assert {"ckpttool.cli.inspect", "ckpttool.commands.inspect", "ckpttool.render.inspect",
+            "ckpttool.readers.dcp"} <= modules  # it ran
     assert forbidden(modules, INSPECT_NEVER + (() if "--json" in args else TEXT_NEVER)) == set()
     assert {m for m in modules if m in RENDERERS} <= {"ckpttool.render.inspect", "ckpttool.render.chunk_tables",
                                                      "ckpttool.render.lora", "ckpttool.render.text"}
@@ -125,7 +136,7 @@ def test_inspect_imports_neither_writers_plans_other_commands_nor_other_renderer
 @pytest.mark.parametrize("args", [("validate",), ("validate", "--json")], ids=["validate", "validate-json"])
 def test_validate_imports_neither_writers_plans_other_commands_nor_other_renderers(tmp_path, args):
     modules = imported(tmp_path, *args, str(EXAMPLE))
-    assert {"ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.check.integrity",
+    assert {"ckpttool.cli.validate", "ckpttool.commands.validate", "ckpttool.render.validate", "ckpttool.check.integrity",
             "ckpttool.check.integrity_small"} <= modules  # it ran, the small checkpoint's way
     assert forbidden(modules, VALIDATE_NEVER + (() if "--json" in args else TEXT_NEVER)) == set()
     assert {m for m in modules if m in RENDERERS} <= {"ckpttool.render.validate", "ckpttool.render.manifest",
@@ -135,9 +146,50 @@ def test_validate_imports_neither_writers_plans_other_commands_nor_other_rendere
 def test_help_imports_no_command_reader_or_renderer(tmp_path):
     modules = imported(tmp_path, "--help")
     assert "ckpttool.cli" in modules  # it ran
+    assert len(CLI_MODULES) >= len(COMMANDS) + 2
     assert forbidden(modules, ("ckpttool.commands", "ckpttool.readers", "ckpttool.render", "ckpttool.options",
                                "ckpttool.source_options", "ckpttool.store.storage", "ckpttool.outputs", "ckpttool.store.io",
-                               "json")) == set()
+                               "json", *CLI_MODULES)) == set()
+
+
+@pytest.mark.parametrize("width", [40, 80, 100, 200])
+def test_help_lists_every_command_as_click_lists_them_loaded(width):
+    """`ckpttool --help` takes each command's one-line help from `cli.COMMANDS`, importing no
+    command: the same page, at any terminal width, as a click group holding every command loaded,
+    and each entry is the first sentence of its command's docstring, as click shortens it."""
+    import click
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    loaded = {name: main.get_command(click.Context(main), name) for name in COMMANDS}
+    assert all(command is not None and command.name == name for name, command in loaded.items())
+    assert {name: summary for name, (_, summary) in COMMANDS.items()} == \
+        {name: command.get_short_help_str(limit=1_000_000) for name, command in loaded.items()}
+    eager = click.Group("ckpttool", commands=loaded, params=main.params, help=main.help, context_settings=CONTEXT)
+    runner = CliRunner()
+    lazy_page = runner.invoke(main, ["--help"], prog_name="ckpttool", env={"COLUMNS": str(width)})
+    eager_page = runner.invoke(eager, ["--help"], prog_name="ckpttool", env={"COLUMNS": str(width)})
+    assert lazy_page.exit_code == eager_page.exit_code == 0
+    assert lazy_page.output == eager_page.output
+    assert all(f"  {name} " in lazy_page.output for name in COMMANDS)
+
+
+def test_each_command_shows_its_help_and_a_mistyped_name_gets_a_suggestion():
+    import click
+    from click.testing import CliRunner
+
+    from ckpttool.cli import main
+
+    runner = CliRunner()
+    for name in COMMANDS:
+        result = runner.invoke(main, [name, "-h"], prog_name="ckpttool")
+        assert result.exit_code == 0 and result.output.startswith(f"Usage: ckpttool {name} [OPTIONS]"), result.output
+        assert "--json" in result.output or name == "manifest"
+    mistyped = runner.invoke(main, ["inspct"], prog_name="ckpttool")
+    assert mistyped.exit_code == 2 and "No such command 'inspct'." in mistyped.output
+    if hasattr(click.exceptions, "NoSuchCommand"):  # click >= 8.2 suggests
+        assert "Did you mean 'inspect'?" in mistyped.output
 
 
 def test_the_forbidden_lists_name_real_modules():
@@ -185,8 +237,9 @@ def test_small_claims_order_ties_and_flag_sweeps_as_the_numpy_sort_does():
     assert adjacent([(0, 4, 0, True), (0, 6, 1, True)]) == (True, [0])  # two tensor blobs starting together
 
 
-def test_the_naming_tables_compile_their_patterns_when_first_matched(tmp_path):
-    """Importing the tables (as inspect does for any model) compiles none of their ~100 patterns."""
+def test_the_naming_tables_compile_no_regex_when_built_or_matched(tmp_path):
+    """Importing the tables (as inspect does where a signature matches) and matching keys
+    against their ~150 patterns compiles no regex: a pattern is split into its literals once."""
     code = ("import re, sys\n"
             "from ckpttool import naming\n"
             "from ckpttool.naming import engine\n"  # the engine (and what it imports), then the tables
@@ -194,11 +247,11 @@ def test_the_naming_tables_compile_their_patterns_when_first_matched(tmp_path):
             "original = re._compile\n"
             "re._compile = lambda pattern, flags: compiled.append(pattern) or original(pattern, flags)\n"
             "families = naming.FAMILIES\n"
-            "assert compiled == [] and all(not f._patterns for f in families), compiled\n"
-            "family = next(f for f in families if f.name == 'torchtitan llama3')\n"
+            "family = naming.family('torchtitan llama3')\n"
             "rule, values = family.match('layers.3.attention.qkv_linear.wq.weight')\n"
-            "assert rule.hf == 'model.layers.{L}.self_attn.q_proj.weight' and values == {'L': '3'}, (rule, values)\n"
-            "assert len(family._patterns) == len(family.rules) + len(family.ignored)\n")
+            "assert rule.targets == ('model.layers.{L}.self_attn.q_proj.weight',) and values == {'L': '3'}, (rule, values)\n"
+            "assert all(f.match('no.such.key') is None for f in families)\n"
+            "assert compiled == [], compiled\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path)
 
 
@@ -307,37 +360,39 @@ def test_inspect_of_a_framework_checkpoint_still_imports_the_naming_engine_and_n
     from ckpttool.commands.inspect import inspect
 
     path = FIXTURES / "frameworks" / "torchtitan" / "checkpoint" / "step-20"
-    assert {"ckpttool.naming.engine", "ckpttool.naming.torchtitan"} <= imported(tmp_path, "inspect", str(path))
+    modules = imported(tmp_path, "inspect", str(path))
+    assert {"ckpttool.naming.engine", "ckpttool.naming.families.torchtitan_llama3"} <= modules
     report = inspect(path)
     assert report.family == "torchtitan llama3" and report.hf_names
     assert report.hf_names["tok_embeddings.weight"] == ("model.embed_tokens.weight",)
 
 
 def test_the_signatures_inspect_reads_are_the_tables_and_find_the_same_families():
-    """`naming.SIGNATURES` (what `inspect` matches without the engine) is each table's own
-    signature, and `naming.candidates` is empty exactly where `find_family` finds no family, on
-    the model keys of every fixture and on each family's own signature filled in."""
+    """The registry's signatures (what `inspect` matches without the engine) are each table's
+    own, and `naming.candidates` is empty exactly where `find_family` finds no family, on the
+    model keys of every fixture and on each family's own signature filled in."""
     from ckpttool import naming
     from ckpttool.core.errors import CheckpointError
     from ckpttool.model.model_view import find_model
     from ckpttool.naming import engine
     from ckpttool.readers import open_checkpoint
 
-    assert {family.name: family.signature for family in naming.FAMILIES} == naming.SIGNATURES
-    assert list(naming.SIGNATURES) == [family.name for family in naming.FAMILIES]  # most specific first
+    assert [(family.name, family.signature) for family in naming.FAMILIES] == \
+        [(entry.name, entry.signature) for entry in REGISTRY]  # most specific first
     import ast
 
     body = ast.parse(Path(engine.__file__).read_text()).body  # every public name the engine defines is served
     defined = {node.name for node in body if isinstance(node, (ast.FunctionDef, ast.ClassDef))} | \
         {target.id for node in body if isinstance(node, ast.Assign) for target in ast.walk(node)
-         if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store)}
+         if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store)} | \
+        {node.target.id for node in body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     assert naming.ENGINE_NAMES == {name for name in defined if not name.startswith("_")}
     assert all(getattr(naming, name) is getattr(engine, name) for name in naming.ENGINE_NAMES)
     assert {"Family", "Rule", "Piece", "Target", "convert", "find_family"} <= naming.ENGINE_NAMES
 
     named = unnamed = 0
     key_sets = [[pattern.replace("{L}", "0").replace("{E}", "1").replace("{M}", "0") for pattern in signature]
-                for signature in naming.SIGNATURES.values()]
+                for signature in [entry.signature for entry in REGISTRY]]
     for path in ALL_METADATA + sorted((FIXTURES / "frameworks").glob("*/checkpoint*/*/")):
         try:
             checkpoint = open_checkpoint(path.parent if path.name == ".metadata" else path)
@@ -349,4 +404,4 @@ def test_the_signatures_inspect_reads_are_the_tables_and_find_the_same_families(
         found = naming.find_family(keys, naming.FAMILIES)
         assert bool(naming.candidates(keys)) == (found is not None), keys[:5]
         named, unnamed = named + (found is not None), unnamed + (found is None)
-    assert named >= len(naming.SIGNATURES) and unnamed >= 15, (named, unnamed)
+    assert named >= len(REGISTRY) and unnamed >= 15, (named, unnamed)

@@ -145,3 +145,18 @@ def test_the_floor_check_finds_an_import_of_a_higher_package():
 def test_at_most_eight_modules_loose_beside_the_packages():
     loose = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(loose) <= MAX_LOOSE_MODULES, loose
+
+
+def test_old_top_level_module_paths_import_the_moved_modules_in_a_fresh_interpreter():
+    """Documented paths from before the packages (`ckpttool.distributed.sharing()`, `from ckpttool
+    import storage`) give the very module at its new home, imported on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ckpttool.distributed as old, ckpttool.run.distributed as new; "
+            "from ckpttool import storage; from ckpttool.store import storage as home; "
+            "assert old is new and storage is home and old.sharing; "
+            "assert 'ckpttool.check.integrity' not in sys.modules; import ckpttool.integrity; "
+            "assert sys.modules['ckpttool.integrity'] is sys.modules['ckpttool.check.integrity']")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -181,3 +181,41 @@ def test_trainer_folder_reshard_carries_deepspeeds_optimizer_state(run, tmp_path
         assert float(saved["step"]) == optimizer["step"], fqn
         master = optimizer["tensors"][f"{fqn}.fp32"]
         assert sha256(state["model"][fqn]) == master["sha256"], fqn
+
+
+# -- HF Trainer with PEFT: a save that left its frozen base out (exclude_frozen_parameters) ----------
+
+PEFT = HF_TRAINER / "peft_zero2_exclude_frozen"
+
+
+def test_an_exclude_frozen_save_says_so_in_inspect_and_validate_and_refuses_a_full_model(run, tmp_path):
+    inspected = json.loads(run("inspect", PEFT / "run", "--json").stdout)
+    [note] = inspected["notes"]
+    assert "exclude_frozen_parameters" in note and "q_proj.base_layer.weight" in note
+    result = run("validate", PEFT / "run", "--json")
+    assert result.exit_code == 0 and [p["code"] for p in json.loads(result.stdout)["problems"]] == ["parameters-absent"]
+    for command, out in (("consolidate", tmp_path / "m.safetensors"), ("export", tmp_path / "hf")):
+        result = run(command, PEFT / "run", out)
+        assert result.exit_code == 1 and "[parameters-absent]" in result.stderr and "export --adapter" in result.stderr
+        assert not out.exists()
+
+
+def test_an_exclude_frozen_save_exports_its_adapter_which_peft_loads_on_the_base(run, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    expected = json.loads((PEFT / "expected.json").read_text())["tensors"]
+    out = tmp_path / "adapter"
+    result = run("export", PEFT / "run", out, "--adapter", "--quiet")  # adapter_config.json: in checkpoint-10/
+    assert result.exit_code == 0, result.output
+    ours = load_file(out / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(key.replace(".default.", ".") for key in expected)  # PEFT's file names
+    for key, row in expected.items():
+        assert sha256(ours[key.replace(".default.", ".")]) == row["sha256"], key  # zero_to_fp32's masters
+    base = AutoModelForCausalLM.from_pretrained(PEFT / "base_model")
+    model = PeftModel.from_pretrained(base, out)
+    loaded = {name: tensor for name, tensor in model.state_dict().items() if "lora_" in name}
+    assert sorted(loaded) == sorted(expected)
+    assert all(torch.equal(loaded[key], ours[key.replace(".default.", ".")]) for key in expected)

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -55,6 +56,20 @@ class Expected:
 
 def _any(patterns: tuple[str, ...], key: str) -> bool:
     return any(re.search(pattern, key) for pattern in patterns)
+
+
+def transformers_missing() -> str | None:
+    """Return why transformers cannot be asked (not installed, or too old to say what
+    `save_pretrained` writes), or None when it can."""
+    try:
+        import transformers
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401 - transformers >= 5
+    except ImportError as error:
+        version = getattr(sys.modules.get("transformers"), "__version__", None)
+        found = f"transformers {version} is too old" if version else "transformers is not installed"
+        return f"{found} ({type(error).__name__}: {error}); pip install 'transformers>=5'"
+    del transformers
+    return None
 
 
 def transformers_expected(config: Mapping[str, Any]) -> Expected | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool.core import dtypes
-from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
+from ckpttool.core.checkpoint import EXCLUDED_FROZEN, Blob, Checkpoint, Chunk, ChunkTable, Tensor, is_raw_range, paused_gc
 from ckpttool.core.errors import CheckpointError, InvalidCheckpoint, UnsafeDataFile
 from ckpttool.core.geometry import (COLUMN_LIMIT, Coverage, column_shape, column_volumes, columns_in_bounds, coverage,
                                dim0_tiling, find_overlaps, in_bounds)
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 ERROR, WARNING, INFO = "error", "warning", "info"
+PARAMETERS_ABSENT = "parameters-absent"  # problem code: the save left model parameters out (EXCLUDED_FROZEN)
 # files a DCP directory holds besides data: torch's metadata, Lightning's meta.pt, Megatron's
 # metadata.json and common.pt, PEFT's adapter_config.json (the LoRA settings the bundled
 # trainer saves with a LoRA run) (never "unreferenced")
@@ -78,6 +79,9 @@ def check(checkpoint: Checkpoint, follow_symlinks: bool = False) -> Integrity:
     (symlinks resolved) unless `follow_symlinks`."""
     report = Integrity(checkpoint)
     for note in checkpoint.notes:
+        if note.startswith(EXCLUDED_FROZEN):  # the save is whole as saved; the full model is not in it
+            report.add(WARNING, PARAMETERS_ABSENT, f"{checkpoint.metadata_file}: {note}")
+            continue
         fqn = note.split(":", 1)[0]
         report.add(ERROR, "unknown-dtype", f"{checkpoint.metadata_file}: {note}; this build cannot size or read it", fqn=fqn)
     with paused_gc():

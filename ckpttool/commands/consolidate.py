@@ -12,22 +12,24 @@ FSDP's dim-0 chunks move with `copy_file_range` and never enter user space.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Mapping, cast
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence, cast
 
 from ckpttool import naming, readers
 from ckpttool.check import integrity
 from ckpttool.model import quantization
 from ckpttool.run import distributed, execute, locating
+from ckpttool.run.merge import read_tensor
 from ckpttool.store import io
 from ckpttool.core.checkpoint import Blob, Checkpoint, Tensor, as_path
 from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, object_bytes, read_chunk
 from ckpttool.run.distributed import ProcessStats
-from ckpttool.core.errors import CorruptMetadata, UsageError, WriteFailed
+from ckpttool.core.errors import CorruptMetadata, InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.formats import hub, safetensors
 from ckpttool.check.integrity import Problem
 from ckpttool.store.io import parse_size, write_at
@@ -74,6 +76,7 @@ class ConsolidateReport:
     merged: str = ""  # --merge-adapter: what was merged
     quantization: str = ""  # quantised weights dequantised (--dtype) or written (--quantize): what was done
     source_choice: str = ""  # SRC held two checkpoints of one step: which was read, and how to read the other
+    left_out: tuple[tuple[str, str], ...] = ()  # (source key, the rule) of each model tensor not written
 
     @property
     def throughput(self) -> float:
@@ -116,6 +119,7 @@ class Planned:
     quantized_keys: tuple[str, ...] = ()  # --quantize fp8: the keys written as FP8
     family: Family | None = None  # the naming table that converted a framework's names to transformers'
     source_choice: str = ""  # readers.detect's choice between two checkpoints of one step (Detection.choice)
+    left_out: tuple[tuple[str, str], ...] = ()  # (source key, the rule) of each model tensor the naming table does not write
 
 
 class SourceFiles:
@@ -213,6 +217,11 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
     tables) convert a framework's model names to transformers' when the model is one of them."""
     detection, checkpoint = readers.read(source.locate(src), source.follow_symlinks, layout=source.layout)
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
+    absent = next((p for p in warnings if p.code == integrity.PARAMETERS_ABSENT), None)
+    if absent is not None and adapt is None:  # a whole model asked of a save that left parameters out
+        raise InvalidCheckpoint(f"{checkpoint.path}: {absent.message.split(': ', 1)[-1]}; a full model cannot be written "
+                                "from it (`export --adapter` writes the adapter; `--merge-adapter` merges it into its "
+                                "base); nothing was written", code=integrity.PARAMETERS_ABSENT)
     view = find_model(checkpoint, source.model_prefix)
     if adapt is not None:
         checkpoint, view = adapt(checkpoint, view.require())
@@ -222,7 +231,9 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
         family = naming.find_family(selection.tensors, families, config, str(checkpoint.path))
     opened = shared.open(checkpoint.path) if shared is not None else DataFiles(checkpoint.path, source.follow_symlinks)
     with opened as files:
+        left_out: tuple[tuple[str, str], ...] = ()
         if family is not None:  # from here on, the checkpoint as transformers names it
+            left_out = check_left_out(checkpoint, selection, family, config, files, convert.drops)
             checkpoint, selection = converted(checkpoint, selection, family, config, files, threads)
         found = quantization.find(checkpoint,
                                   config if config is not None else quantization.config_beside(checkpoint.path))
@@ -246,7 +257,7 @@ def plan_output(src: str | os.PathLike, name: str, kind: OutputFormat, convert: 
             quantize=quantize,
         )
     return Planned(checkpoint, detection.describe(), view, convert.rules, kind, plan, warnings, found, dequantize,
-                   tuple(quantize), family, detection.choice() or "")
+                   tuple(quantize), family, detection.choice() or "", left_out)
 
 
 def as_transformers(checkpoint: Checkpoint, config: Mapping[str, Any] | None, follow_symlinks: bool = False,
@@ -265,6 +276,37 @@ def as_transformers(checkpoint: Checkpoint, config: Mapping[str, Any] | None, fo
         return None
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         return converted(checkpoint, selection, family, config, files, model_only=True)[0]
+
+
+def check_left_out(checkpoint: Checkpoint, selection: Selection, family: Family, config: Mapping[str, Any] | None,
+                   files: DataFiles, drops: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """Return (source key, rule) of each model tensor `family`'s table does not write. Raise
+    InvalidCheckpoint (`dropped-tensor`) naming one whose absence changes the model's outputs (a
+    non-zero router expert bias; a tied head whose bytes are not the embedding's) unless a
+    `drops` glob names it: export never leaves out what the forward uses without being told."""
+    import torch  # reads the few small tensors that decide
+
+    tied = bool((config or {}).get("tie_word_embeddings", False))
+    reasons = family.left_out(selection.tensors, tied)
+    for key, why in reasons.items():
+        tensor = checkpoint.tensors[selection.tensors[key]]
+        if any(fnmatch.fnmatchcase(key, glob) for glob in drops):
+            continue
+        if why.changes_forward and bool((read_tensor(torch, files, tensor) != 0).any()):
+            problem = "is not zero, and the router adds it to its expert scores"
+        elif why.same_as in selection.tensors and not _same_bytes(
+                torch, read_tensor(torch, files, tensor), read_tensor(torch, files, checkpoint.tensors[selection.tensors[why.same_as]])):
+            problem = f"differs from {why.same_as}, which transformers uses for it under tie_word_embeddings"
+        else:
+            continue
+        raise InvalidCheckpoint(f"{checkpoint.path}: {key} {problem}: writing the model without it ({why.rule}) changes "
+                                f"its outputs; pass --drop '{why.glob}' to leave it out anyway; nothing was written",
+                                code="dropped-tensor")
+    return tuple((key, why.rule) for key, why in reasons.items())
+
+
+def _same_bytes(torch: Any, a: Any, b: Any) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def converted(checkpoint: Checkpoint, selection: Selection, family: Family, config: Mapping[str, Any] | None,
@@ -331,7 +373,7 @@ def report_of(planned: Planned, target: Path, written: tuple[Path, ...], process
         dropped=plan.dropped, dry_run=dry_run, verified=verified, layout=planned.layout,
         selected=selection_text(planned.view, planned.rules), model_view=planned.view,
         problems=planned.problems, processes=processes, requests=requests, quantization=quantization_note(planned),
-        source_choice=planned.source_choice,
+        source_choice=planned.source_choice, left_out=planned.left_out,
     )
 
 

@@ -41,7 +41,7 @@ from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, lo
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.core.errors import InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.run.execute import write_file
-from ckpttool.check.expected_keys import transformers_expected
+from ckpttool.check.expected_keys import transformers_expected, transformers_missing
 from ckpttool.naming import megatron_config
 from ckpttool.store.safepaths import read_json_object
 from ckpttool.formats import hub
@@ -69,6 +69,7 @@ ASSET_FILES = (
     "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
 )
 MAX_CONFIG_BYTES = 16 << 20
+NOT_CHECKED = "nothing"  # how `checked` starts when the weights could not be checked against a config
 TRAINER_CONFIG = "train.config"  # train_minimal: TrainConfig JSON (train_minimal/checkpoint.py AppState)
 TRAINER_STEP = "train.step"
 TRAINER_MODEL_TYPE = "train_minimal"  # config.json of the trainer's own GPT: no transformers class loads it
@@ -88,7 +89,7 @@ class ExportReport:
     parameters: int
     step: int | None
     config: str | None  # where config.json came from: the assets' file, `train.config`, common.pt's args, or None
-    checked: str  # what the weights were checked against
+    checked: str  # what the weights were checked against, or (starting NOT_CHECKED) why they were not
     assets: tuple[str, ...] = ()  # files copied from --assets
     dry_run: bool = False
     seconds: float = 0.0
@@ -97,6 +98,11 @@ class ExportReport:
     @property
     def total_bytes(self) -> int:
         return sum(size for _, size in self.files)
+
+    @property
+    def config_checked(self) -> bool:
+        """True when the weights' keys and shapes were checked against a config."""
+        return not self.checked.startswith(NOT_CHECKED)
 
 
 def export(
@@ -134,9 +140,13 @@ def export(
         check_destination(target, write.force, write.notify)
     config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
     config_from = str(asset_dir / CONFIG_FILENAME) if config is not None and asset_dir is not None else None
-    if config is None and (common := megatron_config.common_file(src)) is not None:  # Megatron-LM's own args
-        config = megatron_config.megatron_hf_config(common, source.follow_symlinks)
-        config_from = f"{common}: {megatron_config.ARGS}" if config is not None else None
+    if (common := megatron_config.common_file(src)) is not None:  # Megatron-LM's own args
+        # read even beside --assets: a setting the tables cannot represent (rotary_interleaved, zero-centred
+        # norms, ...) changes the forward whatever config.json says, and is refused naming the argument
+        from_args = megatron_config.megatron_hf_config(common, source.follow_symlinks)
+        if config is None:
+            config = from_args
+            config_from = f"{common}: {megatron_config.ARGS}" if config is not None else None
     tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
     weights_convert = replace(convert, max_shard_size=convert.shard_bytes or parse_size(hub.DEFAULT_MAX_SHARD_SIZE),
                               drop_tied=convert.drop_tied or tied)
@@ -167,6 +177,12 @@ def export(
     config, config_from, checked, notes = _check_config(config, config_from, asset_dir, extras, checkpoint, plan,
                                                         shapes, planned.quantization if planned.dequantized else None,
                                                         check_shapes)
+    if planned.family is not None and config is None:  # a framework's model with nothing to name it as transformers does
+        raise UsageError(f"{checkpoint.path}: the weights use {planned.family.name}'s names, and nothing gives the "
+                         "model's config.json to export them as a transformers model; pass --assets DIR (the folder "
+                         "with its config.json, e.g. the Hub model it was trained from)")
+    if checked.startswith(NOT_CHECKED) and config is not None:  # never silently: say why on stderr and in --json
+        notes.append(f"the weights were not checked against {config_from}: {checked.removeprefix(NOT_CHECKED).strip(' ()')}")
     if merge is not None:
         notes.append(merge.note())
     config, written_dtype, documents = _config_document(config, config_from, asset_dir, planned, convert, notes)
@@ -280,7 +296,7 @@ def _check_config(config: dict[str, Any] | None, config_from: str | None, asset_
     assets', or Megatron-LM's args: `config_from` says), else the trainer's stored one, checked
     against the planned keys and shapes (a reference index of quantised weights names what they
     dequantise to: `dequantized`)."""
-    notes, checked = [], "nothing (no config)"
+    notes, checked = [], f"{NOT_CHECKED} (no config)"
     if config is not None:
         assert config_from is not None  # a config comes with where it came from
         _check_tie(config, plan, shapes)
@@ -349,10 +365,10 @@ def _write_folder(planned: Planned, target: Path, write: WriteOptions, source: S
 # ---------------------------------------------------------------------------------------------
 # What a config says the weights must be
 
-# model_type -> (q/k/v bias, o_proj bias) when the config does not say (`attention_bias`):
-# transformers' LlamaAttention uses attention_bias for all four, Qwen2Attention has q/k/v
-# biases and none on o_proj, MistralAttention none.
-_ATTENTION_BIAS: dict[Any, tuple[bool, bool] | None] = {"llama": None, "mistral": (False, False), "qwen2": (True, False)}
+# The dense Llama-shaped model types export checks by its own table, model_type -> (q/k/v bias,
+# o_proj bias) or None (both as the config's `attention_bias` says): as the naming families state
+# them (`Architecture.dense_biases`: transformers' LlamaAttention uses attention_bias for all
+# four, Qwen2Attention has q/k/v biases and none on o_proj, MistralAttention none).
 # PretrainedConfig defaults tie_word_embeddings to True; these model types default to False
 _TIE_DEFAULT: dict[Any, bool] = {"llama": False, "mistral": False, "qwen2": False}
 _HEADS = ("lm_head.weight", "model.embed_tokens.weight")
@@ -373,7 +389,7 @@ def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     head_dim = int(config.get("head_dim") or hidden // heads)
     vocab = int(config["vocab_size"])
     model_type = config.get("model_type")
-    qkv_bias, o_bias = _ATTENTION_BIAS.get(model_type) or (bool(config.get("attention_bias")),) * 2
+    qkv_bias, o_bias = naming.dense_attention_biases().get(model_type) or (bool(config.get("attention_bias")),) * 2
     mlp_bias = bool(config.get("mlp_bias")) if model_type == "llama" else False
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for layer in range(int(config["num_hidden_layers"])):
@@ -407,7 +423,7 @@ def check_against_config(config: Mapping[str, Any], shapes: Mapping[str, tuple[i
     # the architectures export's own table knows exactly are checked by it (no torch or
     # transformers import: seconds per command); every other one against what transformers itself
     # builds from the config, where transformers is importable
-    known = config.get("model_type") in _ATTENTION_BIAS and causal_lm
+    known = config.get("model_type") in naming.dense_attention_biases() and causal_lm
     expected = None if known else transformers_expected(config)
     if expected is not None:
         problems = expected.problems(shapes)
@@ -416,7 +432,9 @@ def check_against_config(config: Mapping[str, Any], shapes: Mapping[str, tuple[i
             raise InvalidCheckpoint(f"{where}: {problems[0][1]}{more}", code="config-mismatch")
         return f"every key and shape transformers builds for {expected.model} ({len(expected.shapes)} tensors)"
     if not known:
-        return f"nothing (model_type {config.get('model_type')!r} of {where.name} is not one export knows the shapes of)"
+        why = transformers_missing() or "transformers cannot build a model of this config"
+        return (f"{NOT_CHECKED} (model_type {config.get('model_type')!r} of {where.name} is not one export knows the "
+                f"shapes of, and {why})")
     try:
         table = expected_shapes(config)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:

@@ -23,7 +23,7 @@ from ckpttool.core.errors import InvalidCheckpoint
 from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
-from ckpttool.formats.fp8 import FLOAT8
+from ckpttool.formats.fp8 import ALL_FLOAT8
 from ckpttool.formats.mxfp4 import BLOCKS
 from ckpttool.formats.model_config import config_beside
 from ckpttool.store.safepaths import is_safe_relative_path
@@ -191,6 +191,7 @@ class InspectReport:
     architectures: tuple[str, ...] = ()  # the transformers architectures that family converts to
     hf_names: dict[str, tuple[str, ...]] | None = None  # fqn -> its transformers names, when a family is found
     found: str | None = None  # where SRC is not itself the checkpoint: which one was read and what else is there
+    notes: tuple[str, ...] = ()  # what the reader says of the save (DeepSpeed: frozen parameters not saved)
 
 
 @dataclass(frozen=True)
@@ -371,6 +372,7 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
         objects=tuple(o for o in objects if matches(o.fqn, filters)), files=tuple(files), filters=filters,
         layout=layout, model_view=view, adapters=adapters, adapter_problem=adapter_problem, quantization=quantized,
         family=family.name if family else None, architectures=family.architectures if family else (), hf_names=names,
+        notes=checkpoint.notes,
     )
 
 
@@ -393,7 +395,7 @@ def _family(checkpoint: Checkpoint, view: ModelView) -> tuple[Family | None, dic
 
 def _quantization(checkpoint: Checkpoint, config: dict | None, model: set[str]) -> QuantizationInfo | None:
     """Return the model's quantised weights, counted (None when it has none)."""
-    if config is None and not any(t.dtype in FLOAT8 or t.fqn.endswith(BLOCKS) for t in checkpoint.tensors.values()):
+    if config is None and not any(t.dtype in ALL_FLOAT8 or t.fqn.endswith(BLOCKS) for t in checkpoint.tensors.values()):
         return None  # the common case, checked cheaply (and without importing the quantisation code)
     from ckpttool.model import quantization
 

@@ -156,7 +156,7 @@ def may_be_quantized(checkpoint: Checkpoint) -> bool:
     if isinstance(checkpoint.path, Path) and os.path.isfile(checkpoint.path / HUB_CONFIG):
         return True
     parts = (mxfp4.BLOCKS, mxfp4.SCALES, fp8.BLOCK_SCALE)
-    return any(tensor.dtype in fp8.FLOAT8 or fqn.endswith(parts) for fqn, tensor in checkpoint.tensors.items())
+    return any(tensor.dtype in fp8.ALL_FLOAT8 or fqn.endswith(parts) for fqn, tensor in checkpoint.tensors.items())
 
 
 def _check_record_entries(files: DataFiles, blob: Blob, where: str, fqn: str, report: ValidationReport,

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 from ckpttool.core import dtypes
 from ckpttool.core.errors import BadName
 
+# `Checkpoint.notes` that start so say the save left model parameters out on purpose (DeepSpeed's
+# exclude_frozen_parameters): a warning, not "cannot read", and a full model cannot be written
+EXCLUDED_FROZEN = "frozen parameters not saved (DeepSpeed exclude_frozen_parameters)"
+
 # Our own blob markers, never written to disk: the blob is the chunk's raw row-major bytes as
 # they are, with no record around them (readers/verl.py: a storage inside a torch.save .pt
 # file); `ckpttool.raw/<crc32 hex>` also states the CRC-32 of those bytes.

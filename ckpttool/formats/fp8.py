@@ -29,6 +29,12 @@ from __future__ import annotations
 from typing import Any
 
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")  # what the FP8 formats store codes as
+# every float8 kind torch has: codes that mean nothing without their scales, never cast alone
+# (the fnuz kinds are AMD's, e8m0 is the MX formats' scale: no FP8 format here defines their scales)
+ALL_FLOAT8 = frozenset({*FLOAT8, "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
+# the dtypes an FP8 weight's scale is stored in: float32 (DeepSeek's weight_scale_inv, llm-compressor's
+# weight_scale), or the model's own bfloat16/float16 (compressed-tensors with a 16-bit scale_dtype)
+SCALE_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max; DeepSeek's weight_quant divides amax by it
 DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size; FineGrainedFP8Config's default
 BLOCK_SCALE = "_scale_inv"  # `<m>.weight` -> `<m>.weight_scale_inv`

@@ -95,6 +95,10 @@ def find(checkpoint: Checkpoint, config: Mapping[str, Any] | None = None) -> Qua
     for fqn, tensor in tensors.items():
         if tensor.dtype in fp8.FLOAT8:
             _fp8_weight(fqn, tensor, tensors, block, weights, problems, unscaled)
+        elif tensor.dtype in fp8.ALL_FLOAT8:  # codes of a kind no format here defines scales for: never cast
+            unscaled.append(fqn)
+            problems.append((fqn, f"{fqn}: {tensor.dtype} codes, which no FP8 format ckpttool reads defines scales "
+                                  f"for ({' or '.join(fp8.FLOAT8)} with a float32 scale); they are not the weight alone"))
         elif fqn.endswith(mxfp4.BLOCKS) and tensor.dtype == "uint8":
             _mxfp4_weight(fqn, tensor, tensors, weights, problems, unscaled)
         elif fqn.endswith(fp8.BLOCK_SCALE) and fqn[: -len(fp8.BLOCK_SCALE)] not in tensors:
@@ -135,7 +139,7 @@ def _fp8_weight(fqn: str, tensor: Tensor, tensors: Mapping[str, Tensor], block: 
     scale = tensors[scale_fqn]
     blocked = scale_fqn.endswith(fp8.BLOCK_SCALE)
     layout = fp8.layout_of(tensor.shape, scale.shape, block if blocked else None)
-    if layout is None or scale.dtype not in dtypes.FLOATING or scale.dtype in fp8.FLOAT8:
+    if layout is None or scale.dtype not in fp8.SCALE_DTYPES:
         expected = list(fp8.scale_shape(tensor.shape, block)) if blocked and len(tensor.shape) >= 2 else \
             f"[] or {list((*tensor.shape[:-1], 1))}"
         problems.append((scale_fqn, f"{scale_fqn}: shape {list(scale.shape)} ({scale.dtype}) does not scale "

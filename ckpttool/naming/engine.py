@@ -1,12 +1,13 @@
-"""Framework names -> transformers names: the engine that applies a family's table
-(imported through `ckpttool.naming`, which serves its names on first use).
+"""Framework names -> transformers names: the engine that applies a family's table (imported
+through `ckpttool.naming`, which serves its names on first use).
 
-A family (naming/torchtitan.py, ...) is data: `Rule`s mapping a transformers name pattern to the
-framework's, each with a transform. The engine matches every source key to one rule (or to the
-family's `ignored` patterns: buffers transformers has no place for), and returns each
-transformers key as `Piece`s: boxes of source tensors laid end to end in row-major order. Every
-transform is such a list of boxes, so the planner turns a conversion into byte-range copies
-(plan.consolidate.plan_pieces) and no whole tensor is ever held:
+A family (naming/families/*.py) is data: `Rule`s mapping transformers name patterns to the
+framework's, each by a transform, the name of one entry of `TRANSFORMS`. The engine matches
+every source key to one rule (or to the family's `ignored` patterns: buffers transformers has no
+place for), and returns each transformers key as `Piece`s: boxes of source tensors laid end to
+end in row-major order. Every transform is a function giving such lists of boxes, so the
+planner turns a conversion into byte-range copies (plan.consolidate.plan_pieces) and no whole
+tensor is ever held:
 
 - RENAME: the source tensor as it is (one box);
 - PERMUTE_Q / PERMUTE_K: the rows of each head reordered as transformers' rotary layout
@@ -20,14 +21,18 @@ transform is such a list of boxes, so the planner turns a conversion into byte-r
 - SPLIT_QKV: rows un-interleaved per query group (Megatron's `linear_qkv`: each group's block
   is its q heads, then its k head, then its v head, `head_dim` rows each) into q, k, v.
 
-A rule of a split names its targets in `hf` joined by "|", in order.
+A rule of a split names its targets in order, as a tuple. Each `Transform` states how many
+targets it gives, the config fields it needs, and its inverse: the transform that undoes it
+(transformers -> the framework, which `import` will run the same tables backwards with: issue
+46), or None when nothing can. Only RENAME's inverse (itself) exists yet; the others name the
+transform that issue 46 adds.
 
 Placeholders: `{L}` a layer number, `{E}` an expert number, `{M}` an extra layer's number in the
 source (DeepSeek's MTP layers), which the target numbers `{N}`: after the main layers. Pure:
-names and shapes in, pieces out.
+names and shapes in, pieces out (`converted_checkpoint` then locates the pieces' bytes).
 
 Example:
-    >>> family = find_family(["tok_embeddings.weight", "layers.0.attention.qkv_linear.wq.weight", ...])
+    >>> family = find_family(["tok_embeddings.weight", "layers.0.attention.qkv_linear.wq.weight", ...], FAMILIES)
     >>> convert(family, shapes, settings)["model.layers.0.self_attn.q_proj.weight"].shape
     (64, 64)
 """
@@ -39,52 +44,158 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Final, Iterable, Literal, Mapping, NamedTuple
 
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
 from ckpttool.core.errors import InvalidCheckpoint, UsageError
 from ckpttool.core.geometry import Box, intersect, row_major_runs, slab_rows
-from ckpttool.naming import pattern_regex as _regex, signature_matches
+from ckpttool.naming import Pattern, signature_matches
+from ckpttool.naming.fused import FusedLayout
 
 RENAME, PERMUTE_Q, PERMUTE_K, EXPERTS = "rename", "permute-q", "permute-k", "experts"
-SPLIT_HALVES, SPLIT_QKV = "split-halves", "split-qkv"  # rows split into several targets (`hf` joined by "|")
-EXPERTS_HALVES = "experts-split-halves"  # grouped experts [E, 2F, D], each split in two (gate|up)
-_PLACEHOLDER = re.compile(r"\{([LE])\}")
+SPLIT_HALVES, SPLIT_QKV = "split-halves", "split-qkv"  # rows split into several targets (a tuple of names)
+EXPERTS_HALVES = "experts-split-halves"  # grouped experts [E, 2F, D], each split in two (gate, up)
+
+
+TIED_EMBEDDING = "model.embed_tokens.weight"  # what transformers reads for a tied lm_head
+
+
+class LeftOut(NamedTuple):
+    """Why a source tensor is not written: the rule, whether a non-zero value changes the
+    model's outputs, and for a tied head the source key whose bytes it must equal."""
+
+    rule: str
+    changes_forward: bool
+    same_as: str | None = None
+    glob: str = ""  # the --drop glob that names every tensor this rule leaves out
 
 
 @dataclass(frozen=True)
 class Rule:
-    """transformers' name `hf` <- the framework's name `source`, by `transform`."""
+    """transformers' name `hf` <- the framework's name `source`, by `transform` (a key of
+    TRANSFORMS); a transform giving several tensors names them in order (`hf` a tuple).
+    `targets` is `hf` as a tuple, `pattern` the source pattern split for matching."""
 
-    hf: str
+    hf: str | tuple[str, ...]
     source: str
     transform: str = RENAME
+    targets: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    pattern: Pattern = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        targets = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
+        transform = TRANSFORMS.get(self.transform)
+        if transform is None or len(targets) != transform.targets:
+            raise ValueError(f"rule {targets} <- {self.source}: {self.transform!r} is not a transform giving "
+                             f"{len(targets)} tensors ({', '.join(f'{n}: {t.targets}' for n, t in TRANSFORMS.items())})")
+        object.__setattr__(self, "targets", targets)  # derived once, when the table is built
+        object.__setattr__(self, "pattern", Pattern(self.source))
+
+
+@dataclass(frozen=True)
+class MegatronArgs:
+    """When Megatron-LM's saved arguments (common.pt `args`) mean an architecture, and what its
+    config.json says beyond the arguments every model maps alike (naming/megatron_config.py):
+    `moe` (num_experts set), `qk_layernorm` and `add_qkv_bias` choose it; `fields` are stated as
+    they are (a tuple written as a JSON list); `moe_fields` name a config field after the MoE
+    value it holds ("experts", "topk", "width": the experts' ffn size, "renormalize": top-k
+    probabilities renormalised). An architecture with no "renormalize" field always
+    renormalises (args asking otherwise are refused)."""
+
+    moe: bool
+    qk_layernorm: bool
+    add_qkv_bias: bool
+    fields: tuple[tuple[str, Any], ...] = ()
+    moe_fields: tuple[tuple[str, str], ...] = ()
+
+
+DENSE_BIAS_FROM_CONFIG: Final = "config"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A transformers architecture a family converts to, and what the family states about it.
+
+    `logit_tolerance`: the largest |framework logits - transformers logits| its fixture allows
+    (the same bytes, float32 sums in other orders; None: no fixture compares logits);
+    `dense_biases`: a dense Llama-shaped decoder export checks by its own table
+    (commands/export.expected_shapes), with these (q/k/v, o_proj) biases, or
+    DENSE_BIAS_FROM_CONFIG (both as config.json's `attention_bias` says); None: checked against
+    the model transformers itself builds; `megatron`: the Megatron-LM arguments that mean it;
+    `fused`: transformers' fused-expert modules of it (naming/fused.py, for `load_into`)."""
+
+    name: str
+    model_type: str
+    logit_tolerance: float | None = None
+    dense_biases: tuple[bool, bool] | Literal["config"] | None = None
+    megatron: MegatronArgs | None = None
+    fused: FusedLayout | None = None
 
 
 @dataclass(frozen=True)
 class Family:
     """One framework's model family: how to recognise its checkpoints (`signature`: source
-    patterns all present), the transformers architectures it converts to, its rules, the
-    source patterns left out on purpose, and the key dropped when embeddings are tied."""
+    patterns all present), the transformers architectures it converts to, its rules, the source
+    patterns left out on purpose, and the source key dropped when embeddings are tied."""
 
     name: str
-    architectures: tuple[str, ...]
     signature: tuple[str, ...]
+    converts_to: tuple[Architecture, ...]
     rules: tuple[Rule, ...]
     ignored: tuple[str, ...] = ()
+    # ignored patterns whose tensors change the model's outputs unless they are zero (a router's
+    # load-balancing expert bias, added to the scores before top-k): export refuses to leave a
+    # non-zero one out unless --drop names it
+    changes_forward: tuple[str, ...] = ()
     tied_head: str | None = "lm_head.weight"  # the source key left out under tie_word_embeddings
-    settings: tuple[str, ...] = ()  # config.json fields the transforms need
-    _patterns: list = field(default_factory=list, compare=False, repr=False)  # compiled when first matched
+    # (first literal, last literal, rule, pattern) of each rule, then (rule None) of each ignored
+    # pattern, in order: derived once, when the table is built
+    patterns: tuple[tuple[str, str, Rule | None, Pattern], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        pairs = [*((rule, rule.pattern) for rule in self.rules), *((None, Pattern(text)) for text in self.ignored)]
+        object.__setattr__(self, "patterns", tuple((pattern.literals[0], pattern.literals[-1], rule, pattern)
+                                                   for rule, pattern in pairs))
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The names of the architectures it converts to (config.json `architectures`)."""
+        return tuple(architecture.name for architecture in self.converts_to)
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """The config.json fields its transforms need."""
+        return tuple(dict.fromkeys(name for rule in self.rules for name in TRANSFORMS[rule.transform].settings))
+
+    def architecture(self, name: str) -> Architecture | None:
+        """Return the architecture `name` (config.json `architectures`) it converts to, if it does."""
+        return next((architecture for architecture in self.converts_to if architecture.name == name), None)
+
+    def left_out(self, keys: Iterable[str], tied: bool) -> dict[str, LeftOut]:
+        """Return source key -> why this table does not write it, for the keys of `keys` it
+        leaves out: an ignored pattern (a buffer transformers has no place for, or one that
+        `changes_forward` unless zero), or the tied head (the embedding stands for it)."""
+        embedding = next((rule.source for rule in self.rules if rule.targets == (TIED_EMBEDDING,)), None)
+        reasons: dict[str, LeftOut] = {}
+        for key in keys:
+            if tied and key == self.tied_head:
+                reasons[key] = LeftOut("tie_word_embeddings: transformers uses the embedding", False, embedding, key)
+                continue
+            found = self.match(key)
+            if found is not None and found[0] is None:
+                pattern = next(text for text in self.ignored if Pattern(text).match(key) is not None)
+                glob = pattern.replace("{L}", "*").replace("{E}", "*").replace("{M}", "*")
+                reasons[key] = LeftOut(f"{self.name} leaves out {pattern}", pattern in self.changes_forward, None, glob)
+        return reasons
 
     def match(self, key: str) -> tuple[Rule | None, dict[str, str]] | None:
-        """Return (rule or None for an ignored key, its placeholders' values), or None."""
-        if not self._patterns:  # compiled on first use: importing the tables compiles nothing (`inspect` startup)
-            self._patterns[:] = [(rule, _regex(rule.source)) for rule in self.rules] + \
-                [(None, _regex(pattern)) for pattern in self.ignored]  # whole at once: another thread sees all or none
-        for rule, regex in self._patterns:
-            found = regex.fullmatch(key)
-            if found:
-                return rule, found.groupdict()
+        """Return (rule or None for an ignored key, its placeholders' values), or None: the
+        first rule whose pattern matches, else the first ignored pattern."""
+        for first, last, rule, pattern in self.patterns:
+            if key.startswith(first) and key.endswith(last):  # most rules end here: no call
+                values = pattern.match(key)
+                if values is not None:
+                    return rule, values
         return None
 
 
@@ -113,6 +224,123 @@ class Target:
     rule: Rule
 
 
+# (rule, its target names filled in, source key, its shape, config, where) -> the targets
+Apply = Callable[[Rule, tuple[str, ...], str, tuple[int, ...], Mapping[str, Any], str], list[Target]]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """How a rule's source tensor becomes transformers tensors: `apply` gives them as pieces of
+    the source; `targets` how many names a rule of it has; `inverse` the transform that undoes
+    it (None: none can); `per_expert`: one set of targets per expert on dim 0 (`{E}` in the
+    names); `settings`: the config.json fields it needs."""
+
+    apply: Apply
+    targets: int
+    inverse: str | None
+    per_expert: bool = False
+    settings: tuple[str, ...] = ()
+
+
+def _whole(shape: tuple[int, ...]) -> Box:
+    return ((0,) * len(shape), shape)
+
+
+def _rename(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+            where: str) -> list[Target]:
+    return [Target(names[0], shape, (Piece(key, _whole(shape)),), rule)]
+
+
+def _experts(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+             where: str) -> list[Target]:
+    if len(shape) < 2:
+        raise InvalidCheckpoint(f"{where}: {key}: grouped experts need [experts, ...], not {list(shape)}",
+                                code="config-mismatch")
+    inner = shape[1:]
+    return [Target(names[0].replace("{E}", str(expert)), inner,
+                   (Piece(key, ((expert,) + (0,) * len(inner), (1,) + inner)),), rule)
+            for expert in range(shape[0])]
+
+
+def _experts_halves(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...],
+                    config: Mapping[str, Any], where: str) -> list[Target]:
+    if len(shape) < 2 or shape[1] % 2:
+        raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} is not grouped experts of two halves",
+                                code="config-mismatch")
+    half, rest = shape[1] // 2, tuple(shape[2:])
+    return [Target(name.replace("{E}", str(expert)), (half, *rest),
+                   (Piece(key, ((expert, part * half) + (0,) * len(rest), (1, half, *rest))),), rule)
+            for expert in range(shape[0]) for part, name in enumerate(names)]
+
+
+def _split_halves(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+                  where: str) -> list[Target]:
+    rows = shape[0] if shape else 0
+    if rows % 2:
+        raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} does not split in two halves",
+                                code="config-mismatch")
+    half = rows // 2
+    return [Target(name, (half, *shape[1:]), (Piece(key, row_box(shape, part * half, half)),), rule)
+            for part, name in enumerate(names)]
+
+
+def _split_qkv(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+               where: str) -> list[Target]:
+    """Megatron's fused `linear_qkv` rows -> q, k, v (megatron-bridge QKVMapping): per query
+    group, `heads / groups` q heads, then one k head, then one v head, `head_dim` rows each."""
+    heads = int(config["num_attention_heads"])
+    groups = int(config.get("num_key_value_heads") or heads)
+    rows = shape[0] if shape else 0
+    head_dim = int(config.get("head_dim") or 0) or (rows // (heads + 2 * groups) if heads + 2 * groups else 0)
+    if groups <= 0 or heads % groups or rows != (heads + 2 * groups) * head_dim or head_dim <= 0:
+        raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} is not {heads} query heads and {groups} "
+                                f"key/value groups of head_dim {head_dim} (the config's head counts disagree with the "
+                                "weights)", code="config-mismatch")
+    per_group = heads // groups
+    block = (per_group + 2) * head_dim
+    q = tuple(Piece(key, row_box(shape, g * block, per_group * head_dim)) for g in range(groups))
+    k = tuple(Piece(key, row_box(shape, g * block + per_group * head_dim, head_dim)) for g in range(groups))
+    v = tuple(Piece(key, row_box(shape, g * block + (per_group + 1) * head_dim, head_dim)) for g in range(groups))
+    rest = tuple(shape[1:])
+    return [Target(names[0], (heads * head_dim, *rest), q, rule), Target(names[1], (groups * head_dim, *rest), k, rule),
+            Target(names[2], (groups * head_dim, *rest), v, rule)]
+
+
+def _permuted(heads: int, rule: Rule, name: str, key: str, shape: tuple[int, ...], where: str) -> list[Target]:
+    rows = shape[0] if shape else 0
+    if len(shape) != 2 or heads <= 0 or rows % heads or (rows // heads) % 2:
+        raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} does not split into {heads} heads of "
+                                "even size (the config's head counts disagree with the weights)",
+                                code="config-mismatch")
+    head_dim = rows // heads  # output row (h, a, b) is source row (h, b, a): rotary_rows
+    return [Target(name, shape, tuple(Piece(key, ((h * head_dim + a, 0), (head_dim // 2, shape[1])), step=2)
+                                      for h in range(heads) for a in range(2)), rule)]
+
+
+def _permute_q(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+               where: str) -> list[Target]:
+    return _permuted(int(config["num_attention_heads"]), rule, names[0], key, shape, where)
+
+
+def _permute_k(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+               where: str) -> list[Target]:
+    heads = int(config["num_attention_heads"])
+    return _permuted(int(config.get("num_key_value_heads") or heads), rule, names[0], key, shape, where)
+
+
+_HEADS = ("num_attention_heads",)
+# every transform a rule may name; the inverses other than RENAME's are issue 46's to write
+TRANSFORMS: Mapping[str, Transform] = MappingProxyType({
+    RENAME: Transform(_rename, 1, inverse=RENAME),
+    PERMUTE_Q: Transform(_permute_q, 1, inverse="unpermute-q", settings=_HEADS),
+    PERMUTE_K: Transform(_permute_k, 1, inverse="unpermute-k", settings=_HEADS),
+    EXPERTS: Transform(_experts, 1, inverse="stack-experts", per_expert=True),
+    SPLIT_HALVES: Transform(_split_halves, 2, inverse="join-halves"),
+    EXPERTS_HALVES: Transform(_experts_halves, 2, inverse="stack-experts-join-halves", per_expert=True),
+    SPLIT_QKV: Transform(_split_qkv, 3, inverse="join-qkv", settings=_HEADS),
+})
+
+
 _LAYER_NUMBER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -123,8 +351,12 @@ def main_layer_count(keys: Iterable[str]) -> int:
     return max(numbers) + 1 if numbers else 0
 
 
+def _target_names(rule: Rule, values: Mapping[str, str], main_layers: int) -> tuple[str, ...]:
+    """Return the rule's targets with the matched placeholders filled in ({N}: extra layer M after the main ones)."""
+    return tuple(_target_name(pattern, values, main_layers) for pattern in rule.targets)
+
+
 def _target_name(pattern: str, values: Mapping[str, str], main_layers: int) -> str:
-    """Return `pattern` with the matched placeholders filled in ({N}: extra layer M after the main ones)."""
     name = pattern.replace("{L}", values.get("L", ""))
     if "E" in values:  # experts stored one by one: the source names the expert
         name = name.replace("{E}", values["E"])
@@ -186,8 +418,8 @@ def convert(family: Family, shapes: Mapping[str, tuple[int, ...]], config: Mappi
         rule, values = found
         if rule is None or (tied and key == family.tied_head):
             continue
-        hf = _target_name(rule.hf, values, main_layers)
-        for target in _apply(rule, hf, key, tuple(shape), config, where):
+        names = _target_names(rule, values, main_layers)
+        for target in TRANSFORMS[rule.transform].apply(rule, names, key, tuple(shape), config, where):
             if target.key in targets:
                 raise InvalidCheckpoint(f"{where}: {target.key} is made from both {targets[target.key].pieces[0].source} "
                                         f"and {key}", code="config-mismatch")
@@ -195,85 +427,9 @@ def convert(family: Family, shapes: Mapping[str, tuple[int, ...]], config: Mappi
     return targets
 
 
-def _apply(rule: Rule, hf: str, key: str, shape: tuple[int, ...], config: Mapping[str, Any],
-           where: str) -> list[Target]:
-    whole = ((0,) * len(shape), shape)
-    if rule.transform == RENAME:
-        return [Target(hf, shape, (Piece(key, whole),), rule)]
-    if rule.transform == EXPERTS:
-        if len(shape) < 2:
-            raise InvalidCheckpoint(f"{where}: {key}: grouped experts need [experts, ...], not {list(shape)}",
-                                    code="config-mismatch")
-        inner = shape[1:]
-        return [Target(hf.replace("{E}", str(expert)), inner,
-                       (Piece(key, ((expert,) + (0,) * len(inner), (1,) + inner)),), rule)
-                for expert in range(shape[0])]
-    if rule.transform == EXPERTS_HALVES:
-        names = hf.split("|")
-        if len(shape) < 2 or shape[1] % 2 or len(names) != 2:
-            raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} is not grouped experts of two halves",
-                                    code="config-mismatch")
-        half, rest = shape[1] // 2, tuple(shape[2:])
-        return [Target(name.replace("{E}", str(expert)), (half, *rest),
-                       (Piece(key, ((expert, part * half) + (0,) * len(rest), (1, half, *rest))),), rule)
-                for expert in range(shape[0]) for part, name in enumerate(names)]
-    if rule.transform == SPLIT_HALVES:
-        names = hf.split("|")
-        rows = shape[0] if shape else 0
-        if len(names) != 2 or rows % 2:
-            raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} does not split in two halves",
-                                    code="config-mismatch")
-        half = rows // 2
-        return [Target(name, (half, *shape[1:]), (Piece(key, row_box(shape, part * half, half)),), rule)
-                for part, name in enumerate(names)]
-    if rule.transform == SPLIT_QKV:
-        return _split_qkv(rule, hf, key, shape, config, where)
-    if rule.transform in (PERMUTE_Q, PERMUTE_K):
-        heads = _heads(rule, config)
-        rows = shape[0] if shape else 0
-        if len(shape) != 2 or heads <= 0 or rows % heads or (rows // heads) % 2:
-            raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} does not split into {heads} heads of "
-                                    "even size (the config's head counts disagree with the weights)",
-                                    code="config-mismatch")
-        head_dim = rows // heads  # output row (h, a, b) is source row (h, b, a): rotary_rows
-        return [Target(hf, shape, tuple(Piece(key, ((h * head_dim + a, 0), (head_dim // 2, shape[1])), step=2)
-                                        for h in range(heads) for a in range(2)), rule)]
-    raise ValueError(f"unknown transform {rule.transform!r}")
-
-
 def row_box(shape: tuple[int, ...], start: int, count: int) -> Box:
     """Return the box of rows [start, start + count) of dim 0 of a tensor of `shape`."""
     return ((start,) + (0,) * (len(shape) - 1), (count, *shape[1:]))
-
-
-def _split_qkv(rule: Rule, hf: str, key: str, shape: tuple[int, ...], config: Mapping[str, Any],
-               where: str) -> list[Target]:
-    """Megatron's fused `linear_qkv` rows -> q, k, v (megatron-bridge QKVMapping): per query
-    group, `heads / groups` q heads, then one k head, then one v head, `head_dim` rows each."""
-    heads = int(config["num_attention_heads"])
-    groups = int(config.get("num_key_value_heads") or heads)
-    rows = shape[0] if shape else 0
-    head_dim = int(config.get("head_dim") or 0) or (rows // (heads + 2 * groups) if heads + 2 * groups else 0)
-    names = hf.split("|")
-    if len(names) != 3 or groups <= 0 or heads % groups or rows != (heads + 2 * groups) * head_dim or head_dim <= 0:
-        raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} is not {heads} query heads and {groups} "
-                                f"key/value groups of head_dim {head_dim} (the config's head counts disagree with the "
-                                "weights)", code="config-mismatch")
-    per_group = heads // groups
-    block = (per_group + 2) * head_dim
-    q = tuple(Piece(key, row_box(shape, g * block, per_group * head_dim)) for g in range(groups))
-    k = tuple(Piece(key, row_box(shape, g * block + per_group * head_dim, head_dim)) for g in range(groups))
-    v = tuple(Piece(key, row_box(shape, g * block + (per_group + 1) * head_dim, head_dim)) for g in range(groups))
-    rest = tuple(shape[1:])
-    return [Target(names[0], (heads * head_dim, *rest), q, rule), Target(names[1], (groups * head_dim, *rest), k, rule),
-            Target(names[2], (groups * head_dim, *rest), v, rule)]
-
-
-def _heads(rule: Rule, config: Mapping[str, Any]) -> int:
-    heads = int(config["num_attention_heads"])
-    if rule.transform == PERMUTE_K:
-        return int(config.get("num_key_value_heads") or heads)
-    return heads
 
 
 def rotary_rows(rows: int, heads: int) -> list[int]:
@@ -299,11 +455,10 @@ def hf_names(family: Family, key: str, shape: tuple[int, ...], main_layers: int 
     rule, values = found
     if rule is None:
         return ()
-    hf = _target_name(rule.hf, values, main_layers)
-    if rule.transform in (EXPERTS, EXPERTS_HALVES):
-        return tuple(name.replace("{E}", str(expert)) for expert in range(shape[0] if shape else 0)
-                     for name in hf.split("|"))
-    return tuple(hf.split("|"))
+    names = _target_names(rule, values, main_layers)
+    if TRANSFORMS[rule.transform].per_expert:
+        return tuple(name.replace("{E}", str(expert)) for expert in range(shape[0] if shape else 0) for name in names)
+    return names
 
 
 def converted_checkpoint(checkpoint: Checkpoint, targets: Mapping[str, Target],

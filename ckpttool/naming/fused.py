@@ -7,7 +7,9 @@ expert. Its loader joins them by `conversion_mapping.py`: for "qwen2_moe" (which
 deepseek_v3 and others map to) and "mixtral" a `WeightConverter` with `MergeModulelist(dim=0)`
 (the experts stacked on a new dim 0) then `Concatenate(dim=1)` (each expert's gate rows, then
 its up rows), and Mixtral's `WeightRenaming(".block_sparse_moe.", ".mlp.")`. Those are the
-tables below; `plan_fill` applies them to a module's keys and shapes and a checkpoint's, so
+layouts below (QWEN2_MOE, MIXTRAL), which each family states for the architectures it converts
+to (`Architecture.fused`; a family meeting another layout writes its own `FusedLayout`);
+`plan_fill` applies every family's to a module's keys and shapes and a checkpoint's, so
 `load_into` fills each fused tensor one expert's part at a time, straight into its memory (each
 part is a contiguous run of rows of its expert's block). Pure: names and shapes in, a plan out.
 
@@ -36,14 +38,29 @@ class FusedRule:
     parts: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class FusedLayout:
+    """One model type's fused-expert modules: its rules, and the checkpoint text renamed to the
+    module's first (`renames`: (checkpoint text, module text) pairs, in order)."""
+
+    rules: tuple[FusedRule, ...]
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def __add__(self, other: FusedLayout) -> FusedLayout:
+        """Both layouts' rules and renames, this one's first (each once)."""
+        return FusedLayout(tuple(dict.fromkeys(self.rules + other.rules)),
+                           tuple(dict.fromkeys(self.renames + other.renames)))
+
+
 # conversion_mapping.py `_build_checkpoint_conversion_mapping`, transformers 5.24.0
-RENAMES = ((".block_sparse_moe.", ".mlp."),)  # "mixtral": checkpoint text -> the module's
-FUSED = (
+QWEN2_MOE = FusedLayout((  # "qwen2_moe", which qwen3_moe, deepseek_v3 and others map to
     FusedRule("{P}.experts.gate_up_proj", ("{P}.experts.{E}.gate_proj.weight", "{P}.experts.{E}.up_proj.weight")),
     FusedRule("{P}.experts.down_proj", ("{P}.experts.{E}.down_proj.weight",)),
-    FusedRule("{P}.experts.gate_up_proj", ("{P}.experts.{E}.w1.weight", "{P}.experts.{E}.w3.weight")),  # mixtral
+))
+MIXTRAL = FusedLayout((
+    FusedRule("{P}.experts.gate_up_proj", ("{P}.experts.{E}.w1.weight", "{P}.experts.{E}.w3.weight")),
     FusedRule("{P}.experts.down_proj", ("{P}.experts.{E}.w2.weight",)),
-)
+), renames=((".block_sparse_moe.", ".mlp."),))  # checkpoint text -> the module's
 
 
 @dataclass(frozen=True)
@@ -72,28 +89,40 @@ def _regex(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\{P\}", "(?P<P>.+)"))
 
 
-_MODULE_PATTERNS = [(rule, _regex(rule.module)) for rule in FUSED]
+def every_layout() -> FusedLayout:
+    """Return the fused-expert layouts of every architecture every family converts to, in the
+    registry's order (each rule once)."""
+    from ckpttool import naming
+
+    layout = FusedLayout(())
+    for family in naming.FAMILIES:
+        for architecture in family.converts_to:
+            if architecture.fused is not None:
+                layout += architecture.fused
+    return layout
 
 
 def plan_fill(module: Mapping[str, tuple[int, ...]], checkpoint: Mapping[str, tuple[int, ...]],
-              where: str) -> FillPlan:
+              where: str, layout: FusedLayout | None = None) -> FillPlan:
     """Return how the checkpoint's keys -> shapes fill the module's keys -> shapes: a key of
-    the same name first, else its renamed checkpoint key (RENAMES), else a fused rule whose
-    parts are all there for every expert. Raises UsageError naming `where` and the tensor when
-    a fused tensor's parts do not add up to its shape (a same-named key's shape is the
-    caller's to check)."""
+    the same name first, else its renamed checkpoint key (the layout's renames), else a fused
+    rule whose parts are all there for every expert (`layout`: default every family's,
+    `every_layout`). Raises UsageError naming `where` and the tensor when a fused tensor's parts
+    do not add up to its shape (a same-named key's shape is the caller's to check)."""
+    layout = every_layout() if layout is None else layout
     names: dict[str, str] = {}  # the module's name for each checkpoint key -> the key
     for name in checkpoint:
-        alias = name if name in module else _renamed(name)
+        alias = name if name in module else _renamed(name, layout.renames)
         names[name if alias in checkpoint else alias] = name
     plan = FillPlan()
+    patterns = [(rule, _regex(rule.module)) for rule in layout.rules]
     used: set[str] = set()
     for key, shape in module.items():
         if key in names:
             plan.direct[key] = names[key]
             used.add(names[key])
             continue
-        slots = _fused_slots(key, shape, names, checkpoint, where)
+        slots = _fused_slots(key, shape, names, checkpoint, where, patterns)
         if slots is None:
             plan.missing.append(key)
             continue
@@ -103,17 +132,17 @@ def plan_fill(module: Mapping[str, tuple[int, ...]], checkpoint: Mapping[str, tu
     return plan
 
 
-def _renamed(key: str) -> str:
-    for old, new in RENAMES:
+def _renamed(key: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
         key = key.replace(old, new)
     return key
 
 
-def _fused_slots(key: str, shape: tuple[int, ...], names: Mapping[str, str],
-                 checkpoint: Mapping[str, tuple[int, ...]], where: str) -> tuple[Slot, ...] | None:
+def _fused_slots(key: str, shape: tuple[int, ...], names: Mapping[str, str], checkpoint: Mapping[str, tuple[int, ...]],
+                 where: str, patterns: list[tuple[FusedRule, re.Pattern]]) -> tuple[Slot, ...] | None:
     """Return the slots of the first rule for `key` whose parts are all present (as module-side
     names -> checkpoint keys in `names`), in the tensor's row-major order; None if none is."""
-    for rule, regex in _MODULE_PATTERNS:
+    for rule, regex in patterns:
         found = regex.fullmatch(key)
         if found is None or len(shape) < 2:
             continue

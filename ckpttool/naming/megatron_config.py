@@ -18,7 +18,9 @@ architecture: `num_experts` (MoE or dense), then `qk_layernorm` and `add_qkv_bia
     MoE, qk_layernorm         -> Qwen3MoeForCausalLM
     MoE                       -> MixtralForCausalLM
 
-the tables of naming/megatron.py. A model those architectures cannot represent (another
+each stated by the family converting to it (`Architecture.megatron` in
+naming/families/megatron_*.py: those flags, the fields its config.json always has, its MoE
+fields), as is its table. A model those architectures cannot represent (another
 activation, position embedding or normalization, linear biases, MLA, sliding windows, rope
 scaling, shared experts, ...: `_REPRESENTABLE`) is refused in one line naming the argument,
 as is a missing argument; --assets with a config.json is then the way.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, overload
+from typing import TYPE_CHECKING, Any, Literal, Mapping, overload
 
 from ckpttool.store import storage
 from ckpttool.dcp.blobs import DataFiles
@@ -43,6 +45,9 @@ from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, detect
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED
 from ckpttool.torchsave.stored import DTypeName, StateDictUnpickler, load_data_pkl
 from ckpttool.torchsave.zip import read_directory
+
+if TYPE_CHECKING:
+    from ckpttool.naming.engine import Architecture, MegatronArgs
 
 ARGS = "args"  # megatron/training/checkpointing.py generate_state_dict: state_dict['args']
 _WAY_OUT = "export with --assets DIR holding the model's config.json"
@@ -203,14 +208,6 @@ _MOE_REPRESENTABLE: tuple[tuple[str, tuple, str], ...] = (
     ("moe_latent_size", (None,), "latent MoE"),
     ("moe_layer_freq", (1,), "dense layers between MoE layers"),
 )
-# dense / MoE x q/k RMSNorm / q,k,v biases -> (architecture, model_type)
-_ARCHITECTURES = {
-    (False, False, False): ("LlamaForCausalLM", "llama"),
-    (False, False, True): ("Qwen2ForCausalLM", "qwen2"),
-    (False, True, False): ("Qwen3ForCausalLM", "qwen3"),
-    (True, True, False): ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    (True, False, False): ("MixtralForCausalLM", "mixtral"),
-}
 _PRECISION_FLAGS = (("bf16", "bfloat16"), ("fp16", "float16"))  # Megatron-LM: params_dtype follows these
 
 
@@ -226,18 +223,18 @@ def hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
     _refuse_unrepresentable(args, _REPRESENTABLE + (_MOE_REPRESENTABLE if experts else ()), where)
     qk_norm = _flag(args, "qk_layernorm", where)
     qkv_bias = _flag(args, "add_qkv_bias", where)
-    found = _ARCHITECTURES.get((bool(experts), qk_norm, qkv_bias))
-    if found is None:
+    chosen = _megatron_architectures().get((bool(experts), qk_norm, qkv_bias))
+    if chosen is None:
         raise UnsupportedFormat(f"{where}: args qk_layernorm={qk_norm}, add_qkv_bias={qkv_bias}"
                                 f"{f', num_experts={experts}' if experts else ''}: no transformers architecture "
                                 f"ckpttool converts to has this; {_WAY_OUT}")
-    architecture, model_type = found
+    found, mapping = chosen
     hidden = _int(args, "hidden_size", where)
     heads = _int(args, "num_attention_heads", where)
     groups = _int(args, "num_query_groups", where) if _flag(args, "group_query_attention", where) else heads
     rope_theta = _number(args, "rotary_base", where)
     config: dict[str, Any] = {
-        "architectures": [architecture], "model_type": model_type,
+        "architectures": [found.name], "model_type": found.model_type,
         "num_hidden_layers": _int(args, "num_layers", where),
         "hidden_size": hidden,
         "intermediate_size": _int(args, "ffn_hidden_size", where),
@@ -256,31 +253,35 @@ def hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
         "attention_dropout": _number(args, "attention_dropout", where),
         "torch_dtype": _dtype(args, where),
     }
-    if model_type in ("llama", "qwen3", "qwen3_moe"):
-        config["attention_bias"] = False
-    if model_type == "llama":
-        config["mlp_bias"] = False
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-        config["use_sliding_window"] = False
+    config.update((name, list(value) if isinstance(value, tuple) else value) for name, value in mapping.fields)
     if experts:
-        config.update(_moe_fields(args, model_type, experts, where))
+        config.update(_moe_fields(args, found.name, mapping, experts, where))
     return dict(sorted(config.items()))
 
 
-def _moe_fields(args: Mapping[str, Any], model_type: str, experts: int, where: str) -> dict[str, Any]:
-    """Megatron's router takes the top k logits and a softmax over those (moe_router_pre_softmax
-    False: renormalised top-k probabilities), or a softmax over all experts, then the top k."""
+def _megatron_architectures() -> dict[tuple[bool, bool, bool], tuple[Architecture, MegatronArgs]]:
+    """Return (MoE, qk_layernorm, add_qkv_bias) -> the architecture those Megatron-LM arguments
+    mean and what the family converting to it states (`Architecture.megatron`)."""
+    from ckpttool import naming
+
+    return {(args.moe, args.qk_layernorm, args.add_qkv_bias): (architecture, args) for family in naming.FAMILIES
+            for architecture in family.converts_to if (args := architecture.megatron) is not None}
+
+
+def _moe_fields(args: Mapping[str, Any], architecture: str, mapping: MegatronArgs, experts: int,
+                where: str) -> dict[str, Any]:
+    """The family's `moe_fields`, filled. Megatron's router takes the top k logits and a softmax
+    over those (moe_router_pre_softmax False: renormalised top-k probabilities), or a softmax over
+    all experts, then the top k; an architecture with no field saying which always renormalises."""
     topk = _int(args, "moe_router_topk", where)
     width = _int(args, "moe_ffn_hidden_size", where, optional=True) or _int(args, "ffn_hidden_size", where)
     pre_softmax = _flag(args, "moe_router_pre_softmax", where)
-    if model_type == "mixtral":
-        if pre_softmax:  # transformers' Mixtral always renormalises its top k
-            raise UnsupportedFormat(f"{where}: args moe_router_pre_softmax=True: Mixtral renormalises the top-k "
-                                    f"probabilities; {_WAY_OUT}")
-        return {"num_local_experts": experts, "num_experts_per_tok": topk, "intermediate_size": width,
-                "sliding_window": None}
-    return {"num_experts": experts, "num_experts_per_tok": topk, "moe_intermediate_size": width,
-            "norm_topk_prob": not pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    fields = dict(mapping.moe_fields)
+    if pre_softmax and "renormalize" not in fields.values():
+        raise UnsupportedFormat(f"{where}: args moe_router_pre_softmax=True: {architecture} renormalises the "
+                                f"top-k probabilities; {_WAY_OUT}")
+    values = {"experts": experts, "topk": topk, "width": width, "renormalize": not pre_softmax}
+    return {name: values[value] for name, value in fields.items()}
 
 
 def _refuse_unrepresentable(args: Mapping[str, Any], table: tuple, where: str) -> None:

@@ -118,7 +118,8 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
 
         return read_verl(detection.path, follow_symlinks)
     if detection.layout in (DEEPSPEED, DEEPSPEED_UNIVERSAL):
-        from ckpttool.readers.deepspeed import read_deepspeed, read_deepspeed_universal
+        from ckpttool.readers.deepspeed import read_deepspeed
+        from ckpttool.readers.deepspeed_universal import read_deepspeed_universal
 
         if detection.layout == DEEPSPEED:
             return read_deepspeed(detection.path, follow_symlinks)
@@ -166,10 +167,12 @@ def _without_lightning_paths(checkpoint: Checkpoint) -> Checkpoint:
 
 
 def _lightning_saved(checkpoint: Checkpoint) -> bool:
-    """True for a save of Lightning's FSDP strategy (`meta.pt` beside the DCP files) or of its
+    """True for Lightning's single-file `.ckpt`, a save of its FSDP strategy (`meta.pt` beside the DCP files) or of its
     DeepSpeed strategy (the ZeRO files under the tag `checkpoint` in a `.ckpt` folder:
     lightning/pytorch/strategies/deepspeed.py `save_checkpoint(filepath, ..., tag="checkpoint")`)."""
     path = checkpoint.path
+    if checkpoint.metadata_file.endswith(LIGHTNING_SUFFIX) and checkpoint.model_prefix == "state_dict":
+        return True  # Lightning's single-file checkpoint (a torch.save dict whose `state_dict` is the LightningModule's)
     return isinstance(path, Path) and ((path / LIGHTNING_METADATA).is_file() or (
         path.name == LIGHTNING_DEEPSPEED_TAG and path.parent.name.endswith(LIGHTNING_SUFFIX)))
 

@@ -22,7 +22,9 @@ A ZeRO save (deepspeed/runtime/engine.py `save_checkpoint`, tag folder `global_s
   - stage 3 (runtime/zero/stage3.py `_rigid_state_dict`): every parameter is split on its
     own into `ceil(numel / world)` elements per rank (the last rank's zero-padded); a rank's
     parts, in `param_shapes` order, fill its `fp32_flat_groups` (one per sub-group) and
-    `optimizer_state_dict` is torch's optimizer state dict over those sub-groups.
+    `optimizer_state_dict` is torch's optimizer state dict over those sub-groups: before
+    saving, `_set_fp32_optimizer_param_groups` appends each sub-group's flat vector to its
+    param group (`sub_group_to_group_id`), so group g's `params` lists its sub-groups.
 
 So each parameter is a flat element range of one or more ranks' partitions. Every partition is
 a storage inside a torch.save zip, so each piece of a parameter is a byte range of an optim
@@ -33,11 +35,19 @@ The checkpoint is given as `get_state_dict(model, AdamW)` lays out an FSDP2 mode
 (train_minimal/checkpoint.py): `model.<name>` the fp32 master weights, frozen parameters (from
 `frozen_param_fragments`, or at stage 1, which does not save them, from `module`) and
 persistent buffers as stored, tied names as their source's chunks; and
-`optim.state.<name>.<key>` (`exp_avg`, `exp_avg_sq`, `step`, ...) per trained parameter.
+`optim.state.<name>.<key>` (`exp_avg`, `exp_avg_sq`, `step`, ...) per trained parameter: a
+tensor state as its bytes, a plain number (DeepSpeedCPUAdam's and FusedAdam's int `step`) as
+the value itself, which torch's Adam/AdamW `load_state_dict` turns into its float32 step.
+
+What a save leaves out is never dropped silently: a trainable parameter no optimizer owns is
+kept from `module` at stage 1/2 and refused by name at stage 3 (whose `module` holds only an
+empty placeholder for it); a save made with `exclude_frozen_parameters` (HF Trainer with PEFT)
+says in `Checkpoint.notes` that its frozen parameters are absent (`EXCLUDED_FROZEN`).
 
 The pickles name DeepSpeed classes (`LossScaler`, `ZeroStageEnum`, `fragment_address`, ...):
 the checking loader builds inert stand-ins for exactly those (`_ALLOWED`), never importing
-DeepSpeed and never running anything from the file.
+DeepSpeed and never running anything from the file. DeepSpeed's universal checkpoints are read
+by readers/deepspeed_universal.py with the pieces below.
 
 Example:
     >>> checkpoint = read_deepspeed("runs/x/global_step2")
@@ -52,24 +62,29 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from ckpttool.core import dtypes
-from ckpttool.store import storage
-from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Object, Tensor, as_path, raw_range_transforms, refuse_bad_names
-from ckpttool.dcp.blobs import DataFiles
+from ckpttool.core.checkpoint import (EXCLUDED_FROZEN, Blob, Checkpoint, Chunk, ChunkTable, Object, Tensor, as_path,
+                                     raw_range_transforms, refuse_bad_names)
 from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.core.geometry import flat_boxes
-from ckpttool.readers.detect import DEEPSPEED_MODEL_PATTERN, DEEPSPEED_OPTIM_PATTERN, DEEPSPEED_UNIVERSAL_DIR as UNIVERSAL_DIR
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.readers.detect import DEEPSPEED_MODEL_PATTERN, DEEPSPEED_OPTIM_PATTERN
+from ckpttool.store import storage
 from ckpttool.torchsave.archive import saved_value
 from ckpttool.torchsave.pickle import dumps
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED, _Rebuilt
 from ckpttool.torchsave.stored import StateDictUnpickler, device, file_entries, ints, load_data_pkl, raw_blob, stored_dtype
+from ckpttool.torchsave.zip import Entry
 
 MODEL_STATES, OPTIM_STATES = DEEPSPEED_MODEL_PATTERN, DEEPSPEED_OPTIM_PATTERN
 PIPELINE_LAYER = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 # get_state_dict(model, optimizer) saved as {"model": ..., "optim": ...} (train_minimal/checkpoint.py)
 MODEL_PREFIX, OPTIM_STATE, OPTIM_GROUPS = "model", ("optim", "state"), ("optim", "param_groups")
+# the note a save made with `save_checkpoint(..., exclude_frozen_parameters=True)` carries
+# (engine.py `_save_checkpoint`: frozen parameters deleted from `module`, frozen_param_shapes None)
+NOTE_NAMES = 3  # names a note lists before "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,18 +150,33 @@ class _Unpickler(StateDictUnpickler):
 
 
 # ---------------------------------------------------------------------------------------------
-# Files
+# Files and their pickles
 
 
 @dataclass(frozen=True)
-class _Files:
+class SaveFiles:
+    """The files of one ZeRO tag folder (or the model states files a universal checkpoint copies)."""
+
     model: str  # the model states file holding param_shapes (rank 0's at stage 3)
     model_per_rank: dict[int, str]  # stage 3: rank -> its model states file
     optim: dict[int, str]  # data-parallel rank -> its optim states file
 
 
-def _files(folder: Path) -> _Files:
-    names = sorted(entry.name for entry in folder.iterdir()) if storage.is_remote(folder) else sorted(os.listdir(folder))
+def listing(folder: Path) -> list[str]:
+    """Return the names in `folder`, sorted (local or object storage)."""
+    return sorted(entry.name for entry in folder.iterdir()) if storage.is_remote(folder) else sorted(os.listdir(folder))
+
+
+def model_files(names: list[str]) -> tuple[str | None, dict[int, str]]:
+    """Return (the model states file holding param_shapes, or None; stage 3's rank -> file)."""
+    matched = {name: m for name in names if (m := MODEL_STATES.match(name))}
+    per_rank = {int(m.group(1)): name for name, m in matched.items() if m.group(1) is not None}
+    plain = [name for name, m in matched.items() if m.group(1) is None]
+    return (plain[0] if plain else per_rank.get(0)), per_rank
+
+
+def _files(folder: Path) -> SaveFiles:
+    names = listing(folder)
     models = {name: m for name in names if (m := MODEL_STATES.match(name))}
     optims = {name: m for name in names if (m := OPTIM_STATES.match(name))}
     if not optims:
@@ -164,23 +194,37 @@ def _files(folder: Path) -> _Files:
         if rank in optim:
             raise CorruptMetadata(f"{folder}: two optim states files for rank {rank}: {optim[rank]} and {name}")
         optim[rank] = name
-    per_rank = {int(m.group(1)): name for name, m in models.items() if m.group(1) is not None}
-    plain = [name for name, m in models.items() if m.group(1) is None]
-    model = plain[0] if plain else per_rank.get(0)
+    model, per_rank = model_files(names)
     if model is None:
         raise MissingFile(f"{folder}: no mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_states.pt "
                           "(it holds the parameter names and shapes; was the save interrupted?)")
-    return _Files(model, per_rank, optim)
+    return SaveFiles(model, per_rank, optim)
 
 
-class _Reader:
-    """One ZeRO folder's pickles, each checked and built from stand-ins, with byte ranges."""
+class Stored(NamedTuple):
+    """A tensor stored in one of the save's files: its bytes, dtype and element count."""
+
+    blob: Blob
+    dtype: str
+    numel: int
+
+
+class _Archive(NamedTuple):
+    """A torch.save zip: its directory, how to read it, its size."""
+
+    entries: dict[str, Entry]
+    read: Callable[[int, int], bytes]
+    size: int
+
+
+class PickleReader:
+    """One folder's pickles, each checked and built from stand-ins, with byte ranges."""
 
     def __init__(self, files: DataFiles, folder: Path) -> None:
         self.files, self.folder = files, folder
-        self.entries: dict[str, Any] = {}
+        self.archives: dict[str, _Archive] = {}
         self.starts: dict[str, dict[str, int]] = {}
-        self.states: dict[str, dict] = {}
+        self.states: dict[str, Any] = {}
 
     def load(self, name: str, whole: bool = True) -> Any:
         """Return file `name`'s pickle built from stand-ins (read once): a dict, or with
@@ -197,64 +241,68 @@ class _Reader:
         state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED)
         if whole and not isinstance(state, dict):
             raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not DeepSpeed's state dict")
-        self.entries[name] = (entries, read, size)
+        self.archives[name] = _Archive(entries, read, size)
         self.starts[name] = {}
         self.states[name] = state
         return state
 
-    def blob(self, name: str, value: Any, here: str) -> tuple[Blob, str, int]:
-        """Return (byte range, dtype, element count) of a stored tensor of file `name`."""
+    def stored(self, name: str, value: Any, here: str) -> Stored:
+        """Return where a tensor of file `name` is stored, its dtype and element count."""
         if not isinstance(value, _Rebuilt):
             raise CorruptMetadata(f"{here}: expected a tensor, found a {type(value).__name__}")
         dtype = stored_dtype(value, here)
-        entries, read, size = self.entries[name]
-        blob = raw_blob(entries, self.starts[name], read, size, here, name, value, dtype)
-        return blob, dtype, math.prod(ints(value.shape, f"{here}: shape"))
+        archive = self.archives[name]
+        blob = raw_blob(archive.entries, self.starts[name], archive.read, archive.size, here, name, value, dtype)
+        return Stored(blob, dtype, math.prod(ints(value.shape, f"{here}: shape")))
 
 
 # ---------------------------------------------------------------------------------------------
 # Flat partitions -> chunks
 
 
+class Piece(NamedTuple):
+    """Elements [start, stop) of a parameter (flattened), which rank `rank` holds in its flat
+    vector number `flat_index` from element `flat_offset` on."""
+
+    rank: int
+    flat_index: int
+    flat_offset: int
+    start: int
+    stop: int
+
+
 @dataclass
-class _Flat:
-    """One rank's flat vector (a partition or a sub-group): where its elements sit."""
+class Param:
+    """A trained parameter: its name, shape, optimizer param group and pieces on the ranks."""
 
-    blob: Blob
-    dtype: str
-    numel: int
-
-
-@dataclass
-class _Param:
     name: str
     shape: tuple[int, ...]
-    group: int  # optimizer param group
-    # (rank, flat index, element offset in that flat, element range [start, stop) of the param)
-    pieces: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    group: int
+    pieces: list[Piece] = field(default_factory=list)
 
 
-def _chunks(param: _Param, flats: dict[int, list[_Flat]], where: str, what: str) -> tuple[str, tuple[Chunk, ...]]:
+def _chunks(param: Param, flats: dict[int, list[Stored]], where: str, what: str) -> tuple[str, tuple[Chunk, ...]]:
     """Return (dtype, chunks) of `param` read from `flats` (rank -> flat vectors)."""
     chunks, dtype = [], None
-    for rank, index, at, start, stop in param.pieces:
-        flat = flats[rank][index]
-        if at + (stop - start) > flat.numel:
-            raise CorruptMetadata(f"{where}: rank {rank}: {param.name}: {what} elements [{at}, {at + stop - start}) run "
-                                  f"past its {flat.numel}-element flat partition")
+    for piece in param.pieces:
+        flat = flats[piece.rank][piece.flat_index]
+        length = piece.stop - piece.start
+        if piece.flat_offset + length > flat.numel:
+            raise CorruptMetadata(f"{where}: rank {piece.rank}: {param.name}: {what} elements [{piece.flat_offset}, "
+                                  f"{piece.flat_offset + length}) run past its {flat.numel}-element flat partition")
         if dtype is not None and flat.dtype != dtype:
             raise CorruptMetadata(f"{where}: {param.name}: {what} partitions of dtypes {dtype} and {flat.dtype}")
         dtype = flat.dtype
         itemsize = dtypes.ITEMSIZE[dtype]
-        for offsets, sizes, first in flat_boxes(param.shape, start, stop):
-            offset = flat.blob.offset + (at + first - start) * itemsize
+        for offsets, sizes, first in flat_boxes(param.shape, piece.start, piece.stop):
+            offset = flat.blob.offset + (piece.flat_offset + first - piece.start) * itemsize
             chunks.append(Chunk(offsets, sizes, Blob(flat.blob.file, offset, math.prod(sizes) * itemsize,
                                                       raw_range_transforms())))
     return dtype or "float32", tuple(sorted(chunks))
 
 
-def _stage12_pieces(params: list[_Param], sizes: list[int], paddings: list[int], alignment: list[int] | None,
-                    world: int, group: int, where: str) -> None:
+def _stage12_pieces(params: list[Param], sizes: list[int], paddings: list[int], alignment: list[int] | None,
+                    world_size: int, group: int, where: str) -> None:
     """Place each param of flat group `group` on the ranks (stage 1/2): `sizes[r]` the
     elements rank r saved, `paddings[r]` what it stripped; each part is equally long."""
     parts = {size + pad for size, pad in zip(sizes, paddings)}
@@ -268,22 +316,22 @@ def _stage12_pieces(params: list[_Param], sizes: list[int], paddings: list[int],
     for i, param in enumerate(params):
         numel = math.prod(param.shape)
         stop = offset + numel
-        for rank in range(offset // part if part else 0, world):
+        for rank in range(offset // part if part else 0, world_size):
             lo, hi = max(offset, rank * part), min(stop, rank * part + sizes[rank])
             if rank * part >= stop:
                 break
             if hi > lo:
-                param.pieces.append((rank, group, lo - rank * part, lo - offset, hi - offset))
-        if sum(p[4] - p[3] for p in param.pieces) != numel:
+                param.pieces.append(Piece(rank, group, lo - rank * part, lo - offset, hi - offset))
+        if sum(piece.stop - piece.start for piece in param.pieces) != numel:
             raise CorruptMetadata(f"{where}: {param.name}: elements [{offset}, {stop}) of param group {group} are not all "
-                                  f"saved (the ranks hold {sum(sizes)} of its {world * part} elements)")
+                                  f"saved (the ranks hold {sum(sizes)} of its {world_size * part} elements)")
         offset = stop + (alignment[i] if alignment is not None else 0)
-    if offset > world * part:
+    if offset > world_size * part:
         raise CorruptMetadata(f"{where}: param group {group}: its parameters need {offset} elements, the partitions "
-                              f"hold {world * part}")
+                              f"hold {world_size * part}")
 
 
-def _stage3_pieces(params: list[_Param], flat_sizes: list[list[int]], world: int, where: str) -> None:
+def _stage3_pieces(params: list[Param], flat_sizes: list[list[int]], world_size: int, where: str) -> None:
     """Place every param on the ranks (stage 3): each is split on its own into
     ceil(numel / world) elements per rank, laid one after the other over the sub-groups."""
     bounds = [0]
@@ -296,8 +344,8 @@ def _stage3_pieces(params: list[_Param], flat_sizes: list[list[int]], world: int
     offset = 0
     for param in params:
         numel = math.prod(param.shape)
-        part = -(-numel // world)
-        for rank in range(world):
+        part = -(-numel // world_size)
+        for rank in range(world_size):
             start, stop = min(rank * part, numel), min((rank + 1) * part, numel)
             at = offset
             while start < stop:  # a part may run over a sub-group's end (DeepSpeed keeps them whole)
@@ -306,7 +354,7 @@ def _stage3_pieces(params: list[_Param], flat_sizes: list[list[int]], world: int
                     raise CorruptMetadata(f"{where}: {param.name}: its part on rank {rank} starts at element {at}, past "
                                           f"the {bounds[-1]} elements of the fp32 sub-groups")
                 take = min(stop - start, bounds[index + 1] - at)
-                param.pieces.append((rank, index, at - bounds[index], start, start + take))
+                param.pieces.append(Piece(rank, index, at - bounds[index], start, start + take))
                 start, at = start + take, at + take
         offset += part
     if offset != bounds[-1]:
@@ -326,42 +374,59 @@ def read_deepspeed(path: str | os.PathLike, follow_symlinks: bool = False) -> Ch
     Raises MissingFile for a rank's file that is missing, CorruptMetadata for a truncated file
     or partitions that disagree (naming the file and parameter), UnsafeMetadata for a pickle
     naming anything outside the allowlist, UnsupportedFormat for tensor or pipeline
-    parallel saves.
+    parallel saves and for a stage-3 trainable parameter no optimizer owns (not saved).
     """
     folder = as_path(storage.location(path))
     found = _files(folder)
     with DataFiles(folder, follow_symlinks) as files:
-        reader = _Reader(files, folder)
+        reader = PickleReader(files, folder)
         model_state = reader.load(found.model)
-        first = reader.load(found.optim[min(found.optim)])
-        zero = _optimizer_dict(first, str(folder / found.optim[min(found.optim)]))
-        stage, world = _stage_and_world(zero, str(folder / found.optim[min(found.optim)]))
-        missing = [rank for rank in range(world) if rank not in found.optim]
-        if missing or len(found.optim) != world:
-            name = f"zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt" if missing else found.optim[max(found.optim)]
-            raise MissingFile(f"{folder / name}: {'missing' if missing else 'beyond the partition count'}: the save "
-                              f"has {world} data-parallel ranks and {len(found.optim)} optim states files (was the save "
-                              "interrupted, or is an older save's file left over?)")
-        states = {min(found.optim): zero}
-        for rank in range(world):
-            if rank not in states:
-                where = str(folder / found.optim[rank])
-                states[rank] = _optimizer_dict(reader.load(found.optim[rank]), where)
-                other = _stage_and_world(states[rank], where)
-                if other != (stage, world):
-                    raise CorruptMetadata(f"{where}: ZeRO stage {other[0]} over {other[1]} ranks, rank 0's file says "
-                                          f"stage {stage} over {world}")
-        layout = _flats(reader, found, states, stage, world, folder)
-        _place(layout, _shapes(model_state, "param_shapes", str(folder / found.model)), states, stage, world, found, folder)
-        tensors = _Tensors(str(folder / found.model))
-        _trained(tensors, layout, str(folder / found.optim[0]))
-        _untrained(tensors, reader, found, model_state, stage, world, {p.name for p in layout.params}, folder)
-    objects, nesting = _param_groups(layout)
-    refuse_bad_names(folder, list(tensors), set(), dict(tensors), {})
+        first_where = str(folder / found.optim[min(found.optim)])
+        zero = _optimizer_dict(reader.load(found.optim[min(found.optim)]), first_where)
+        partitioning = stage_and_world(zero, first_where)
+        states = _rank_states(reader, found, zero, partitioning, folder)
+        layout = _flats(reader, found, states, partitioning, folder)
+        _place(layout, shapes(model_state, "param_shapes", str(folder / found.model)), states, partitioning, found, folder)
+        entries = Entries(str(folder / found.model))
+        _trained(entries, layout, str(folder / found.optim[0]))
+        notes = untrained(entries, reader, found, model_state, partitioning, {p.name for p in layout.params}, folder)
+    return checkpoint_of(folder, found.model, model_state, entries, layout, notes)
+
+
+def _rank_states(reader: PickleReader, found: SaveFiles, zero: dict, partitioning: Partitioning,
+                 folder: Path) -> dict[int, dict]:
+    """Return rank -> its ZeRO optimizer state dict, every rank's file present and agreeing
+    with the first on the stage and the rank count."""
+    world_size = partitioning.world_size
+    missing = [rank for rank in range(world_size) if rank not in found.optim]
+    if missing or len(found.optim) != world_size:
+        name = f"zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt" if missing else found.optim[max(found.optim)]
+        raise MissingFile(f"{folder / name}: {'missing' if missing else 'beyond the partition count'}: the save "
+                          f"has {world_size} data-parallel ranks and {len(found.optim)} optim states files (was the save "
+                          "interrupted, or is an older save's file left over?)")
+    states = {min(found.optim): zero}
+    for rank in range(world_size):
+        if rank not in states:
+            where = str(folder / found.optim[rank])
+            states[rank] = _optimizer_dict(reader.load(found.optim[rank]), where)
+            other = stage_and_world(states[rank], where)
+            if other != partitioning:
+                raise CorruptMetadata(f"{where}: ZeRO stage {other.stage} over {other.world_size} ranks, rank 0's file "
+                                      f"says stage {partitioning.stage} over {world_size}")
+    return states
+
+
+def checkpoint_of(folder: Path, model_file: str, model_state: dict, entries: Entries, layout: Layout,
+                  notes: tuple[str, ...]) -> Checkpoint:
+    """Return the Checkpoint of what a reader found: the entries, the param groups' settings."""
+    group_objects, group_nesting = param_groups(layout)
+    refuse_bad_names(folder, list(entries.tensors), set(), dict(entries.tensors), {})
     version = model_state.get("ds_version")
-    return Checkpoint(path=folder, metadata_file=found.model, version=f"deepspeed {version}" if isinstance(version, str) else None,
-                      tensors=dict(sorted(tensors.items())), objects=objects, nesting={**tensors.nesting, **nesting},
-                      model_prefix=MODEL_PREFIX, parameters=frozenset(tensors.parameters))
+    objects = {**group_objects, **dict(sorted(entries.objects.items()))}
+    return Checkpoint(path=folder, metadata_file=model_file, version=f"deepspeed {version}" if isinstance(version, str) else None,
+                      tensors=dict(sorted(entries.tensors.items())), objects=objects,
+                      nesting={**entries.nesting, **group_nesting, **entries.object_nesting}, notes=notes,
+                      model_prefix=MODEL_PREFIX, parameters=frozenset(entries.parameters))
 
 
 def _optimizer_dict(state: dict, where: str) -> dict:
@@ -371,20 +436,29 @@ def _optimizer_dict(state: dict, where: str) -> dict:
     return zero
 
 
-def _stage_and_world(zero: dict, where: str) -> tuple[int, int]:
-    stage, world = zero.get("zero_stage"), zero.get("partition_count")
-    if isinstance(world, list) and world and all(type(w) is int for w in world):
-        if len(set(world)) != 1:
-            raise UnsupportedFormat(f"{where}: param groups partitioned over different rank counts {world[:4]} "
+class Partitioning(NamedTuple):
+    """The ZeRO stage (1-3) and the data-parallel world size the state is partitioned over."""
+
+    stage: int
+    world_size: int
+
+
+def stage_and_world(zero: dict, where: str) -> Partitioning:
+    """Return the stage and world size a ZeRO optimizer state dict records."""
+    stage, world_size = zero.get("zero_stage"), zero.get("partition_count")
+    if isinstance(world_size, list) and world_size and all(type(w) is int for w in world_size):
+        if len(set(world_size)) != 1:
+            raise UnsupportedFormat(f"{where}: param groups partitioned over different rank counts {world_size[:4]} "
                                     "(MoE expert groups); this build reads ZeRO saves with one data-parallel group")
-        world = world[0]
-    if type(stage) is not int or stage not in (1, 2, 3) or type(world) is not int or world < 1:
-        raise CorruptMetadata(f"{where}: zero_stage {stage!r:.20} / partition_count {world!r:.40} are not a ZeRO "
+        world_size = world_size[0]
+    if type(stage) is not int or stage not in (1, 2, 3) or type(world_size) is not int or world_size < 1:
+        raise CorruptMetadata(f"{where}: zero_stage {stage!r:.20} / partition_count {world_size!r:.40} are not a ZeRO "
                               "stage 1-3 and a rank count")
-    return stage, world
+    return Partitioning(stage, world_size)
 
 
-def _shapes(model_state: dict, key: str, where: str) -> list[dict[str, tuple[int, ...]]]:
+def shapes(model_state: dict, key: str, where: str) -> list[dict[str, tuple[int, ...]]]:
+    """Return a model states file's `param_shapes` or `frozen_param_shapes` as name -> shape maps."""
     groups = model_state.get(key)
     if key == "frozen_param_shapes":
         groups = [groups] if isinstance(groups, dict) else [] if groups is None else groups
@@ -393,29 +467,35 @@ def _shapes(model_state: dict, key: str, where: str) -> list[dict[str, tuple[int
     return [{str(name): ints(shape, f"{where}: {key}: {name}") for name, shape in group.items()} for group in groups]
 
 
+Number = int | float  # a state value torch's optimizers keep as a plain number (DeepSpeedCPUAdam's `step`)
+
+
 @dataclass
-class _Layout:
+class Layout:
     """What the optim files say, per rank: the flat vectors and where each parameter sits."""
 
-    masters: dict[int, list[_Flat]]  # rank -> fp32 master flat vectors
-    optimizer: dict[str, dict[int, list[_Flat]]]  # state key -> rank -> flat vectors over the same layout
-    scalars: dict[str, list[tuple[Blob, str] | None]]  # state key -> per flat vector: rank 0's value
-    groups: list[dict]  # the optimizer's param groups (rank 0's), `params` as flat indices
-    params: list[_Param]
+    masters: dict[int, list[Stored]] = field(default_factory=dict)  # rank -> fp32 master flat vectors
+    # state key -> rank -> flat vectors over the same layout
+    optimizer: dict[str, dict[int, list[Stored]]] = field(default_factory=dict)
+    scalars: dict[str, list[Stored | None]] = field(default_factory=dict)  # state key -> per flat vector: rank 0's 0-d tensor
+    numbers: dict[str, list[Number | None]] = field(default_factory=dict)  # state key -> per flat vector: rank 0's number
+    groups: list[dict] = field(default_factory=list)  # the optimizer's param groups (rank 0's), `params` as flat indices
+    params: list[Param] = field(default_factory=list)
 
 
-def _flats(reader: _Reader, found: _Files, states: dict[int, dict], stage: int, world: int, folder: Path) -> _Layout:
+def _flats(reader: PickleReader, found: SaveFiles, states: dict[int, dict], partitioning: Partitioning,
+           folder: Path) -> Layout:
     """Read every rank's flat vectors: master weights, and each optimizer state key."""
-    flat_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    layout = _Layout({}, {}, {}, [], [])
-    for rank in range(world):
+    flat_key = "fp32_flat_groups" if partitioning.stage == 3 else "single_partition_of_fp32_groups"
+    layout = Layout()
+    for rank in range(partitioning.world_size):
         name = found.optim[rank]
         where = str(folder / name)
         vectors = states[rank].get(flat_key)
         if not isinstance(vectors, list) or not vectors:
             raise CorruptMetadata(f"{where}: {flat_key} is missing or empty")
-        layout.masters[rank] = [_Flat(*reader.blob(name, v, f"{where}: {flat_key}[{i}]")) for i, v in enumerate(vectors)]
-        base = states[rank].get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
+        layout.masters[rank] = [reader.stored(name, v, f"{where}: {flat_key}[{i}]") for i, v in enumerate(vectors)]
+        base = states[rank].get("optimizer_state_dict" if partitioning.stage == 3 else "base_optimizer_state")
         per_flat, groups = _base_state(base, len(vectors), where)
         if rank == 0:
             layout.groups = groups
@@ -423,79 +503,130 @@ def _flats(reader: _Reader, found: _Files, states: dict[int, dict], stage: int, 
             for key, value in state.items():
                 here = f"{where}: optimizer state {index}.{key}"
                 if isinstance(value, _Rebuilt) and value.shape:
-                    layout.optimizer.setdefault(key, {}).setdefault(rank, []).append(_Flat(*reader.blob(name, value, here)))
+                    layout.optimizer.setdefault(key, {}).setdefault(rank, []).append(reader.stored(name, value, here))
                 elif isinstance(value, _Rebuilt) and rank == 0:
-                    blob, dtype, _ = reader.blob(name, value, here)
-                    layout.scalars.setdefault(key, [None] * len(vectors))[index] = (blob, dtype)
+                    layout.scalars.setdefault(key, [None] * len(vectors))[index] = reader.stored(name, value, here)
+                elif type(value) in (int, float) and rank == 0:
+                    layout.numbers.setdefault(str(key), [None] * len(vectors))[index] = value
     for key, per_rank in layout.optimizer.items():
-        if any(len(per_rank.get(rank, [])) != len(layout.masters[rank]) for rank in range(world)):
+        if any(len(per_rank.get(rank, [])) != len(layout.masters[rank]) for rank in range(partitioning.world_size)):
             raise CorruptMetadata(f"{folder / found.optim[0]}: optimizer state {key} is not kept for every flat group "
                                   "on every rank")
     return layout
 
 
-def _place(layout: _Layout, param_groups: list[dict[str, tuple[int, ...]]], states: dict[int, dict], stage: int,
-           world: int, found: _Files, folder: Path) -> None:
+def group_of_flats(groups: list[dict], flats: int, where: str, what: str) -> Callable[[int, list[str]], int]:
+    """Return `group(index, names)`: the optimizer param group whose `params` list flat vector
+    `index` (stage 3: sub-group `index`, which `_set_fp32_optimizer_param_groups` appended to its
+    group before saving); it raises CorruptMetadata naming the file, the flat vector and its
+    first parameters when no group (or more than one) lists it."""
+    listed: dict[int, list[int]] = {}
+    for number, members in enumerate(groups):
+        for index in sorted({index for index in members.get("params", ()) if type(index) is int}):
+            listed.setdefault(index, []).append(number)
+
+    def group(index: int, names: list[str]) -> int:
+        numbers = listed.get(index, [])
+        if len(numbers) == 1:
+            return numbers[0]
+        shown = ", ".join(names[:NOTE_NAMES]) + (", ..." if len(names) > NOTE_NAMES else "")
+        held = f"in param groups {numbers}" if numbers else f"in none of the optimizer's {len(groups)} param groups"
+        raise CorruptMetadata(f"{where}: {what} {index} of {flats} ({shown}) is {held}; its hyperparameters are unknown")
+
+    return group
+
+
+def _place(layout: Layout, param_shapes: list[dict[str, tuple[int, ...]]], states: dict[int, dict],
+           partitioning: Partitioning, found: SaveFiles, folder: Path) -> None:
     """Find each trained parameter's pieces in the ranks' flat vectors."""
     optim_where = str(folder / found.optim[0])
-    group_of = {index: number for number, group in enumerate(layout.groups) for index in group["params"]}
-    if stage == 3:
-        for index, group in enumerate(param_groups):
-            layout.params += [_Param(name, shape, group_of.get(index, 0)) for name, shape in group.items()]
-        _stage3_pieces(layout.params, [[flat.numel for flat in layout.masters[rank]] for rank in range(world)], world,
-                       optim_where)
+    world_size = partitioning.world_size
+    flats = len(layout.masters[0])
+    if partitioning.stage == 3:
+        group = group_of_flats(layout.groups, len(param_shapes), optim_where, "sub-group")
+        for index, members in enumerate(param_shapes):
+            number = group(index, list(members))
+            layout.params += [Param(name, shape, number) for name, shape in members.items()]
+        _stage3_pieces(layout.params, [[flat.numel for flat in layout.masters[rank]] for rank in range(world_size)],
+                       world_size, optim_where)
         return
-    if len(param_groups) != len(layout.masters[0]):
-        raise CorruptMetadata(f"{folder / found.model}: param_shapes has {len(param_groups)} groups, {optim_where} "
-                              f"{len(layout.masters[0])} flat partitions")
+    if len(param_shapes) != flats:
+        raise CorruptMetadata(f"{folder / found.model}: param_shapes has {len(param_shapes)} groups, {optim_where} "
+                              f"{flats} flat partitions")
+    group = group_of_flats(layout.groups, flats, optim_where, "flat group")
     alignment = states[0].get("param_alignment_paddings")
-    for index, group in enumerate(param_groups):
-        members = [_Param(name, shape, group_of.get(index, index)) for name, shape in group.items()]
-        paddings = [_padding(states[rank], index, str(folder / found.optim[rank])) for rank in range(world)]
+    for index, members in enumerate(param_shapes):
+        number = group(index, list(members))
+        params = [Param(name, shape, number) for name, shape in members.items()]
+        paddings = [_padding(states[rank], index, str(folder / found.optim[rank])) for rank in range(world_size)]
         aligned = alignment[index] if isinstance(alignment, list) and index < len(alignment) else None
-        _stage12_pieces(members, [layout.masters[rank][index].numel for rank in range(world)], paddings, aligned, world,
-                        index, optim_where)
-        layout.params += members
+        _stage12_pieces(params, [layout.masters[rank][index].numel for rank in range(world_size)], paddings, aligned,
+                        world_size, index, optim_where)
+        layout.params += params
 
 
-class _Tensors(dict):
-    """fqn -> Tensor, refusing a name given twice; `nesting` as get_state_dict nests them."""
+class Entries:
+    """What a reader found, as get_state_dict nests it: tensors (fqn -> Tensor) and plain
+    values (fqn -> Object), refusing a name given twice."""
 
     def __init__(self, where: str) -> None:
-        super().__init__()
         self.where = where
-        self.nesting: dict[str, tuple[str | int, ...]] = {}
+        self.tensors: dict[str, Tensor] = {}
+        self.objects: dict[str, Object] = {}
+        self.nesting: dict[str, tuple[str | int, ...]] = {}  # the tensors'
+        self.object_nesting: dict[str, tuple[str | int, ...]] = {}
         self.parameters: set[str] = set()  # model parameters, trained or frozen (not buffers)
 
-    def add(self, path: tuple[str | int, ...], dtype: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...]) -> None:
-        fqn = ".".join(map(str, path))
-        if fqn in self:
-            raise CorruptMetadata(f"{self.where}: {fqn} is named twice (param_shapes, frozen parameters, buffers)")
-        self[fqn] = Tensor(fqn, dtype, shape, chunks)
+    def add(self, path: tuple[str | int, ...], dtype: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...] | ChunkTable) -> None:
+        """Add the tensor at `path` (`("model", fqn)`, `("optim", "state", fqn, key)`)."""
+        fqn = self._new(path)
+        self.tensors[fqn] = Tensor(fqn, dtype, shape, chunks)
         self.nesting[fqn] = path
 
+    def add_value(self, path: tuple[str | int, ...], value: Number) -> None:
+        """Add a plain value at `path`, stored as torch.save writes it (what DCP keeps for one)."""
+        fqn = self._new(path)
+        self.objects[fqn] = Object(fqn, None, saved_value(dumps(value)))
+        self.object_nesting[fqn] = path
 
-def _trained(tensors: _Tensors, layout: _Layout, where: str) -> None:
+    def add_parameter(self, name: str, dtype: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...] | ChunkTable) -> None:
+        """Add a model parameter `name` (under `model.`)."""
+        self.add((MODEL_PREFIX, name), dtype, shape, chunks)
+        self.parameters.add(f"{MODEL_PREFIX}.{name}")
+
+    def _new(self, path: tuple[str | int, ...]) -> str:
+        fqn = ".".join(map(str, path))
+        if fqn in self.tensors or fqn in self.objects:
+            raise CorruptMetadata(f"{self.where}: {fqn} is named twice (param_shapes, frozen parameters, buffers)")
+        return fqn
+
+
+def _trained(entries: Entries, layout: Layout, where: str) -> None:
     """The fp32 master weights and the optimizer state of every trained parameter."""
     for param in layout.params:
         dtype, chunks = _chunks(param, layout.masters, where, "fp32 master")
-        tensors.add((MODEL_PREFIX, param.name), dtype, param.shape, chunks)
-        tensors.parameters.add(f"{MODEL_PREFIX}.{param.name}")
+        entries.add_parameter(param.name, dtype, param.shape, chunks)
         for key, per_rank in layout.optimizer.items():  # stage 1/2's padded state has the master's layout
             dtype, chunks = _chunks(param, per_rank, where, key)
-            tensors.add((*OPTIM_STATE, param.name, key), dtype, param.shape, chunks)
-        for key, per_flat in layout.scalars.items():
-            value = per_flat[param.pieces[0][1]] if param.pieces else None
-            if value is not None:
-                tensors.add((*OPTIM_STATE, param.name, key), value[1], (), (Chunk((), (), value[0]),))
+            entries.add((*OPTIM_STATE, param.name, key), dtype, param.shape, chunks)
+        flat = param.pieces[0].flat_index if param.pieces else None
+        for key, scalars in layout.scalars.items():
+            scalar = scalars[flat] if flat is not None else None
+            if scalar is not None:
+                entries.add((*OPTIM_STATE, param.name, key), scalar.dtype, (), (Chunk((), (), scalar.blob),))
+        for key, numbers in layout.numbers.items():
+            number = numbers[flat] if flat is not None else None
+            if number is not None:
+                entries.add_value((*OPTIM_STATE, param.name, key), number)
 
 
-def _untrained(tensors: _Tensors, reader: _Reader, found: _Files, model_state: dict, stage: int, world: int,
-               trained: set[str], folder: Path) -> None:
-    """Frozen parameters (stage 2/3 save them; stage 1, and a save that excluded them, only
-    in `module`), persistent buffers and tied names."""
+def untrained(entries: Entries, reader: PickleReader, found: SaveFiles, model_state: dict, partitioning: Partitioning,
+              trained: set[str], folder: Path) -> tuple[str, ...]:
+    """Add frozen parameters (stage 2/3 save them; stage 1 only in `module`), trainable
+    parameters no optimizer owns (stage 1/2: from `module`), persistent buffers and tied names;
+    return the notes on what the save left out (`EXCLUDED_FROZEN`)."""
     where = str(folder / found.model)
-    frozen = _shapes(model_state, "frozen_param_shapes", where)
+    frozen = shapes(model_state, "frozen_param_shapes", where)
     frozen_shapes = frozen[0] if frozen else {}
     shared: object
     buffer_names: object
@@ -506,39 +637,60 @@ def _untrained(tensors: _Tensors, reader: _Reader, found: _Files, model_state: d
         raise CorruptMetadata(f"{where}: shared_params, buffer_names or module is malformed")
     fragments = model_state.get("frozen_param_fragments") or {}
     for name, shape in frozen_shapes.items():
-        if stage == 3:
-            dtype, chunks = _frozen_stage3(reader, found, folder, name, shape, world)
+        if partitioning.stage == 3:
+            dtype, chunks = _frozen_stage3(reader, found, folder, name, shape, partitioning.world_size)
         else:
-            blob, dtype, numel = reader.blob(found.model, fragments.get(name), f"{where}: frozen_param_fragments: {name}")
-            if numel != math.prod(shape):
-                raise CorruptMetadata(f"{where}: frozen_param_fragments: {name} holds {numel} elements, its shape "
+            stored = reader.stored(found.model, fragments.get(name), f"{where}: frozen_param_fragments: {name}")
+            if stored.numel != math.prod(shape):
+                raise CorruptMetadata(f"{where}: frozen_param_fragments: {name} holds {stored.numel} elements, its shape "
                                       f"{list(shape)} {math.prod(shape)}")
-            chunks = (Chunk((0,) * len(shape), shape, blob),)
-        tensors.add((MODEL_PREFIX, name), dtype, shape, chunks)
-        tensors.parameters.add(f"{MODEL_PREFIX}.{name}")
+            dtype, chunks = stored.dtype, (Chunk((0,) * len(shape), shape, stored.blob),)
+        entries.add_parameter(name, dtype, shape, chunks)
     aliases = {str(k): str(v) for k, v in shared.items()}
     buffers = set(map(str, buffer_names))
     for name, value in module.items():
         name = str(name)
         if name in trained or name in frozen_shapes or name in aliases or not isinstance(value, _Rebuilt):
             continue
-        if name not in buffers and stage == 3:
-            continue  # stage 3's module holds empty placeholders for partitioned parameters
         here = f"{where}: module: {name}"
-        blob, dtype, _ = reader.blob(found.model, value, here)
+        if name not in buffers and partitioning.stage == 3:
+            # stage 3's module holds empty placeholders; a parameter in neither param_shapes nor
+            # frozen_param_shapes is trainable but in no optimizer group: its value is nowhere
+            raise UnsupportedFormat(f"{here}: a trainable parameter no optimizer param group holds; ZeRO-3 saves only an "
+                                    "empty placeholder for it (neither param_shapes nor frozen_param_fragments), so its "
+                                    "trained value is not in the save (DeepSpeed's load_checkpoint leaves it as "
+                                    "initialised); add it to the optimizer, or freeze it, and save again")
+        stored = reader.stored(found.model, value, here)
         shape = ints(value.shape, f"{here}: shape")
-        tensors.add((MODEL_PREFIX, name), dtype, shape, (Chunk((0,) * len(shape), shape, blob),))
-        if name not in buffers:  # a frozen parameter that stage 1 (or a save excluding them) keeps only here
-            tensors.parameters.add(f"{MODEL_PREFIX}.{name}")
+        chunks = (Chunk((0,) * len(shape), shape, stored.blob),)
+        if name in buffers:
+            entries.add((MODEL_PREFIX, name), stored.dtype, shape, chunks)
+        else:  # a frozen parameter stage 1 keeps only here, or (stage 1/2) a trainable one no optimizer owns
+            entries.add_parameter(name, stored.dtype, shape, chunks)
     for alias, source in sorted(aliases.items()):
-        held = tensors.get(f"{MODEL_PREFIX}.{source}")
+        held = entries.tensors.get(f"{MODEL_PREFIX}.{source}")
         if held is None:
             raise CorruptMetadata(f"{where}: shared_params: {alias} shares {source}, which the save does not hold")
-        tensors.add((MODEL_PREFIX, alias), held.dtype, held.shape, held.chunks)
-        tensors.parameters.add(f"{MODEL_PREFIX}.{alias}")
+        entries.add_parameter(alias, held.dtype, held.shape, held.chunks)
+    return _excluded_frozen(model_state, partitioning, module)
 
 
-def _param_groups(layout: _Layout) -> tuple[dict[str, Object], dict[str, tuple[str | int, ...]]]:
+def _excluded_frozen(model_state: dict, partitioning: Partitioning, module: dict) -> tuple[str, ...]:
+    """The note of a save made with exclude_frozen_parameters (at stage 2/3 frozen_param_shapes is
+    None only then; stage 1 never saves it, so there the exclusion cannot be told), naming the
+    frozen parameters the module's own names prove absent: each PEFT LoRA layer's base weight.
+    The save lists no other frozen name, so how many there are in all is not known."""
+    if partitioning.stage < 2 or "frozen_param_shapes" not in model_state or model_state["frozen_param_shapes"] is not None:
+        return ()
+    names = set(map(str, module))
+    absent = sorted({f"{name.split('.lora_A.', 1)[0]}.base_layer.weight" for name in names if ".lora_A." in name} - names)
+    shown = ", ".join(f"{MODEL_PREFIX}.{name}" for name in absent[:NOTE_NAMES]) + (", ..." if len(absent) > NOTE_NAMES else "")
+    known = f"; among them the base weights of its {len(absent)} LoRA layers ({shown})" if absent else ""
+    return (f"{EXCLUDED_FROZEN}: `module` holds only the trainable parameters and buffers ({len(names)} entries) and "
+            f"names no frozen parameter{known}; the full model needs its frozen weights from elsewhere (the base model)",)
+
+
+def param_groups(layout: Layout) -> tuple[dict[str, Object], dict[str, tuple[str | int, ...]]]:
     """The optimizer's param groups as get_state_dict gives them (`params` by name), each
     setting a DCP object of its own: (objects, nesting). A setting that is not a plain value
     (none of torch's optimizers keeps one) is left out."""
@@ -587,14 +739,14 @@ def _base_state(base: Any, flats: int, where: str) -> tuple[list[dict], list[dic
     return per_flat, base["param_groups"]
 
 
-def _frozen_stage3(reader: _Reader, found: _Files, folder: Path, name: str, shape: tuple[int, ...],
-                   world: int) -> tuple[str, tuple[Chunk, ...]]:
+def _frozen_stage3(reader: PickleReader, found: SaveFiles, folder: Path, name: str, shape: tuple[int, ...],
+                   world_size: int) -> tuple[str, tuple[Chunk, ...]]:
     """A frozen parameter of a stage-3 save: each rank's model states file holds its
     ceil(numel / world) elements."""
     numel = math.prod(shape)
-    part = -(-numel // world)
+    part = -(-numel // world_size)
     chunks, dtype = [], None
-    for rank in range(world):
+    for rank in range(world_size):
         file = found.model_per_rank.get(rank)
         if file is None:
             raise MissingFile(f"{folder / f'zero_pp_rank_{rank}_mp_rank_00_model_states.pt'}: missing; it holds rank "
@@ -602,102 +754,14 @@ def _frozen_stage3(reader: _Reader, found: _Files, folder: Path, name: str, shap
         fragments = reader.load(file).get("frozen_param_fragments")
         where = str(folder / file)
         fragment = fragments.get(name) if isinstance(fragments, dict) else None
-        blob, kind, count = reader.blob(file, fragment, f"{where}: frozen_param_fragments: {name}")
+        stored = reader.stored(file, fragment, f"{where}: frozen_param_fragments: {name}")
         start, stop = min(rank * part, numel), min((rank + 1) * part, numel)
-        if count < stop - start:
-            raise CorruptMetadata(f"{where}: frozen_param_fragments: {name} holds {count} elements, rank {rank}'s part is "
-                                  f"{stop - start}")
-        itemsize = dtypes.ITEMSIZE[kind]
-        dtype = dtype or kind
+        if stored.numel < stop - start:
+            raise CorruptMetadata(f"{where}: frozen_param_fragments: {name} holds {stored.numel} elements, rank {rank}'s "
+                                  f"part is {stop - start}")
+        itemsize = dtypes.ITEMSIZE[stored.dtype]
+        dtype = dtype or stored.dtype
         for offsets, sizes, first in flat_boxes(shape, start, stop):
-            chunks.append(Chunk(offsets, sizes, Blob(file, blob.offset + (first - start) * itemsize,
+            chunks.append(Chunk(offsets, sizes, Blob(file, stored.blob.offset + (first - start) * itemsize,
                                                      math.prod(sizes) * itemsize, raw_range_transforms())))
     return dtype or "float32", tuple(sorted(chunks))
-
-
-# ---------------------------------------------------------------------------------------------
-# Universal checkpoints (deepspeed/checkpoint/ds_to_universal.py): one folder per parameter
-# under `zero/`, each state a whole tensor of its own (`{"param": t, "cat_dim": 0}` from stage
-# 1/2, the bare flat tensor from stage 3), `zero/optimizer_state.pt` with the param groups
-# (and, from stage 3, rank 0's optimizer state, where the step is), beside copies of the
-# model states files.
-
-
-def read_deepspeed_universal(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
-    """Return a universal checkpoint's tag folder as `read_deepspeed` gives a ZeRO save: the
-    same names, each state one chunk (the whole tensor's bytes in its own file)."""
-    folder = as_path(storage.location(path))
-    names = sorted(entry.name for entry in folder.iterdir()) if storage.is_remote(folder) else sorted(os.listdir(folder))
-    per_rank = {int(m.group(1)): name for name in names if (m := MODEL_STATES.match(name)) and m.group(1) is not None}
-    plain = [name for name in names if (m := MODEL_STATES.match(name)) and m.group(1) is None]
-    model = plain[0] if plain else per_rank.get(0)
-    if model is None:
-        raise MissingFile(f"{folder}: no mp_rank_00_model_states.pt beside {UNIVERSAL_DIR}/ (ds_to_universal copies it)")
-    found = _Files(model, per_rank, {})
-    with DataFiles(folder, follow_symlinks) as files:
-        reader = _Reader(files, folder)
-        model_state = reader.load(model)
-        where = str(folder / UNIVERSAL_OPTIMIZER)
-        optimizer = reader.load(UNIVERSAL_OPTIMIZER)
-        stage, world = _stage_and_world(optimizer, where)
-        groups = optimizer.get("param_groups")
-        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
-            raise CorruptMetadata(f"{where}: param_groups is missing or malformed")
-        group_of = {index: number for number, group in enumerate(groups) for index in group["params"]}
-        steps = _universal_steps(reader, optimizer, where)
-        layout = _Layout({}, {}, {}, groups, [])
-        tensors = _Tensors(str(folder / model))
-        for index, group in enumerate(_shapes(model_state, "param_shapes", str(folder / model))):
-            for name, shape in group.items():
-                layout.params.append(_Param(name, shape, group_of.get(index, 0)))
-                _universal_param(tensors, reader, folder, name, shape, steps.get(index))
-        _untrained(tensors, reader, found, model_state, stage, world, {p.name for p in layout.params}, folder)
-    objects, nesting = _param_groups(layout)
-    refuse_bad_names(folder, list(tensors), set(), dict(tensors), {})
-    version = model_state.get("ds_version")
-    return Checkpoint(path=folder, metadata_file=model, version=f"deepspeed {version}" if isinstance(version, str) else None,
-                      tensors=dict(sorted(tensors.items())), objects=objects, nesting={**tensors.nesting, **nesting},
-                      model_prefix=MODEL_PREFIX, parameters=frozenset(tensors.parameters))
-
-
-UNIVERSAL_OPTIMIZER = f"{UNIVERSAL_DIR}/optimizer_state.pt"
-UNIVERSAL_STATES = ("exp_avg", "exp_avg_sq")  # beside fp32.pt, as ds_to_universal writes them for AdamW
-
-
-def _universal_steps(reader: _Reader, optimizer: dict, where: str) -> dict[int, tuple[Blob, str]]:
-    """Flat group -> its `step` (stage 3 keeps rank 0's optimizer state in optimizer_state.pt)."""
-    base = optimizer.get("optimizer_state_dict")
-    state = base.get("state") if isinstance(base, dict) else None
-    steps = {}
-    for index, entry in (state.items() if isinstance(state, dict) else ()):
-        value = entry.get("step") if isinstance(entry, dict) else None
-        if isinstance(value, _Rebuilt) and not value.shape:
-            blob, dtype, _ = reader.blob(UNIVERSAL_OPTIMIZER, value, f"{where}: optimizer state {index}.step")
-            steps[index] = (blob, dtype)
-    return steps
-
-
-def _universal_param(tensors: _Tensors, reader: _Reader, folder: Path, name: str, shape: tuple[int, ...],
-                     step: tuple[Blob, str] | None) -> None:
-    """A trained parameter's fp32 weight and optimizer state, each its own file."""
-    for key in ("fp32", *UNIVERSAL_STATES, "step"):
-        file = f"{UNIVERSAL_DIR}/{name}/{key}.pt"
-        try:
-            reader.files.size(file)
-        except MissingFile:
-            if key == "fp32":
-                raise MissingFile(f"{folder / file}: missing (the universal checkpoint names {name} in param_shapes)") from None
-            if key == "step" and step is not None:
-                tensors.add((*OPTIM_STATE, name, key), step[1], (), (Chunk((), (), step[0]),))
-            continue
-        value = reader.load(file, whole=False)
-        value = value.get("param") if isinstance(value, dict) else value
-        here = f"{folder / file}: {name}"
-        blob, dtype, numel = reader.blob(file, value, here)
-        wanted = shape if key != "step" else ()
-        if numel != math.prod(wanted):
-            raise CorruptMetadata(f"{here}: holds {numel} elements, its shape {list(wanted)} has {math.prod(wanted)}")
-        path = (MODEL_PREFIX, name) if key == "fp32" else (*OPTIM_STATE, name, key)
-        tensors.add(path, dtype, wanted, (Chunk((0,) * len(wanted), wanted, blob),))
-        if key == "fp32":
-            tensors.parameters.add(f"{MODEL_PREFIX}.{name}")

@@ -57,6 +57,7 @@ def consolidate_document(report: ConsolidateReport) -> dict[str, Any]:
         "merged_adapter": report.merged or None,
         "quantization": report.quantization or None,
         "source_choice": report.source_choice or None,
+        "left_out": [{"key": key, "rule": rule} for key, rule in report.left_out],
         "problems": problems_document(report.problems),
         "processes": processes_document(report.processes),
     }
@@ -103,8 +104,9 @@ def consolidate_notes(report: ConsolidateReport) -> list[str]:
     for tie in report.ties:
         action = "dropped" if tie.dropped in report.dropped else "both written (--drop-tied keeps one)"
         lines.append(f"tied: {shown(tie.dropped)} is the same tensor as {shown(tie.kept)}: {shown(tie.dropped)} {action}")
-    return (([report.source_choice] if report.source_choice else []) + lines + ([report.merged] if report.merged else [])
-            + ([report.quantization] if report.quantization else []))
+    left_out = [f"left out {shown(key)}: {shown(rule)}" for key, rule in report.left_out]
+    return (([report.source_choice] if report.source_choice else []) + lines + left_out
+            + ([report.merged] if report.merged else []) + ([report.quantization] if report.quantization else []))
 
 
 def _consolidate_plan_text(report: ConsolidateReport) -> str:

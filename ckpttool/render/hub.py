@@ -85,7 +85,9 @@ def export_document(report: "ExportReport") -> dict[str, Any]:
         "dtype": report.dtype,
         "parameters": report.parameters,
         "config": report.config,
-        "checked": report.checked,
+        "left_out": weights["left_out"],  # model tensors the naming table does not write, with its rule
+        "checked": report.config_checked,  # false: the keys and shapes were not checked (`check` says why)
+        "check": report.checked,
         "assets": list(report.assets),
         "dry_run": report.dry_run,
         "verified": report.weights.verified,

@@ -31,6 +31,7 @@ def inspect_document(report: InspectReport) -> dict[str, Any]:
             "path": str(report.path),
             "layout": report.layout,
             "found": report.found,
+            "notes": list(report.notes),
             "summary": {
                 "dcp_version": s.dcp_version, "metadata_file": s.metadata_file,
                 "tensors": s.tensors, "objects": s.objects, "chunks": s.chunks,
@@ -112,6 +113,7 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
         f"{report.path}  ({_format_name(report.layout, s.dcp_version)}, {s.metadata_file})",
         f"  layout: {report.layout}",
         *([f"  found: {shown(report.found)}"] if report.found else []),
+        *(f"  note: {shown(note)}" for note in report.notes),
         f"  {s.tensors} tensors in {s.chunks} chunks, {s.objects} other entries; "
         f"{human_bytes(s.tensor_bytes)} of tensor data in {s.files} files ({human_bytes(s.file_bytes)} on disk) from {ranks}",
         f"  model parameters: {human_count(s.parameters)} ({s.parameters:,})",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ckpttool import readers
+from ckpttool.readers.detect import is_deepspeed
 from ckpttool.check import integrity
 from ckpttool.core.checkpoint import Checkpoint, Tensor
 from ckpttool.dcp.blobs import DataFiles
@@ -62,8 +63,11 @@ def find_adapter(src: str | os.PathLike, name: str | None, source: SourceOptions
 def adapter_config(found: FoundAdapter, assets: str | os.PathLike | None,
                    options: AdapterOptions) -> tuple[dict[str, Any], str]:
     """Return (adapter_config.json, where its fields came from): the first adapter_config.json
-    in the checkpoint directory or `assets`, flags over it, checked against the weights."""
+    in the checkpoint directory (for a DeepSpeed tag folder, or the save dir holding it: HF Trainer's
+    checkpoint-N/) or `assets`, flags over it, checked against the weights."""
     candidates = [Path(found.checkpoint.path) / peft.CONFIG_NAME] if isinstance(found.checkpoint.path, Path) else []
+    if candidates and is_deepspeed(found.checkpoint.path):  # a ZeRO tag folder: PEFT wrote its config in the save dir
+        candidates.append(Path(found.checkpoint.path).parent / peft.CONFIG_NAME)
     if assets is not None:
         candidates.append(Path(assets) / peft.CONFIG_NAME)
     path = next((c for c in candidates if c.is_file()), None)
