@@ -182,3 +182,17 @@ def test_layout_naming_nothing_there_is_a_usage_error(tmp_path):
         readers.detect(step, layout="hub-folder")
     with pytest.raises(UsageError, match="not a layout ckpttool reads"):
         readers.detect(step, layout="zero")
+
+
+def test_lightnings_fsdp_run_folder_opens_its_save_and_reads_past_the_lightning_module(cli, tmp_path):
+    """Lightning's FSDP strategy (DCP + meta.pt) from its run's checkpoints/ folder, as from the save."""
+    from safetensors import safe_open
+
+    run = FIXTURES / "frameworks" / "lightning" / "checkpoints"
+    detection = readers.detect(run)
+    assert (detection.layout, detection.newest) == ("lightning", "epoch=0-step=2.ckpt")
+    for name, src in (("run", run), ("save", run / "epoch=0-step=2.ckpt")):
+        assert cli("consolidate", src, tmp_path / f"{name}.safetensors", "--quiet").exit_code == 0
+    assert (tmp_path / "run.safetensors").read_bytes() == (tmp_path / "save.safetensors").read_bytes()
+    with safe_open(tmp_path / "run.safetensors", "pt") as f:
+        assert sorted(f.keys()) == ["embed.weight", "fc1.bias", "fc1.weight", "fc2.weight"]
