@@ -56,6 +56,7 @@ NOT_CHECKPOINTS = {
     "peft", "peft/attention", "peft/mlp_rslora", "peft/tied",
     "quantized", "quantized/compressed_reference", "structures", "structures/expected", "structures/recipe_config",
     "frameworks/hf_trainer_deepspeed", "frameworks/deepspeed_optimizers", "frameworks/torchtitan_v02",
+    "frameworks/hf_trainer_plain", "frameworks/hf_trainer_plain/fsdp/model_config",
     "frameworks/torchtitan_v02/llama3/hf_config", "frameworks/torchtitan_v02/qwen3_moe/hf_config",
     "frameworks/lightning_deepspeed", *(f"frameworks/lightning_deepspeed/{case}/hf_config" for case in (
         "zero2_tied", "zero2_untied", "zero3_tied", "zero3_untied", "zero2_bf16_tied")),

@@ -219,3 +219,16 @@ def test_an_exclude_frozen_save_exports_its_adapter_which_peft_loads_on_the_base
     loaded = {name: tensor for name, tensor in model.state_dict().items() if "lora_" in name}
     assert sorted(loaded) == sorted(expected)
     assert all(torch.equal(loaded[key], ours[key.replace(".default.", ".")]) for key in expected)
+
+
+@pytest.mark.parametrize("case", ["zero3_fp32", "zero2_bf16"])
+def test_export_of_a_trainer_run_takes_config_json_from_the_step_folder(run, tmp_path, case):
+    """No --assets: the config.json the Trainer wrote beside global_stepN/ names the model."""
+    from transformers import AutoModelForCausalLM
+
+    found = trainer_case(case)
+    result = run("export", found["run"], tmp_path / "hf", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info

@@ -32,14 +32,14 @@ from typing import Any, Mapping, cast
 
 from dataclasses import replace
 
-from ckpttool import __version__, naming
+from ckpttool import __version__, naming, readers
 from ckpttool.model import quantization
 from ckpttool.store import storage
 from ckpttool.core.checkpoint import Checkpoint, as_path
 from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
                                            plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.core.errors import InvalidCheckpoint, UsageError, WriteFailed
+from ckpttool.core.errors import CheckpointError, InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.run.execute import write_file
 from ckpttool.check.expected_keys import transformers_expected, transformers_missing
 from ckpttool.naming import megatron_config
@@ -52,6 +52,7 @@ from ckpttool.check.manifest import FILENAME as MANIFEST_FILENAME
 from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.plan.consolidate import ConsolidatePlan
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
+from ckpttool.readers.detect import DEEPSPEED, DEEPSPEED_UNIVERSAL
 from ckpttool.readers.hub_folder import INDEX_FILENAME
 from ckpttool.readers.safetensors import read_index
 from ckpttool.torchsave import ptfile
@@ -133,8 +134,8 @@ def export(
     """
     started = time.perf_counter()
     target = as_path(source.locate(outdir))  # a URL carries the storage options to the upload
-    if assets is None and _has_config(src):
-        assets = src  # a Hub folder carries its own config.json and tokenizer files over
+    if assets is None:  # a Hub folder, or the trainer's step folder it was found in, carries its own config.json
+        assets = next((folder for folder in _own_folders(src, source) if _has_config(folder)), None)
     asset_dir = _check_arguments(target, assets, convert)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
@@ -257,6 +258,22 @@ def _not_converted(plan: ConsolidatePlan, planned: Planned) -> list[str]:
     quantized = set(planned.quantized_keys)
     return sorted({t.key[: -len(".weight")] for t in plan.tensors
                    if t.key.endswith(".weight") and len(t.shape) == 2 and t.key not in quantized})
+
+
+def _own_folders(src: str | os.PathLike, source: SourceOptions) -> list[Any]:
+    """Return the folders whose config.json and tokenizer files are the source's own: SRC, the
+    checkpoint found in it (a run's newest step), and for a ZeRO save the step folder holding it
+    (HF Trainer's checkpoint-N/, where the Trainer writes config.json beside global_stepN/)."""
+    if storage.is_remote(src) or not os.path.isdir(src):
+        return [src]
+    try:
+        found = readers.detect(src, source.layout)
+    except CheckpointError:
+        return [src]  # the read that follows says what is wrong
+    folders = [src, found.path, *(path for _, path in found.beside)]
+    if found.layout in (DEEPSPEED, DEEPSPEED_UNIVERSAL):
+        folders.append(found.path.parent)
+    return folders
 
 
 def _has_config(src: str | os.PathLike) -> bool:
