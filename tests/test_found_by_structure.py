@@ -196,3 +196,34 @@ def test_lightnings_fsdp_run_folder_opens_its_save_and_reads_past_the_lightning_
     assert (tmp_path / "run.safetensors").read_bytes() == (tmp_path / "save.safetensors").read_bytes()
     with safe_open(tmp_path / "run.safetensors", "pt") as f:
         assert sorted(f.keys()) == ["embed.weight", "fc1.bias", "fc1.weight", "fc2.weight"]
+
+
+def test_lightnings_forward_module_wrapper_and_module_attribute_are_read_past(tmp_path, cli):
+    """A LightningModule inside Lightning's wrapper (`_LightningModuleWrapperBase._forward_module`,
+    what its DDP strategy wraps), saved with torch's dcp.save: the model's own names come out."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5)
+
+    class LightningModule(torch.nn.Module):  # holds the model as `self.model`, as the fixtures' do
+        def __init__(self):
+            super().__init__()
+            self.model = Model()
+
+    class Wrapper(torch.nn.Module):  # lightning/pytorch/overrides/base.py's attribute name
+        def __init__(self):
+            super().__init__()
+            self._forward_module = LightningModule()
+
+    wrapper = Wrapper()
+    dcp.save({"model": wrapper.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    result = cli("consolidate", tmp_path / "ckpt", tmp_path / "out.safetensors", "--quiet")
+    assert result.exit_code == 0, result.output
+    with safe_open(tmp_path / "out.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(Model().state_dict())
+        assert torch.equal(f.get_tensor("embed.weight"), wrapper._forward_module.model.embed.weight)
