@@ -232,3 +232,28 @@ def test_export_of_a_trainer_run_takes_config_json_from_the_step_folder(run, tmp
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info
+
+
+# -- the other fixtures, from the folder their own tests do not start at --------------------------
+
+@pytest.mark.parametrize("case", ["zero2_cpuadam_offload", "zero3_cpuadam_offload"])
+def test_a_cpuadam_world_3_save_consolidates_from_its_tag_folder_as_from_its_save_dir(run, tmp_path, case):
+    from safetensors.torch import load_file
+
+    save_dir = FRAMEWORKS / "deepspeed_optimizers" / case / "checkpoints"
+    expected = json.loads((save_dir.parent / "expected.json").read_text())["tensors"]
+    for name, src in (("save-dir", save_dir), ("tag", save_dir / "global_step2")):
+        assert run("consolidate", src, tmp_path / f"{name}.safetensors", "--quiet").exit_code == 0
+    assert (tmp_path / "save-dir.safetensors").read_bytes() == (tmp_path / "tag.safetensors").read_bytes()
+    ours = load_file(tmp_path / "tag.safetensors")
+    assert sorted(ours) == sorted(expected) and all(sha256(ours[k]) == row["sha256"] for k, row in expected.items())
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen3_moe"])
+def test_a_torchtitan_0_2_run_folder_exports_as_its_step_folder(run, tmp_path, case):
+    root = FRAMEWORKS / "torchtitan_v02" / case
+    [step] = (root / "checkpoint").iterdir()
+    for name, src in (("run", root / "checkpoint"), ("step", step)):
+        result = run("export", src, tmp_path / name, "--assets", root / "hf_config", "--quiet")
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "run" / "model.safetensors").read_bytes() == (tmp_path / "step" / "model.safetensors").read_bytes()
