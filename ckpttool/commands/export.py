@@ -267,7 +267,7 @@ def _own_folders(src: str | os.PathLike, source: SourceOptions) -> list[Any]:
     if storage.is_remote(src) or not os.path.isdir(src):
         return [src]
     try:
-        found = readers.detect(src, source.layout)
+        found = readers.detect(src, read_metadata=False)  # where, not what: consolidate reads the source next
     except CheckpointError:
         return [src]  # the read that follows says what is wrong
     folders = [src, found.path, *(path for _, path in found.beside)]

@@ -146,7 +146,8 @@ def _without_lightning_paths(checkpoint: Checkpoint) -> Checkpoint:
     attribute that holds every parameter (`self.model = LlamaForCausalLM(...)`: `model.`), so
     that model keys are the model's own `state_dict()` names (`Checkpoint.model_attribute`).
     Left as it is when the LightningModule holds parameters in more than one attribute."""
-    if not (_lightning_saved(checkpoint) or any(LIGHTNING_WRAPPER in fqn for fqn in checkpoint.tensors)):
+    lightning = _lightning_saved(checkpoint)
+    if not (lightning or any(LIGHTNING_WRAPPER in fqn for fqn in checkpoint.tensors)):
         return checkpoint  # the common case: no model search here (the command makes its own)
     from ckpttool.model.model_view import find_model
 
@@ -158,7 +159,7 @@ def _without_lightning_paths(checkpoint: Checkpoint) -> Checkpoint:
     if all(key.startswith(LIGHTNING_WRAPPER) for key in keys):
         keys = [key[len(LIGHTNING_WRAPPER):] for key in keys]
         attribute.append(LIGHTNING_WRAPPER[:-1])
-    elif not _lightning_saved(checkpoint):
+    elif not lightning:
         return checkpoint
     tops = {key.split(".", 1)[0] for key in keys}
     if len(tops) == 1 and all("." in key for key in keys) and len({key.split(".", 2)[1] for key in keys}) > 1:

@@ -140,19 +140,21 @@ class Detection:
         return f"read the {self.layout} save {self.path} ({self.chosen_by}); not read: {others} ({picks} reads it)"
 
 
-def detect(path: str | os.PathLike, layout: str | None = None) -> Detection:
+def detect(path: str | os.PathLike, layout: str | None = None, read_metadata: bool = True) -> Detection:
     """Return the layout at `path`, or raise NotACheckpoint listing what was looked for.
 
     `path` may be a checkpoint, a run directory of several steps (the newest is taken), or a
     folder holding either a few levels down. Where one step holds checkpoints of two layouts
     (a Hub model beside the ZeRO save it was written from), the training save is read, or the
     one of `layout`. DCP directories are told apart (torchtitan vs plain dcp) by their
-    top-level keys, which reads `.metadata`; `readers.open_checkpoint` reuses that read.
+    top-level keys, which reads `.metadata` (`readers.open_checkpoint` reuses that read);
+    `read_metadata=False` names both `dcp` and reads only folder listings: where, not what.
     """
-    return _detect(as_path(storage.location(path)), layout)[0]
+    return _detect(as_path(storage.location(path)), layout, read_metadata)[0]
 
 
-def _detect(requested: Path, prefer: str | None = None) -> tuple[Detection, Checkpoint | None]:
+def _detect(requested: Path, prefer: str | None = None,
+            read_metadata: bool = True) -> tuple[Detection, Checkpoint | None]:
     """Return the detection and, when deciding needed it, the already-read Checkpoint."""
     if prefer is not None and prefer not in LAYOUTS:
         raise UsageError(f"--layout {prefer}: not a layout ckpttool reads; one of {', '.join(LAYOUTS)}")
@@ -166,7 +168,7 @@ def _detect(requested: Path, prefer: str | None = None) -> tuple[Detection, Chec
         return _preferred(Detection(layout, requested, requested), prefer), None
     if not requested.is_dir():
         raise NotACheckpoint(f"{requested}: not a regular file or directory")
-    found = _resolve(requested, requested, prefer, MAX_NESTING)
+    found = _resolve(requested, requested, prefer, MAX_NESTING, read_metadata)
     if found is None:
         below = search(requested)
         if len(below) > 1:
@@ -174,7 +176,7 @@ def _detect(requested: Path, prefer: str | None = None) -> tuple[Detection, Chec
             raise AmbiguousSource(f"{requested}: holds {len(below)} checkpoints or runs, not one: {shown}; "
                                   "name one of them as the source")
         if below:
-            found = _resolve(below[0], requested, prefer, MAX_NESTING)
+            found = _resolve(below[0], requested, prefer, MAX_NESTING, read_metadata)
     if found is None:
         raise NotACheckpoint(f"{requested}: no checkpoint found; looked for {LOOKED_FOR}")
     return _preferred(found[0], prefer), found[1]
@@ -188,19 +190,19 @@ def _preferred(detection: Detection, prefer: str | None) -> Detection:
                      f"(found {detection.layout} {detection.path})")
 
 
-def _resolve(path: Path, requested: Path, prefer: str | None,
-             depth: int) -> tuple[Detection, Checkpoint | None] | None:
+def _resolve(path: Path, requested: Path, prefer: str | None, depth: int,
+             read_metadata: bool = True) -> tuple[Detection, Checkpoint | None] | None:
     """Return what the folder `path` holds as one checkpoint, or None: the folder itself, the
     newest step of a run directory, the save a `latest` pointer names, and where one step holds
     a module export beside a training save, the one chosen (`_choose`)."""
-    layout, checkpoint = _directory_layout(path)
+    layout, checkpoint = _directory_layout(path, read_metadata)
     if layout is not None and layout not in MODULE_EXPORTS:
         return Detection(layout, _read_path(layout, path), requested), checkpoint
     entries = run_checkpoints(path) if depth > 0 else []
     inner: tuple[Detection, Checkpoint | None] | None = None
     if entries:
         newest, by = newest_checkpoint(path, entries)
-        inner = _resolve(path / newest, requested, prefer, depth - 1)
+        inner = _resolve(path / newest, requested, prefer, depth - 1, read_metadata)
         if inner is None:
             raise NotACheckpoint(f"{path / newest}: the newest checkpoint of {path} (by {by}) holds "
                                  f"no checkpoint; looked for {LOOKED_FOR}")
@@ -208,7 +210,7 @@ def _resolve(path: Path, requested: Path, prefer: str | None,
             inner = (replace(inner[0], checkpoints=tuple(entries), newest=newest, newest_by=by,
                              requested=requested), inner[1])
     elif depth > 0 and (pointed := _pointed_folder(path)) is not None:
-        inner = _resolve(path / pointed, requested, prefer, depth - 1)  # Lightning's DeepSpeed `.ckpt/latest`
+        inner = _resolve(path / pointed, requested, prefer, depth - 1, read_metadata)  # Lightning's DeepSpeed `.ckpt/latest`
     if layout is None:
         return inner
     here = Detection(layout, _read_path(layout, path), requested)
@@ -239,13 +241,14 @@ def _choose(export: Detection, export_checkpoint: Checkpoint | None, training: t
                     "the training save: master weights and optimizer state; the default"), training[1])
 
 
-def _pointed_folder(path: Path) -> str | None:
+def _pointed_folder(path: Path, nested: bool = True) -> str | None:
     """Return the subfolder a `latest` file names when it is a checkpoint (Lightning's
-    DeepSpeed `epoch=E-step=S.ckpt/`: `latest` says `checkpoint`), else None."""
+    DeepSpeed `epoch=E-step=S.ckpt/`: `latest` says `checkpoint`), else None; `nested` as
+    for `_looks_like_checkpoint`."""
     named = _pointer(path / LATEST_POINTER)
-    if not named or named in (".", "..") or "/" in named:
+    if not named or named == "..":
         return None
-    return named if (path / named).is_dir() and _looks_like_checkpoint(path / named) else None
+    return named if (path / named).is_dir() and _looks_like_checkpoint(path / named, nested) else None
 
 
 def search(path: Path, depth: int = MAX_SEARCH_DEPTH) -> list[Path]:
@@ -311,13 +314,16 @@ def _is_dcp(path: Path) -> bool:
         return False
 
 
-def _directory_layout(path: Path) -> tuple[str | None, Checkpoint | None]:
-    """Return (layout or None, the Checkpoint if it had to be read to decide)."""
+def _directory_layout(path: Path, read_metadata: bool = True) -> tuple[str | None, Checkpoint | None]:
+    """Return (layout or None, the Checkpoint if it had to be read to decide; without
+    `read_metadata`, plain `dcp` for torchtitan too)."""
     if _is_dcp(path):
         if _is_megatron(path):
             return MEGATRON, None
         if (path / LIGHTNING_METADATA).is_file():
             return LIGHTNING, None
+        if not read_metadata:
+            return DCP, None
         from ckpttool.readers.dcp import read_checkpoint
 
         checkpoint = read_checkpoint(path)
@@ -460,8 +466,7 @@ def _looks_like_checkpoint(path: Path, nested: bool = True) -> bool:
         return True
     if not nested:
         return False
-    named = _pointer(path / LATEST_POINTER)
-    if named and "/" not in named and named not in (".", "..") and _looks_like_checkpoint(path / named, nested=False):
+    if _pointed_folder(path, nested=False) is not None:
         return True
     return any(step_of(name) is not None and _looks_like_checkpoint(path / name, nested=False)
                for name in _subfolders(path))
