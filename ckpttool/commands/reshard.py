@@ -127,10 +127,13 @@ def reshard(
 
 
 def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, destination: Path, *, save_id: str,
-              write: WriteOptions, label: str = "reshard") -> tuple[ReshardWrites, tuple[ProcessStats, ...]]:
+              write: WriteOptions, label: str = "reshard", beside: Sequence[tuple[str, bytes]] | None = None
+              ) -> tuple[ReshardWrites, tuple[ProcessStats, ...]]:
     """Write `plan` of `checkpoint` as a DCP checkpoint at `destination`, atomically: rank
     files preallocated, filled (under torchrun, each process its share), verified if asked,
-    fsynced, then `.metadata` (encoded meanwhile). Returns what was written and the work of each process."""
+    fsynced, then `.metadata` (encoded meanwhile). `beside`: (name, bytes) of the files written
+    next to them (default: the CARRIED_FILES beside the source). Returns what was written and
+    the work of each process."""
     force, verify, threads = write.force, write.verify, write.threads
     budget = cast(int, write.max_memory)  # bytes: WriteOptions parses a size when built
     writes = plan_writes(plan, checkpoint, locating.locate_chunks(files, checkpoint.tensors.values(), threads))
@@ -146,7 +149,7 @@ def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, desti
         if verify:
             _verify(operations, files, fds, threads, budget)
 
-    carried = carried_files(checkpoint)
+    carried = carried_files(checkpoint) if beside is None else list(beside)
 
     def finish(temp: Path, fds: dict[str, int], syncs: _Syncs | None = None) -> None:
         # `.metadata` is encoded while the data files are flushed: one waits on the disk, the

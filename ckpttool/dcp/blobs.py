@@ -21,7 +21,7 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, MutableMapping, Protocol, Sequence, cast
+from typing import Any, Callable, Iterable, Iterator, Mapping, MutableMapping, Protocol, Sequence, cast
 
 from ckpttool.core import dtypes
 from ckpttool.store import spans, storage
@@ -56,11 +56,14 @@ class DataFiles:
     fetched as few large spans by a `spans.SpanStore` holding at most about `budget` bytes,
     and reads inside them are served from memory. Local roots ignore it. `whole_records`
     False: locating fetches only record heads and ends (a torchrun process copies a share of
-    the bytes, so it must not fetch them all to locate)."""
+    the bytes, so it must not fetch them all to locate). `made`: name -> local file ckpttool
+    wrote itself beside the checkpoint's (import's initial values of buffers no source holds),
+    read by that name like a data file."""
 
     def __init__(self, root: str | os.PathLike, follow_symlinks: bool = False, budget: int = 0,
-                 whole_records: bool = True):
+                 whole_records: bool = True, made: Mapping[str, Path] | None = None):
         self.root = as_path(storage.location(root))
+        self._made = dict(made or {})
         self.local = not storage.is_remote(self.root)
         self._inside = None if follow_symlinks else containment_root(self.root)
         self._fds: dict[str, int] = {}
@@ -149,7 +152,8 @@ class DataFiles:
         return self._reader(relative).get(start, end)
 
     def path(self, relative: str) -> Path:
-        return self.root / safe_relative_path(relative)
+        made = self._made.get(relative)
+        return made if made is not None else self.root / safe_relative_path(relative)
 
     def _reader(self, relative: str) -> "storage.RangeReader":
         with self._lock:
@@ -173,8 +177,9 @@ class DataFiles:
             fd = self._fds.get(relative)
             if fd is None:
                 path = self.path(relative)
+                inside = None if relative in self._made else self._inside  # a file ckpttool wrote: outside the root
                 try:
-                    check_data_file(path, os.stat(path).st_mode, self._inside)  # before open: devices may act on it
+                    check_data_file(path, os.stat(path).st_mode, inside)  # before open: devices may act on it
                     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
                 except FileNotFoundError:
                     raise MissingFile(
@@ -186,7 +191,7 @@ class DataFiles:
                 try:  # again on what was opened: the path may have changed in between
                     status = os.fstat(fd)
                     opened = f"/proc/self/fd/{fd}"
-                    check_data_file(path, status.st_mode, self._inside,
+                    check_data_file(path, status.st_mode, inside,
                                     os.readlink(opened) if os.path.islink(opened) else None)
                 except BaseException:
                     os.close(fd)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
         EXPERTS as EXPERTS, EXPERTS_HALVES as EXPERTS_HALVES, PERMUTE_K as PERMUTE_K, PERMUTE_Q as PERMUTE_Q,
         RENAME as RENAME, SPLIT_HALVES as SPLIT_HALVES, SPLIT_QKV as SPLIT_QKV, TRANSFORMS as TRANSFORMS,
         DENSE_BIAS_FROM_CONFIG as DENSE_BIAS_FROM_CONFIG, Apply as Apply, Architecture as Architecture,
-        Family as Family, LeftOut as LeftOut, MegatronArgs as MegatronArgs, Piece as Piece, Rule as Rule,
+        Family as Family, LeftOut as LeftOut, Made as Made, MegatronArgs as MegatronArgs, Piece as Piece, Rule as Rule,
         TIED_EMBEDDING as TIED_EMBEDDING,
         Target as Target, Transform as Transform, convert as convert, converted_checkpoint as converted_checkpoint,
         find_family as find_family, hf_names as hf_names, main_layer_count as main_layer_count,
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # the engine's names, served by __getattr__ (the engine imported on first use)
 ENGINE_NAMES = frozenset({
     "EXPERTS", "EXPERTS_HALVES", "PERMUTE_K", "PERMUTE_Q", "RENAME", "SPLIT_HALVES", "SPLIT_QKV", "TRANSFORMS",
-    "DENSE_BIAS_FROM_CONFIG", "Apply", "Architecture", "Family", "LeftOut", "MegatronArgs", "Piece", "Rule", "Target",
+    "DENSE_BIAS_FROM_CONFIG", "Apply", "Architecture", "Family", "LeftOut", "Made", "MegatronArgs", "Piece", "Rule", "Target",
     "TIED_EMBEDDING",
     "Transform", "convert", "converted_checkpoint", "find_family", "hf_names", "main_layer_count",
     "required_settings", "rotary_rows", "row_box",

@@ -133,6 +133,21 @@ class Architecture:
 
 
 @dataclass(frozen=True)
+class Made:
+    """A framework tensor no transformers tensor makes, which `import` writes as the framework
+    initialises it: `source` (its pattern) for each written tensor `like` matches, of the sizes
+    of `like`'s dims `dims`, `dtype`, every element `fill` (torchtitan's MoE load-balancing
+    buffers: zeros of [experts], one per router)."""
+
+    source: str
+    like: str
+    dims: tuple[int, ...]
+    dtype: str
+    fill: float
+    why: str
+
+
+@dataclass(frozen=True)
 class Family:
     """One framework's model family: how to recognise its checkpoints (`signature`: source
     patterns all present), the transformers architectures it converts to, its rules, the source
@@ -148,6 +163,13 @@ class Family:
     # non-zero one out unless --drop names it
     changes_forward: tuple[str, ...] = ()
     tied_head: str | None = "lm_head.weight"  # the source key left out under tie_word_embeddings
+    # import (naming/backward.py): of several rules giving one transformers name, the source
+    # patterns it writes (else the first), and the framework tensors it makes from nothing
+    backward: tuple[str, ...] = ()
+    made: tuple[Made, ...] = ()
+    # the framework's state dict holds `tied_head` even when tied (torchtitan: the same
+    # parameter under both names), so import writes the embedding's bytes under it too
+    stores_tied_head: bool = False
     # (first literal, last literal, rule, pattern) of each rule, then (rule None) of each ignored
     # pattern, in order: derived once, when the table is built
     patterns: tuple[tuple[str, str, Rule | None, Pattern], ...] = field(init=False, repr=False, compare=False)
@@ -208,6 +230,10 @@ class Piece:
     source: str
     box: Box
     step: int = 1
+    # where the box starts in the target (None: on the target's dim 0 after the pieces before
+    # it). A placed box lines its dims up with the target's last ones, as many leading dims of
+    # size 1 added or dropped as the target has more or fewer (an expert stacked on an axis)
+    at: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -479,6 +505,9 @@ def converted_checkpoint(checkpoint: Checkpoint, targets: Mapping[str, Target],
             source = sources.get(piece.source)
             if source is None:
                 source = sources[piece.source] = _Source(checkpoint, piece.source, located[piece.source])
+            if piece.at is not None:
+                chunks.extend(source.placed(piece, piece.at, key))
+                continue
             chunks.extend(source.chunks(piece, row, target.shape, key))
             row += piece.box[1][len(piece.box[1]) - len(target.shape)] if target.shape else 1
         dtype = checkpoint.tensors[target.pieces[0].source].dtype
@@ -544,6 +573,28 @@ class _Source:
                 file, offset = raw.file, raw.offset - slab_first * row_bytes
             found.append(Chunk((row + number, *zeros), sizes, Blob(file, offset + at * row_bytes, row_bytes, _RAW)))
         return found
+
+    def placed(self, piece: Piece, at: tuple[int, ...], key: str) -> list[Chunk]:
+        """Return the target chunks that hold the source `piece.box` placed at `at` in the target."""
+        tensor, box = self.tensor, piece.box
+        extra = len(at) - len(box[0])  # target dims beyond the box's (> 0: leading 1s; < 0: leading dims dropped)
+        chunks = []
+        for index in self.indices:
+            chunk = tensor.chunks[index]
+            region = intersect(box, (chunk.offsets, chunk.sizes))
+            if region is None or not math.prod(region[1]):
+                continue
+            raw = self._raw(index, key)
+            for start, length, sub in _region_runs((chunk.offsets, chunk.sizes), region, tensor.itemsize):
+                relative = [offset - first for offset, first in zip(sub[0], box[0])]
+                sizes = list(sub[1])
+                if extra >= 0:
+                    relative, sizes = [0] * extra + relative, [1] * extra + sizes
+                else:
+                    relative, sizes = relative[-extra:], sizes[-extra:]
+                offsets = tuple(first + offset for first, offset in zip(at, relative))
+                chunks.append(Chunk(offsets, tuple(sizes), Blob(raw.file, raw.offset + start, length, _RAW)))
+        return chunks
 
     def _slab(self, at: int, key: str) -> tuple[int, int, Any]:
         """Return (first row, end row, raw bytes) of the slab holding source row `at`."""

@@ -520,23 +520,25 @@ def _owners(slabs: dict[str, _Slabs], objects: list[str], order: list[str], mesh
 
 
 def plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str] = (),
-                 view: ModelView | None = None) -> ReshardPlan:
+                 view: ModelView | None = None, rule: str | None = None) -> ReshardPlan:
     """Return the plan that lays `checkpoint` out for `mesh` (reads no data files); tensors
     matching a `keep_whole` glob are not sharded; `view` is the model found in it (default:
-    `find_model`'s).
+    `find_model`'s); `rule` the sharding rule (default: `sharding_rule`'s; a converted view's
+    chunks are its pieces, not a sharding, so import states EVERY_TENSOR_RULE).
 
     Raises UnsupportedFormat for dtypes of unknown size and CorruptMetadata when a tensor's
     chunks do not cover it.
     """
     with paused_gc():  # a few small acyclic objects per tensor and per shared chunk (see paused_gc)
-        return _plan_reshard(checkpoint, mesh, keep_whole, view)
+        return _plan_reshard(checkpoint, mesh, keep_whole, view, rule)
 
 
-def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str], view: ModelView | None) -> ReshardPlan:
+def _plan_reshard(checkpoint: Checkpoint, mesh: Mesh, keep_whole: Sequence[str], view: ModelView | None,
+                  stated: str | None) -> ReshardPlan:
     import numpy as np
 
     optimized = sharded_by_optimizer(checkpoint, view or find_model(checkpoint))
-    rule = sharding_rule(checkpoint, optimized)
+    rule = stated or sharding_rule(checkpoint, optimized)
     order = _state_dict_order(checkpoint)
     object_names = [fqn for fqn in order if fqn not in checkpoint.tensors]
     layouts: list[TensorLayout] = []

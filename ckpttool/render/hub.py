@@ -68,6 +68,7 @@ def push_text(report: "PushReport") -> str:
 if TYPE_CHECKING:
     from ckpttool.commands.export import ExportReport
     from ckpttool.commands.import_ import ImportReport
+    from ckpttool.commands.import_framework import FrameworkImportReport
 
 EXPORT_SCHEMA = "ckpttool.export/1"
 IMPORT_SCHEMA = "ckpttool.import/1"
@@ -130,6 +131,31 @@ def import_text(report: "ImportReport") -> str:
     """Return the human view: reshard's, with what was read and the prefix."""
     return (reshard_text(report) + f"\n  read {shown(report.layout)}; keys nested under {report.prefix!r}"
             ).replace("reshard to", "import to", 1)
+
+
+def framework_import_document(report: "FrameworkImportReport") -> dict[str, Any]:
+    """Return the `ckpttool.import/1` JSON document of `import --to`: reshard's fields, the
+    framework and family table, the tensors made as the framework initialises them, and the
+    Hub keys left out."""
+    return {**reshard_document(report), "schema": IMPORT_SCHEMA, "layout": report.layout, "framework": report.framework,
+            "family": report.family, "architecture": report.architecture,
+            "made": [{"key": made.key, "shape": list(made.shape), "dtype": made.dtype, "fill": made.fill,
+                      "why": made.why} for made in report.made],
+            "left_out": [{"key": key, "why": why} for key, why in report.left_out],
+            "extra_files": list(report.extra_files)}
+
+
+def framework_import_text(report: "FrameworkImportReport") -> str:
+    """Return the human view of `import --to`: reshard's, with the table used and what was made or left out."""
+    lines = [reshard_text(report).replace("reshard to", f"import --to {report.framework} to", 1),
+             f"  read {shown(report.layout)}; {report.architecture} written by the {report.family} table"]
+    for made in report.made:
+        lines.append(f"  made {shown(made.key)} {list(made.shape)} {made.dtype} = {made.fill:g} ({shown(made.why)})")
+    for key, why in report.left_out:
+        lines.append(f"  left out {shown(key)} ({shown(why)})")
+    for name in report.extra_files:
+        lines.append(f"  wrote {shown(name)}")
+    return "\n".join(lines)
 
 
 def push_notes(report: "PushReport") -> list[str]:

@@ -53,4 +53,6 @@ FAMILY = Family(
     ignored=("decoder.layers.{L}.mlp.router.expert_bias", "decoder.layers.{L}.mlp.router.local_tokens_per_expert"),
     changes_forward=("decoder.layers.{L}.mlp.router.expert_bias",),  # the router adds it to its scores before choosing experts
     tied_head="output_layer.weight",
+    # import writes the experts as megatron-core's SequentialMLP saves them in torch_dist: stacked
+    backward=(_EXPERTS + "experts.linear_fc1.weight", _EXPERTS + "experts.linear_fc2.weight"),
 )

@@ -64,4 +64,5 @@ FAMILY = Family(
     ),
     ignored=("layers.{L}.attention.rope.cache", "rope.cache", "layers.{L}.moe.tokens_per_expert",
              "mtp_layers.{M}.moe.tokens_per_expert"),
+    stores_tied_head=True,  # torchtitan ties by one parameter under both names: its state dict holds both
 )

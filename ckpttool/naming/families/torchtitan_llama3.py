@@ -31,4 +31,5 @@ FAMILY = Family(
         Rule("lm_head.weight", "lm_head.weight"),
     ),
     ignored=("layers.{L}.attention.rope.cache", "freqs_cis", "rope.cache"),
+    stores_tied_head=True,  # torchtitan ties by one parameter under both names: its state dict holds both
 )

@@ -8,7 +8,7 @@ transformers' Qwen3-MoE router has no place for; rotary buffers) are `ignored`.
 
 from __future__ import annotations
 
-from ckpttool.naming.engine import EXPERTS, Architecture, Family, Rule
+from ckpttool.naming.engine import EXPERTS, Architecture, Family, Made, Rule
 from ckpttool.naming.fused import QWEN2_MOE
 
 FAMILY = Family(
@@ -47,4 +47,9 @@ FAMILY = Family(
     ignored=("layers.{L}.attention.rope.cache", "rope.cache", "layers.{L}.moe.tokens_per_expert",
              "layers.{L}.moe.expert_bias_E"),
     changes_forward=("layers.{L}.moe.expert_bias_E",),  # the router adds it to its scores before choosing experts
+    # import: torchtitan's MoE (load_balance_coeff set) holds a load-balancing bias per router,
+    # which transformers' Qwen3-MoE has no place for: written as torchtitan initialises it
+    made=(Made("layers.{L}.moe.expert_bias_E", "layers.{L}.moe.router.gate.weight", (0,), "float32", 0.0,
+               "torchtitan's load-balancing expert bias, zeros at initialisation (moe.py init_weights)"),),
+    stores_tied_head=True,  # torchtitan ties by one parameter under both names: its state dict holds both
 )
