@@ -124,6 +124,9 @@ def test_megatron_import_gives_back_megatron_cores_own_save(megatron_imports, ru
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["extra_files"] == ["common.pt", "metadata.json"]
+    # Megatron-LM's run folder: `--load DST` reads the tracker, then iter_0000000/
+    assert report["run_files"] == ["latest_checkpointed_iteration.txt", "iter_0000000/"]
+    assert (target / "latest_checkpointed_iteration.txt").read_text() == "0"
     found = diff_document(run, megatron_step(name), target, "--exact-names")
     # every model tensor and `_extra_state` entry of megatron-core's save, byte for byte; what
     # is only in the save is its training state (optimizer, RNG), not the model
@@ -132,14 +135,16 @@ def test_megatron_import_gives_back_megatron_cores_own_save(megatron_imports, ru
     assert summary["objects"] >= 8 and not found["only_b"], summary
     assert all(entry["key"].startswith(("optimizer.", "rng_state")) for entry in found["only_a"]), found["only_a"]
     saved = json.loads((megatron_step(name) / "metadata.json").read_text())
-    assert json.loads((target / "metadata.json").read_text()) == saved
+    assert json.loads((target / "iter_0000000" / "metadata.json").read_text()) == saved
 
 
-def test_megatron_common_pt_loads_with_weights_only(megatron_imports):
+def test_megatron_common_pt_says_checkpoint_version_3_and_loads_with_weights_only(megatron_imports):
     import torch
 
     target, _ = megatron_imports["llama_tp2"]
-    assert torch.load(target / "common.pt", weights_only=True) == {}
+    # Megatron-LM reorders the QKV rows of a checkpoint below version 2.0 (fix_query_key_value_ordering)
+    common = torch.load(target / "iter_0000000" / "common.pt", weights_only=True)
+    assert common == {"checkpoint_version": 3.0, "iteration": 0}
 
 
 @pytest.mark.parametrize("framework, name", [("torchtitan", "llama3"), ("torchtitan", "qwen3_moe"),
@@ -216,4 +221,33 @@ def test_the_installed_command_imports_into_megatron(tmp_path):
     done = subprocess.run([str(CKPTTOOL), "import", str(MEGATRON / "moe" / "hf"), str(tmp_path / "out"), "--to", "megatron"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "megatron qwen moe" in done.stdout and "common.pt" in done.stdout
+    assert "megatron qwen moe" in done.stdout and "--load" in done.stdout
+    assert (tmp_path / "out" / "iter_0000000" / ".metadata").is_file()
+
+
+def test_a_failed_megatron_import_leaves_no_run_folder(tmp_path, cli):
+    hub = write_hub(tmp_path, MEGATRON / "moe" / "hf", num_attention_heads=3)
+    result = cli("import", hub, tmp_path / "out", "--to", "megatron")
+    assert result.exit_code == 1, result.output
+    assert not (tmp_path / "out").exists()
+
+
+FP8 = FIXTURES / "quantized" / "deepseek_v3_fp8"
+
+
+def test_an_fp8_hub_model_is_dequantised_on_the_way_as_consolidate_dequantises_it(tmp_path, cli):
+    refused = cli("import", FP8, tmp_path / "refused", "--to", "torchtitan", "--world", "2")
+    assert refused.exit_code == 2 and "--dtype bf16" in refused.output, refused.output
+    assert not (tmp_path / "refused").exists()
+    result = cli("import", FP8, tmp_path / "imported", "--to", "torchtitan", "--world", "2", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["imported", "refused"] or \
+        sorted(path.name for path in tmp_path.iterdir()) == ["imported"]  # the scratch folder is gone
+    # the same as dequantising with consolidate first, then importing the bf16 Hub folder
+    assert cli("consolidate", FP8, tmp_path / "bf16", "--dtype", "bf16").exit_code == 0
+    config = json.loads((FP8 / "config.json").read_text())
+    config.pop("quantization_config")
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(config))
+    assert cli("import", tmp_path / "bf16", tmp_path / "two-steps", "--to", "torchtitan", "--world", "2").exit_code == 0
+    same = cli("diff", tmp_path / "imported", tmp_path / "two-steps")
+    assert same.exit_code == 0 and "IDENTICAL" in same.output, same.output

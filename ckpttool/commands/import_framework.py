@@ -34,6 +34,7 @@ from ckpttool.core.errors import InvalidCheckpoint, UsageError
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.formats import megatron_dist
 from ckpttool.formats.model_config import HUB_CONFIG, config_beside
+from ckpttool.model import quantization
 from ckpttool.model.model_view import find_model
 from ckpttool.naming import REGISTRY, Family, family as family_named
 from ckpttool.naming.backward import MadeTensor, backward, stack_layers
@@ -63,7 +64,8 @@ class FrameworkImportReport(ReshardReport):
     made: tuple[MadeTensor, ...] = ()
     left_out: tuple[tuple[str, str], ...] = ()
     layout: str = ""
-    extra_files: tuple[str, ...] = ()
+    extra_files: tuple[str, ...] = ()  # written beside the DCP files (Megatron: in the iteration folder)
+    run_files: tuple[str, ...] = ()  # the run folder's own (Megatron's tracker), relative to the destination
 
 
 def framework_family(framework: str, config: Mapping[str, Any], where: str) -> Family:
@@ -93,13 +95,16 @@ def import_to_framework(
     world_size: int | None = None,
     *,
     assets: str | os.PathLike | None = None,
+    dtype: str | None = None,
     write: WriteOptions = WriteOptions(),
     source: SourceOptions = SourceOptions(),
 ) -> FrameworkImportReport:
     """Return a report after writing the Hub model at `src` as a `framework` checkpoint at
     `dst` laid out for `world_size` ranks (torchtitan: FSDP2's dim-0 shards; Megatron reshards
     on load, so any size loads and the default is 1). config.json comes from `assets` or beside
-    the weights. Nothing is left at `dst` unless the whole write succeeded.
+    the weights. An FP8 or MXFP4 Hub model is dequantised to `dtype` on the way (consolidate's
+    dequantisation into a scratch folder beside `dst`, removed after). Nothing is left at `dst`
+    unless the whole write succeeded.
 
     Raises UsageError (exit 2) for a framework, architecture or option the tables cannot write,
     InvalidCheckpoint (exit 1) naming the key when config.json disagrees with the weights."""
@@ -117,6 +122,16 @@ def import_to_framework(
     where = str(checkpoint.path)
     table = framework_family(framework, config, where)
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
+    quantized = quantization.find(checkpoint, config)
+    if quantized is not None or dtype is not None:
+        if quantized is None:
+            raise UsageError(f"--dtype {dtype}: {origin} is not quantised; import --to writes the Hub model's own dtype "
+                             "(cast it with `ckpttool consolidate --dtype` first if you mean to)")
+        if dtype is None:
+            raise UsageError(f"{origin}: a {quantized.scheme} Hub model; {framework} trains on dequantised weights: "
+                             "pass --dtype bf16 (or fp32) to dequantise on the way")
+        return _dequantized_import(checkpoint.path, config, destination, framework, world_size, dtype, write, source,
+                                   started)
     model = find_model(checkpoint, source.model_prefix).require()
     shapes = {key: checkpoint.tensors[fqn].shape for fqn, key in model.keys.items() if fqn in checkpoint.tensors}
     found = backward(table, shapes, config, where)
@@ -142,15 +157,74 @@ def import_to_framework(
                 framework=framework, family=table.name, architecture=str(config["architectures"][0]),
                 made=tuple(found.made.values()), left_out=tuple(sorted(found.left_out.items())),
                 layout=f"{detection.describe()}; config.json from {config_from}",
-                extra_files=tuple(name for name, _ in beside or ()))
+                extra_files=tuple(name for name, _ in beside or ()),
+                run_files=(megatron_dist.TRACKER, megatron_dist.ITERATION_FOLDER + "/") if framework == "megatron" else ())
             if write.dry_run:
                 return FrameworkImportReport(seconds=time.perf_counter() - started, file_bytes=0, dry_run=True, **report)
             check_destination(destination, write.force, write.notify)
             save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.path}:{framework}:{mesh}"))
-            writes, processes = write_dcp(layout, plan, files, destination, save_id=save_id, write=write,
-                                          label=f"import --to {framework}", beside=beside or ())
+            if framework == "megatron":
+                writes, processes = _write_megatron_run(layout, plan, files, destination, save_id, write, beside or [])
+            else:
+                writes, processes = write_dcp(layout, plan, files, destination, save_id=save_id, write=write,
+                                              label=f"import --to {framework}", beside=())
     return FrameworkImportReport(seconds=time.perf_counter() - started, file_bytes=writes.file_bytes,
                                  verified=write.verify, processes=processes, **report)
+
+
+def _write_megatron_run(layout: Checkpoint, plan: Any, files: DataFiles, destination: Path, save_id: str,
+                        write: WriteOptions, beside: list[tuple[str, bytes]]) -> tuple[Any, Any]:
+    """Write the torch_dist checkpoint as the Megatron-LM run folder `--load` reads: DST/iter_0000000/
+    (atomically, as every DCP write), then DST/latest_checkpointed_iteration.txt naming it. A
+    run folder ckpttool created is removed again when the write fails."""
+    from ckpttool.outputs import atomic_output
+    from ckpttool.run import distributed
+
+    created = not destination.exists()
+    destination.mkdir(parents=True, exist_ok=True)
+    try:
+        written = write_dcp(layout, plan, files, destination / megatron_dist.ITERATION_FOLDER, save_id=save_id,
+                            write=dataclasses.replace(write, force=True), label="import --to megatron", beside=beside)
+    except BaseException:
+        if created and not any(destination.iterdir()):
+            destination.rmdir()
+        raise
+    world = distributed.active()
+    if world is None or world.rank == 0:
+        with atomic_output(destination / megatron_dist.TRACKER, force=True) as tracker:
+            tracker.write(megatron_dist.tracker_text())
+    return written
+
+
+def _dequantized_import(path: Path, config: Mapping[str, Any], destination: Path, framework: str,
+                        world_size: int | None, dtype: str, write: WriteOptions, source: SourceOptions,
+                        started: float) -> FrameworkImportReport:
+    """Dequantise the Hub model into a scratch Hub folder beside `destination` (consolidate's
+    streamed dequantisation, with config.json as the dequantised model's), import that, and
+    remove the scratch folder whatever happens."""
+    import json
+
+    from ckpttool.commands.consolidate import consolidate
+    from ckpttool.options import ConvertOptions
+    from ckpttool.outputs.temps import new_token, remove_tree, temp_name
+
+    convert = ConvertOptions(dtype=dtype)
+    if not isinstance(destination, Path):
+        raise UsageError(f"{destination}: dequantising on the way needs a local destination (its scratch folder)")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    scratch = destination.parent / temp_name(destination.name + "-dequantized", "tmp", new_token())
+    try:
+        quiet = dataclasses.replace(write, force=False, verify=False)
+        consolidate(path, scratch, convert, quiet, source)
+        (scratch / HUB_CONFIG).write_text(json.dumps(quantization.dequantized_config(config, convert.cast or dtype),
+                                                     indent=2, sort_keys=True))
+        report = import_to_framework(scratch, destination, framework, world_size, write=write,
+                                     source=dataclasses.replace(source, layout=None))
+    finally:
+        if scratch.exists():
+            remove_tree(scratch)
+    return dataclasses.replace(report, source=path, seconds=time.perf_counter() - started,
+                               layout=f"{report.layout.split(';')[0]} dequantised to {dtype} on the way")
 
 
 def _framework_files(framework: str, tensors: Mapping[str, Tensor]
@@ -162,7 +236,7 @@ def _framework_files(framework: str, tensors: Mapping[str, Tensor]
     shapes = {key: tensor.shape for key, tensor in tensors.items()}
     data = megatron_dist.extra_state_bytes()
     objects = {key: Object(key, None, data) for key in megatron_dist.extra_state_keys(tensors, shapes)}
-    beside = [(megatron_dist.COMMON_PT, megatron_dist.common_pt({})),
+    beside = [(megatron_dist.COMMON_PT, megatron_dist.common_pt(megatron_dist.RUN_COMMON)),
               (megatron_dist.METADATA_JSON, megatron_dist.metadata_json())]
     return objects, beside
 

@@ -12,7 +12,9 @@ writes beside `.metadata` and `__R_T.distcp` (readers/megatron.py reads the same
   layer, and per expert for the experts (`shard_<layer>.<expert>_<layers>.<experts>`);
 - `metadata.json` (dist_checkpointing/core.py `CheckpointingConfig`: the backends);
 - `common.pt`, `torch.save` of the state dict's non-sharded entries (strategies/common.py
-  `save_common`).
+  `save_common`);
+and Megatron-LM keeps each saved iteration in a run folder: `iter_0000000/` beside
+`latest_checkpointed_iteration.txt`.
 
 Example:
     >>> extra_state_keys(["decoder.layers.self_attention.linear_qkv.weight"], {"decoder.layers.self_attention.linear_qkv.weight": (2, 48, 16)})
@@ -45,8 +47,22 @@ EXPERT_EXTRA_STATE_MODULES = (
     "decoder.layers.mlp.experts.experts.linear_fc1",
     "decoder.layers.mlp.experts.experts.linear_fc2",
 )
+# Megatron-LM's run folder (training/checkpointing.py): `--load DIR` reads the tracker, then the
+# iteration's folder `iter_%07d` (get_checkpoint_name); an imported model is iteration 0
+TRACKER = "latest_checkpointed_iteration.txt"  # get_checkpoint_tracker_filename
+ITERATION = 0
+ITERATION_FOLDER = f"iter_{ITERATION:07d}"
+# common.pt of the run folder: `checkpoint_version` 3.0 (save_checkpoint's; load_checkpoint reorders
+# the QKV rows of checkpoints below 2.0: fix_query_key_value_ordering) and the iteration. No `args`:
+# Megatron-LM then uses the arguments it is given ("could not find arguments in the checkpoint")
+RUN_COMMON = {"checkpoint_version": 3.0, "iteration": ITERATION}
 # a module's extra state when no FP8 recipe ran: what megatron-core's local linear layers return
 EXTRA_STATE_VALUE = None
+
+
+def tracker_text() -> bytes:
+    """Return the tracker file's text: the iteration (read_metadata: an int, or 'release')."""
+    return str(ITERATION).encode()
 
 
 def metadata_json() -> bytes:

@@ -142,7 +142,7 @@ def framework_import_document(report: "FrameworkImportReport") -> dict[str, Any]
             "made": [{"key": made.key, "shape": list(made.shape), "dtype": made.dtype, "fill": made.fill,
                       "why": made.why} for made in report.made],
             "left_out": [{"key": key, "why": why} for key, why in report.left_out],
-            "extra_files": list(report.extra_files)}
+            "extra_files": list(report.extra_files), "run_files": list(report.run_files)}
 
 
 def framework_import_text(report: "FrameworkImportReport") -> str:
@@ -153,6 +153,8 @@ def framework_import_text(report: "FrameworkImportReport") -> str:
         lines.append(f"  made {shown(made.key)} {list(made.shape)} {made.dtype} = {made.fill:g} ({shown(made.why)})")
     for key, why in report.left_out:
         lines.append(f"  left out {shown(key)} ({shown(why)})")
+    for name in report.run_files:
+        lines.append(f"  wrote {shown(name)} (Megatron-LM's run folder: --load {shown(str(report.destination))})")
     for name in report.extra_files:
         lines.append(f"  wrote {shown(name)}")
     return "\n".join(lines)
