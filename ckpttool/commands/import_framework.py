@@ -175,20 +175,14 @@ def import_to_framework(
 def _write_megatron_run(layout: Checkpoint, plan: Any, files: DataFiles, destination: Path, save_id: str,
                         write: WriteOptions, beside: list[tuple[str, bytes]]) -> tuple[Any, Any]:
     """Write the torch_dist checkpoint as the Megatron-LM run folder `--load` reads: DST/iter_0000000/
-    (atomically, as every DCP write), then DST/latest_checkpointed_iteration.txt naming it. A
-    run folder ckpttool created is removed again when the write fails."""
+    (atomically, as every DCP write), then DST/latest_checkpointed_iteration.txt naming it."""
     from ckpttool.outputs import atomic_output
     from ckpttool.run import distributed
 
-    created = not destination.exists()
-    destination.mkdir(parents=True, exist_ok=True)
-    try:
-        written = write_dcp(layout, plan, files, destination / megatron_dist.ITERATION_FOLDER, save_id=save_id,
-                            write=dataclasses.replace(write, force=True), label="import --to megatron", beside=beside)
-    except BaseException:
-        if created and not any(destination.iterdir()):
-            destination.rmdir()
-        raise
+    # the run folder is created with the iteration folder, as a missing parent of it (removed
+    # again if the write fails: outputs.local), so no process finds it made by another first
+    written = write_dcp(layout, plan, files, destination / megatron_dist.ITERATION_FOLDER, save_id=save_id,
+                        write=dataclasses.replace(write, force=True), label="import --to megatron", beside=beside)
     world = distributed.active()
     if world is None or world.rank == 0:
         with atomic_output(destination / megatron_dist.TRACKER, force=True) as tracker:
