@@ -251,3 +251,70 @@ def test_an_fp8_hub_model_is_dequantised_on_the_way_as_consolidate_dequantises_i
     assert cli("import", tmp_path / "bf16", tmp_path / "two-steps", "--to", "torchtitan", "--world", "2").exit_code == 0
     same = cli("diff", tmp_path / "imported", tmp_path / "two-steps")
     assert same.exit_code == 0 and "IDENTICAL" in same.output, same.output
+
+
+# the inverses, as pure data (no files): each framework tensor's pieces, read back as indices
+
+def pieces_as_rows(target, shapes) -> list[tuple[str, int]]:
+    """Return (transformers key, row) for every row of a target built of whole-row pieces."""
+    rows = []
+    for piece in target.pieces:
+        (first, *_), (count, *_) = piece.box
+        rows.extend((piece.source, first + number * piece.step) for number in range(count))
+    return rows
+
+
+def titan_reverse_permute(w, heads: int):
+    """torchtitan 0.3.0 llama3/state_dict_adapter.py `_reverse_permute`, what from_hf applies to q and k."""
+    rows, cols = w.shape
+    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("rows, heads", [(8, 2), (64, 4), (48, 1), (96, 12)])
+def test_unpermute_is_torchtitans_reverse_permute(rows, heads):
+    import torch
+
+    from ckpttool.naming import family
+    from ckpttool.naming.backward import backward
+
+    shapes = {"model.layers.0.self_attn.q_proj.weight": (rows, 3)}
+    table = family("torchtitan llama3")
+    rule = next(r for r in table.rules if r.source.endswith("wq.weight"))
+    trimmed = type(table)(table.name, table.signature, table.converts_to, (rule,))
+    target = backward(trimmed, shapes, {"num_attention_heads": heads}, "test").targets[
+        "layers.0.attention.qkv_linear.wq.weight"]
+    weight = torch.arange(rows * 3).reshape(rows, 3)
+    order = [row for _, row in pieces_as_rows(target, shapes)]
+    assert torch.equal(weight[order], titan_reverse_permute(weight, heads))
+
+
+@pytest.mark.parametrize("heads, groups, head_dim", [(4, 2, 8), (8, 1, 4), (6, 6, 2)])
+def test_join_qkv_is_the_inverse_of_split_qkv(heads, groups, head_dim):
+    from ckpttool.naming import convert, family
+    from ckpttool.naming.backward import backward
+
+    config = {"num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim}
+    table = family("megatron gpt")
+    rule = next(r for r in table.rules if r.source.endswith("linear_qkv.weight"))
+    trimmed = type(table)(table.name, table.signature, table.converts_to, (rule,))
+    fused = "decoder.layers.0.self_attention.linear_qkv.weight"
+    forward = convert(trimmed, {fused: ((heads + 2 * groups) * head_dim, 5)}, config, "test")
+    hub_rows = {key: pieces_as_rows(target, {}) for key, target in forward.items()}  # hf row -> fused row
+    shapes = {key: target.shape for key, target in forward.items()}
+    back = backward(trimmed, shapes, config, "test").targets[fused]
+    # framework row r is made of hub row (key, i), which forward made of fused row hub_rows[key][i]: r itself
+    assert [hub_rows[key][row][1] for key, row in pieces_as_rows(back, shapes)] == list(range(back.shape[0]))
+
+
+def test_a_rule_with_no_inverse_is_refused_by_name(monkeypatch):
+    from ckpttool.naming import engine, family
+    from ckpttool.naming.backward import NoInverse, backward
+
+    table = family("torchtitan llama3")
+    rule = next(r for r in table.rules if r.source == "norm.weight")
+    renames = dict(engine.TRANSFORMS)
+    renames["rename"] = engine.Transform(renames["rename"].apply, 1, inverse=None)
+    monkeypatch.setattr("ckpttool.naming.backward.TRANSFORMS", renames)
+    trimmed = type(table)(table.name, table.signature, table.converts_to, (rule,))
+    with pytest.raises(NoInverse, match="norm.weight <- model.norm.weight"):
+        backward(trimmed, {"model.norm.weight": (4,)}, {}, "test")
