@@ -28,8 +28,8 @@ from ckpttool.core.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
-                                     LAYOUTS, LIGHTNING_METADATA, MEGATRON, SAFETENSORS, TORCH_PT, VERL, Detection, _detect,
-                                     detect)
+                                     LAYOUTS, LIGHTNING_METADATA, MEGATRON, MEGATRON_LEGACY, SAFETENSORS, TORCH_PT, VERL,
+                                     Detection, _detect, detect)
 
 
 # layouts that hold only the model, its fqns at the top level (model_view.find_model finds the
@@ -124,6 +124,10 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
         if detection.layout == DEEPSPEED:
             return read_deepspeed(detection.path, follow_symlinks)
         return read_deepspeed_universal(detection.path, follow_symlinks)
+    if detection.layout == MEGATRON_LEGACY:  # per-rank torch.save files merged into one global model
+        from ckpttool.readers.megatron_legacy import read_megatron_legacy
+
+        return read_megatron_legacy(detection.path, follow_symlinks)
     if detection.layout == TORCH_PT:
         from ckpttool.readers.torch_pt import read_torch_pt
 

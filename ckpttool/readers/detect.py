@@ -19,6 +19,8 @@ Layouts (one name each, as `inspect` shows them):
 - `deepspeed-universal`: DeepSpeed's universal checkpoint (deepspeed/checkpoint/ds_to_universal.py):
   `zero/<fqn>/{fp32,exp_avg,exp_avg_sq,step}.pt` and `zero/optimizer_state.pt` beside copies
   of the model states files; `latest_universal` names it.
+- `megatron-legacy`: Megatron-LM's `--ckpt-format torch` iteration folder, `mp_rank_TT[_PPP]/model_optim_rng.pt`
+  per tensor and pipeline rank (megatron/training/checkpointing.py `get_checkpoint_name`).
 - `verl`: `model_world_size_W_rank_R.pt` per rank, in the folder or its `actor/`
   (verl/utils/checkpoint/fsdp_checkpoint_manager.py).
 - `dcp-hf`: torch's HuggingFaceStorageWriter (see readers/dcp_hf.py), sharded or consolidated.
@@ -48,8 +50,9 @@ from ckpttool.formats.model_config import HUB_CONFIG
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
 OLMO_CORE, DEEPSPEED, DEEPSPEED_UNIVERSAL = "olmo-core", "deepspeed", "deepspeed-universal"
-LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE, DEEPSPEED, DEEPSPEED_UNIVERSAL, VERL,
-           SAFETENSORS, HUB_FOLDER, TORCH_PT)
+MEGATRON_LEGACY = "megatron-legacy"
+LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, MEGATRON_LEGACY, OLMO_CORE, DEEPSPEED,
+           DEEPSPEED_UNIVERSAL, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT)
 DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE})  # read as torch DCP
 
 TORCHTITAN_KEYS = frozenset({"lr_scheduler", "dataloader", "train_state"})  # beside "optimizer"
@@ -61,6 +64,9 @@ MEGATRON_CONFIG = "metadata.json"
 MEGATRON_COMMON = "common.pt"
 MEGATRON_BACKEND = "torch_dist"
 MAX_CONFIG_BYTES = 1 << 20  # metadata.json is ~100 bytes
+# Megatron-LM checkpointing.py get_checkpoint_name: iter_%07d/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+MEGATRON_LEGACY_RANK = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
+MEGATRON_LEGACY_FILE = "model_optim_rng.pt"
 # deepspeed/runtime/engine.py `_get_ckpt_name` (stage 1/2; stage 3 prefixes zero_pp_rank_R_) and
 # `_get_zero_ckpt_name` (bf16_ when the BF16 optimizer saved it)
 DEEPSPEED_MODEL_PATTERN = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -90,7 +96,7 @@ MAX_LISTED = 8  # candidates named in an ambiguous-source error
 LOOKED_FOR = (
     ".metadata (dcp), shard-*.safetensors with DCP_SHARDING_INFO (dcp-hf), model.safetensors or "
     "model.safetensors.index.json (hub-folder), pytorch_model_fsdp_0/ (accelerate), model_and_optim/ "
-    "(olmo-core), *_optim_states.pt beside *_model_states.pt (deepspeed), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
+    "(olmo-core), mp_rank_TT[_PPP]/model_optim_rng.pt (megatron-legacy), *_optim_states.pt beside *_model_states.pt (deepspeed), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
     "step-*, step*, iter_*, global_step_*, global_stepN, checkpoint-*, ep*-ba*, epoch=E-step=S (run directory), "
     f"up to {MAX_SEARCH_DEPTH} folders down"
 )
@@ -334,6 +340,8 @@ def _directory_layout(path: Path, read_metadata: bool = True) -> tuple[str | Non
         return OLMO_CORE, None
     if any(verl_files(path / sub) for sub in VERL_SUBDIRS):
         return VERL, None
+    if legacy_rank_dirs(path):
+        return MEGATRON_LEGACY, None
     if is_deepspeed(path):
         return DEEPSPEED, None
     if is_deepspeed_universal(path):
@@ -385,6 +393,15 @@ def is_deepspeed_universal(path: Path) -> bool:
         return False
     return (DEEPSPEED_UNIVERSAL_DIR in names and (path / DEEPSPEED_UNIVERSAL_DIR / "optimizer_state.pt").is_file()
             and any(DEEPSPEED_MODEL_PATTERN.match(name) for name in names))
+
+
+def legacy_rank_dirs(path: Path) -> list[str]:
+    """Return the `mp_rank_TT[_PPP]` folders of a Megatron-LM legacy save holding model_optim_rng.pt, sorted."""
+    try:
+        return sorted(name for name in _names(path) if MEGATRON_LEGACY_RANK.match(name)
+                      and (path / name / MEGATRON_LEGACY_FILE).is_file())
+    except OSError:
+        return []
 
 
 def verl_files(path: Path) -> list[str]:
@@ -461,6 +478,7 @@ def _looks_like_checkpoint(path: Path, nested: bool = True) -> bool:
 
     if (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR)
             or any(verl_files(path / s) for s in VERL_SUBDIRS) or is_deepspeed(path) or is_deepspeed_universal(path)
+            or bool(legacy_rank_dirs(path))
             or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
             or (path / HUB_TORCH_FILE).is_file()):  # an index alone: a save whose data went missing, not "no checkpoint"
         return True

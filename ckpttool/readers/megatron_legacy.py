@@ -1,0 +1,464 @@
+"""Megatron-LM's legacy per-rank checkpoints (`--ckpt-format torch`), read without torch.
+
+Megatron-LM's `save_checkpoint` with ckpt_format `torch` (megatron/training/checkpointing.py at
+core_v0.16.1: `get_checkpoint_name`, `generate_state_dict`) has every tensor- and pipeline-parallel
+rank `torch.save` one file, `iter_%07d/mp_rank_TT/model_optim_rng.pt` (`mp_rank_TT_PPP/` with
+pipeline parallelism), holding `args` (the parsed command line, an argparse.Namespace),
+`checkpoint_version`, `iteration`, `model` (the stage's `state_dict_for_save_checkpoint()`;
+`model0`, `model1`, ... for virtual-pipeline chunks), `optimizer`, `opt_param_scheduler` and
+`rng_state`; the run folder's `latest_checkpointed_iteration.txt` names the newest.
+
+Each rank's model tensors are its tensor-parallel part of its pipeline stage's layers, numbered
+from 0 on every stage. The checkpoint is given as one global model, under Megatron's names with
+global layer numbers (what the `torch_dist` reader's model view gives, readers/megatron.py), so
+the megatron families' tables (naming/families/megatron_*.py) convert it:
+
+- `MERGE_RULES` (data, by name suffix) say how each tensor's parts make the whole:
+  column-parallel ones are the ranks' parts one after the other on dim 0 (the QKV weight holds
+  whole query groups per rank, each `[q heads; k; v]`, so the parts in rank order are the global
+  interleaved layout; the embedding and output layer hold the vocabulary padded to
+  `make_vocab_size_divisible_by x TP` rows, kept: export trims to the config's vocab), row-parallel
+  ones on dim 1, and a gated fc1 (`--swiglu`) holds `[gate part; up part]` per rank, so rank r's
+  halves land at rows `r*h` and `F + r*h` (as Megatron's own swiglu sharded factory places
+  them); replicated ones (norms) are rank 0's, after every rank's shape, dtype and CRC-32 agree.
+- pipeline stages (and virtual-pipeline chunks, chunk-major as the interleaved schedule lays them
+  out: chunk c of stage p follows chunk c of stage p-1, and chunk c+1 of stage 0 follows chunk c
+  of the last stage) are renumbered by counting the decoder layers each holds.
+
+Every chunk is a raw byte range of a rank's file (the storage of its tensor inside the torch.save
+zip); only the pickles are read. `args` comes out as an inert record (`Namespace`), never
+executed; any global outside `_ALLOWED` is refused in one line. The optimizer state in
+`model_optim_rng.pt` and `distrib_optim.pt` are not read.
+
+Example:
+    >>> checkpoint = read_megatron_legacy("checkpoints/iter_0000002")
+    >>> [c.offsets for c in checkpoint.tensors["model.decoder.layers.3.mlp.linear_fc1.weight"].chunks]
+    [(0, 0), (32, 0), (64, 0), (96, 0)]
+"""
+
+from __future__ import annotations
+
+import os
+import pickletools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from pickle import POP
+from typing import Any
+
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, raw_range_transforms, refuse_bad_names
+from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
+from ckpttool.dcp.blobs import DataFiles
+from ckpttool.readers.detect import MEGATRON_LEGACY_FILE, legacy_rank_dirs
+from ckpttool.store import storage
+from ckpttool.torchsave.record import _PLAIN_OBJECT_ALLOWED, _TENSOR_PICKLE_ALLOWED, _Rebuilt
+from ckpttool.torchsave.stored import StateDictUnpickler, device, file_entries, ints, load_data_pkl, raw_blob, stored_dtype
+
+MODEL_PREFIX = "model"  # generate_state_dict: state_dict['model'] (the torch_dist model view's subtree too)
+CHUNK_KEY = re.compile(r"^model(\d+)$")  # virtual pipeline: f"model{i}"
+EXTRA_STATE = "_extra_state"  # torch.nn.Module.get_extra_state's key: no weight
+_LAYER = re.compile(r"^(?P<head>decoder\.layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")  # only the decoder's are per stage
+
+COLUMN, ROW, GATED, REPLICATED = "column", "row", "gated", "replicated"
+# name suffix -> how the tensor-parallel parts make the tensor (megatron/core/tensor_parallel/layers.py:
+# VocabParallelEmbedding and ColumnParallelLinear split dim 0, RowParallelLinear dim 1 and keeps its
+# bias whole; norms are whole on every rank). GATED: column-parallel [gate; up] when the MLP is gated
+# (--swiglu, --quick-geglu), plain column-parallel otherwise.
+MERGE_RULES: tuple[tuple[str, str], ...] = (
+    ("embedding.word_embeddings.weight", COLUMN),
+    ("embedding.position_embeddings.weight", REPLICATED),
+    ("self_attention.linear_qkv.weight", COLUMN),
+    ("self_attention.linear_qkv.bias", COLUMN),
+    ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),  # the TE spec's fused input norm
+    ("self_attention.linear_qkv.layer_norm_bias", REPLICATED),
+    ("self_attention.linear_proj.weight", ROW),
+    ("self_attention.linear_proj.bias", REPLICATED),
+    ("self_attention.q_layernorm.weight", REPLICATED),
+    ("self_attention.k_layernorm.weight", REPLICATED),
+    ("input_layernorm.weight", REPLICATED),
+    ("input_layernorm.bias", REPLICATED),
+    ("pre_mlp_layernorm.weight", REPLICATED),
+    ("pre_mlp_layernorm.bias", REPLICATED),
+    ("mlp.linear_fc1.weight", GATED),
+    ("mlp.linear_fc1.bias", GATED),
+    ("mlp.linear_fc1.layer_norm_weight", REPLICATED),
+    ("mlp.linear_fc1.layer_norm_bias", REPLICATED),
+    ("mlp.linear_fc2.weight", ROW),
+    ("mlp.linear_fc2.bias", REPLICATED),
+    ("decoder.final_layernorm.weight", REPLICATED),
+    ("decoder.final_layernorm.bias", REPLICATED),
+    ("output_layer.weight", COLUMN),
+    ("output_layer.bias", COLUMN),
+)
+GATING_ARGS = ("swiglu", "quick_geglu")  # arguments.py core_transformer_config_from_args: gated_linear_unit
+
+
+def merge_rule(name: str, gated: bool) -> str | None:
+    """Return how `name`'s tensor-parallel parts make it (COLUMN, ROW, REPLICATED), or None.
+
+    Example:
+        >>> merge_rule("decoder.layers.0.mlp.linear_fc1.weight", gated=True)
+        'gated'
+        >>> merge_rule("decoder.layers.0.mlp.linear_fc1.weight", gated=False)
+        'column'
+    """
+    for suffix, rule in MERGE_RULES:
+        if name == suffix or name.endswith("." + suffix):
+            return rule if rule != GATED or gated else COLUMN
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Stand-ins for what model_optim_rng.pt's data.pkl names (nothing here runs code from the file)
+
+
+class Namespace:
+    """`argparse.Namespace`: made empty by NEWOBJ, its arguments put in `__dict__` by BUILD."""
+
+
+@dataclass(frozen=True)
+class EnumValue:
+    """A member of an Enum an argument holds (`AttnBackend(5)`), recorded by class name and value."""
+
+    enum: str
+    value: Any
+
+
+class _Enum:
+    """An admitted Enum class: calling it (REDUCE) records the value, nothing else."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, value: Any) -> EnumValue:
+        return EnumValue(self.name, value)
+
+
+def _parameter(data: Any, *rest: Any) -> Any:
+    """`torch._utils._rebuild_parameter`: an nn.Parameter is its tensor."""
+    return data
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    **_PLAIN_OBJECT_ALLOWED,  # numpy's RNG state (np_rng_state) as inert records
+    **_TENSOR_PICKLE_ALLOWED,  # _rebuild_tensor_v2/v3, typed storages, OrderedDict, torch.Size
+    ("torch._utils", "_rebuild_parameter"): _parameter,
+    ("torch", "device"): device,
+    ("argparse", "Namespace"): Namespace,
+    # the Enum-valued arguments of Megatron-LM core_v0.16.1 (--attention-backend, --exit-signal)
+    ("megatron.core.transformer.enums", "AttnBackend"): _Enum("AttnBackend"),
+    ("signal", "Signals"): _Enum("Signals"),
+}
+
+
+class _Unpickler(StateDictUnpickler):
+    """The checking loader with model_optim_rng.pt's allowlist: a refused name is named in one line."""
+
+    holds = "Megatron-LM's model_optim_rng.pt (arguments, model, optimizer and RNG state)"
+
+
+def ordered_dict_builds_as_pops(raw: bytes) -> bytes:
+    """Return the pickle with the BUILD of every OrderedDict (a state dict's `_metadata`) turned
+    into POP, and every other BUILD (args' Namespace, numpy arrays) kept: the checking loader
+    builds no dict by BUILD (torchsave.stored.builds_as_pops), and the Namespace is filled by one.
+    Which object a BUILD fills is found by following the stack and the memo through the opcodes."""
+    try:  # parses only; a malformed pickle is left for the loader to word
+        ops = list(pickletools.genops(raw))
+    except Exception:
+        return raw
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[Any, Any] = {}
+    found: list[int] = []
+    try:
+        for opcode, arg, position in ops:
+            name = opcode.name
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name in ("GLOBAL", "STACK_GLOBAL"):
+                held = tuple(str(arg).split(" ", 1)) if name == "GLOBAL" else (stack.pop(-2), stack.pop())
+                stack.append(("global", held))
+            elif name in ("REDUCE", "NEWOBJ"):
+                del stack[-1]
+                stack.append(("made by", stack.pop()))
+            elif name == "BUILD":
+                del stack[-1]
+                if stack[-1] == ("made by", ("global", ("collections", "OrderedDict"))) and position is not None:
+                    found.append(position)
+            elif name in ("SETITEM", "APPEND"):  # the container stays where it is
+                del stack[-(2 if name == "SETITEM" else 1):]
+            elif name in ("SETITEMS", "APPENDS", "ADDITEMS"):
+                del stack[marks.pop():]
+            else:
+                before = opcode.stack_before
+                if pickletools.markobject in before:
+                    del stack[marks.pop():]
+                    before = before[:before.index(pickletools.markobject)]
+                if before:
+                    del stack[-len(before):]
+                after = len(opcode.stack_after)
+                stack.extend([arg if isinstance(arg, str) else None] * after)
+    except (IndexError, KeyError):  # unbalanced: the loader words it
+        return raw
+    if not found:
+        return raw
+    edited = bytearray(raw)
+    for position in found:
+        edited[position] = POP[0]
+    return bytes(edited)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank files
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One rank's part of a tensor: its bytes (a raw range of the rank's file), dtype and shape."""
+
+    blob: Blob
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """What one rank's model_optim_rng.pt holds: its arguments and, per model chunk, name -> part."""
+
+    name: str  # relative to the iteration folder: mp_rank_TT_PPP/model_optim_rng.pt
+    args: dict[str, Any]
+    chunks: dict[int, dict[str, Stored]]  # chunk number (0 without a virtual pipeline) -> name -> part
+    version: Any
+
+
+def rank_file(tensor_rank: int, pipeline_rank: int, pipeline_parallel: bool) -> str:
+    """Return a rank's file, relative to the iteration folder (checkpointing.py `get_checkpoint_name`).
+
+    Example:
+        >>> rank_file(1, 0, pipeline_parallel=True)
+        'mp_rank_01_000/model_optim_rng.pt'
+    """
+    folder = f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}" if pipeline_parallel else f"mp_rank_{tensor_rank:02d}"
+    return f"{folder}/{MEGATRON_LEGACY_FILE}"
+
+
+def _read_rank(files: DataFiles, folder: Path, name: str) -> RankFile:
+    where = str(folder / name)
+    size = files.size(name)
+
+    def read(offset: int, length: int) -> bytes:
+        return files.read(name, offset, length)
+
+    entries = file_entries(read, size, where)
+    state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED, ordered_dict_builds_as_pops)
+    if not isinstance(state, dict):
+        raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not Megatron-LM's state dict")
+    args = state.get("args")
+    if not isinstance(args, Namespace):
+        raise CorruptMetadata(f"{where}: `args` is {type(args).__name__}, not Megatron-LM's argparse.Namespace")
+    models = {0: state[MODEL_PREFIX]} if MODEL_PREFIX in state else {
+        int(match.group(1)): value for key, value in state.items() if isinstance(key, str) and (match := CHUNK_KEY.match(key))}
+    if not models or not all(isinstance(model, dict) for model in models.values()):
+        raise CorruptMetadata(f"{where}: no `model` state dict (nor virtual-pipeline `model0`, `model1`, ...)")
+    starts: dict[str, int] = {}
+    chunks: dict[int, dict[str, Stored]] = {}
+    for number, model in sorted(models.items()):
+        parts: dict[str, Stored] = {}
+        for key, value in model.items():
+            if isinstance(value, dict):
+                raise UnsupportedFormat(f"{where}: {MODEL_PREFIX}.{key} is a nested state dict, as Megatron-LM's legacy "
+                                        "models (--use-legacy-models, Megatron-DeepSpeed) save them; this build reads "
+                                        "megatron-core models' flat state dicts")
+            if not isinstance(value, _Rebuilt) or str(key).endswith(EXTRA_STATE):
+                continue  # `_extra_state` (None for local layers; Transformer Engine's FP8 metadata), plain values
+            here = f"{where}: {key}"
+            dtype = stored_dtype(value, here)
+            parts[str(key)] = Stored(raw_blob(entries, starts, read, size, here, name, value, dtype), dtype,
+                                     ints(value.shape, f"{here}: shape"))
+        chunks[number] = parts
+    return RankFile(name, dict(vars(args)), chunks, state.get("checkpoint_version"))
+
+
+def _size_arg(args: dict[str, Any], key: str, where: str, default: int = 1) -> int:
+    value = args.get(key)
+    if value is None:
+        return default
+    if type(value) is not int or value < 1:
+        raise CorruptMetadata(f"{where}: args {key}={value!r:.40} is not a positive integer")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_legacy_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any]:
+    """Return the Megatron-LM arguments (name -> value: numbers, strings, `EnumValue`s, torch
+    dtypes as `DTypeName`s) the first rank file of the iteration folder `path` stores, read
+    through the checking loader: what `naming.megatron_config.hf_config` turns into config.json.
+
+    Example:
+        >>> read_legacy_args("checkpoints/iter_0000002")["padded_vocab_size"]
+        128
+    """
+    folder = as_path(storage.location(path))
+    present = legacy_rank_dirs(folder)
+    if not present:
+        raise NotACheckpoint(f"{folder}: no mp_rank_TT[_PPP]/{MEGATRON_LEGACY_FILE}; not a Megatron-LM legacy save")
+    with DataFiles(folder, follow_symlinks) as files:
+        return _read_rank(files, folder, f"{present[0]}/{MEGATRON_LEGACY_FILE}").args
+
+
+def read_megatron_legacy(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
+    """Return a Megatron-LM `--ckpt-format torch` iteration folder as one global model: its tensors
+    under `model.` with global layer numbers, every chunk a raw byte range of a rank's file.
+
+    Raises MissingFile for a rank's file that is missing, UnsafeMetadata for a pickle naming a
+    global outside the allowlist, CorruptMetadata for parts that disagree across ranks (shape,
+    dtype, replicated bytes, names) or for damaged files, UnsupportedFormat for expert
+    parallelism and for a tensor whose tensor-parallel split MERGE_RULES does not say.
+    """
+    folder = as_path(storage.location(path))
+    present = legacy_rank_dirs(folder)
+    if not present:
+        raise NotACheckpoint(f"{folder}: no mp_rank_TT[_PPP]/{MEGATRON_LEGACY_FILE}; not a Megatron-LM legacy save")
+    with DataFiles(folder, follow_symlinks) as files:
+        first = _read_rank(files, folder, f"{present[0]}/{MEGATRON_LEGACY_FILE}")
+        where = str(folder / first.name)
+        tensor_parallel = _size_arg(first.args, "tensor_model_parallel_size", where)
+        pipeline_parallel = _size_arg(first.args, "pipeline_model_parallel_size", where)
+        if _size_arg(first.args, "expert_model_parallel_size", where) > 1 or first.args.get("num_experts"):
+            raise UnsupportedFormat(f"{where}: a mixture-of-experts save (args num_experts / expert_model_parallel_size); "
+                                    "this build reads dense legacy Megatron-LM saves; convert it with Megatron-LM's "
+                                    "checkpoint converter to torch_dist first")
+        wanted = {rank_file(t, p, pipeline_parallel > 1): (t, p)
+                  for t in range(tensor_parallel) for p in range(pipeline_parallel)}
+        found = sorted(f"{name}/{MEGATRON_LEGACY_FILE}" for name in present)
+        for name in found:
+            if name not in wanted:
+                raise CorruptMetadata(f"{folder / name}: beyond the save's tensor parallel {tensor_parallel} x pipeline "
+                                      f"parallel {pipeline_parallel} ranks (args in {where}); is an older save's file left over?")
+        ranks: dict[tuple[int, int], RankFile] = {}
+        for name, (t, p) in sorted(wanted.items(), key=lambda item: item[1][::-1]):
+            if name not in found:
+                raise MissingFile(f"{folder / name}: missing: tensor-parallel rank {t} of pipeline stage {p} (the save has "
+                                  f"tensor parallel {tensor_parallel} x pipeline parallel {pipeline_parallel}; was it interrupted?)")
+            ranks[(t, p)] = first if name == first.name else _read_rank(files, folder, name)
+    _check_same_topology(ranks, first, folder)
+    gated = any(first.args.get(flag) is True for flag in GATING_ARGS)
+    tensors = _merge(ranks, tensor_parallel, pipeline_parallel, gated, folder)
+    layers = first.args.get("num_layers")
+    counted = len({match.group("layer") for name in tensors if (match := _LAYER.match(name))})
+    if type(layers) is int and counted != layers:
+        raise CorruptMetadata(f"{where}: the stages hold {counted} decoder layers, args num_layers says {layers}")
+    model = {f"{MODEL_PREFIX}.{name}": Tensor(f"{MODEL_PREFIX}.{name}", tensor.dtype, tensor.shape, tensor.chunks)
+             for name, tensor in tensors.items()}
+    refuse_bad_names(folder, list(model), set(), model, {})
+    version = first.version if type(first.version) in (int, float) else None
+    return Checkpoint(path=folder, metadata_file=first.name,
+                      version=f"megatron-lm checkpoint_version {version}" if version is not None else None,
+                      tensors=dict(sorted(model.items())),
+                      objects={}, nesting={fqn: (MODEL_PREFIX, fqn.split(".", 1)[1]) for fqn in sorted(model, key=_natural)},
+                      model_prefix=MODEL_PREFIX)
+
+
+def _check_same_topology(ranks: dict[tuple[int, int], RankFile], first: RankFile, folder: Path) -> None:
+    """Every rank's file records the same tensor and pipeline parallel sizes as the first's."""
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    for rank in ranks.values():
+        if any(rank.args.get(key) != first.args.get(key) for key in keys):
+            raise CorruptMetadata(f"{folder / rank.name}: args say tensor parallel {rank.args.get(keys[0])!r:.20} x pipeline "
+                                  f"parallel {rank.args.get(keys[1])!r:.20}, {first.name}'s say {first.args.get(keys[0])!r:.20}"
+                                  f" x {first.args.get(keys[1])!r:.20}")
+
+
+def _merge(ranks: dict[tuple[int, int], RankFile], tensor_parallel: int, pipeline_parallel: int, gated: bool,
+           folder: Path) -> dict[str, Tensor]:
+    """Return the global tensors: each stage's (and chunk's) layers renumbered, each tensor's
+    tensor-parallel parts placed by its merge rule."""
+    chunk_numbers = sorted(ranks[(0, 0)].chunks)
+    for rank in ranks.values():
+        if sorted(rank.chunks) != chunk_numbers:
+            raise CorruptMetadata(f"{folder / rank.name}: model chunks {sorted(rank.chunks)}, {ranks[(0, 0)].name} has "
+                                  f"{chunk_numbers}")
+    tensors: dict[str, Tensor] = {}
+    offset = 0
+    for chunk in chunk_numbers:  # virtual pipeline: chunk-major (interleaved schedule's layer order)
+        for stage in range(pipeline_parallel):
+            parts = [ranks[(t, stage)] for t in range(tensor_parallel)]
+            names = sorted(parts[0].chunks[chunk])
+            for rank in parts[1:]:
+                if sorted(rank.chunks[chunk]) != names:
+                    odd = sorted(set(names) ^ set(rank.chunks[chunk]))[0]
+                    raise CorruptMetadata(f"{folder / rank.name}: {odd} is on one tensor-parallel rank of stage {stage} and "
+                                          f"not on {parts[0].name}")
+            local_layers = {int(m.group("layer")) for name in names if (m := _LAYER.match(name))}
+            for name in names:
+                global_name = _renumbered(name, offset)
+                if global_name in tensors:
+                    raise CorruptMetadata(f"{folder / parts[0].name}: {name} gives {global_name}, which another stage "
+                                          "gives too")
+                pieces = [rank.chunks[chunk][name] for rank in parts]
+                tensors[global_name] = _placed(global_name, pieces, [rank.name for rank in parts], gated, folder)
+            offset += max(local_layers) + 1 if local_layers else 0
+    return tensors
+
+
+def _renumbered(name: str, offset: int) -> str:
+    match = _LAYER.match(name)
+    if match is None or not offset:
+        return name
+    return f"{match.group('head')}{int(match.group('layer')) + offset}.{match.group('rest')}"
+
+
+def _placed(name: str, pieces: list[Stored], files: list[str], gated: bool, folder: Path) -> Tensor:
+    """Return the global tensor `name` from its tensor-parallel parts (rank order)."""
+    first = pieces[0]
+    for piece, file in zip(pieces[1:], files[1:]):
+        if piece.dtype != first.dtype or piece.shape != first.shape:
+            raise CorruptMetadata(f"{folder / file}: {name} is {piece.dtype} {list(piece.shape)}, on {files[0]} "
+                                  f"{first.dtype} {list(first.shape)} (tensor-parallel parts are equal in shape)")
+    if len(pieces) == 1:
+        return Tensor(name, first.dtype, first.shape, (Chunk((0,) * len(first.shape), first.shape, first.blob),))
+    rule = merge_rule(name, gated)
+    if rule is None:
+        raise UnsupportedFormat(f"{folder / files[0]}: {name}: how its tensor-parallel parts make the tensor is not known "
+                                "to this build (readers/megatron_legacy.py MERGE_RULES)")
+    shape, count = first.shape, len(pieces)
+    if rule == REPLICATED:
+        for piece, file in zip(pieces[1:], files[1:]):
+            if piece.blob.transforms != first.blob.transforms:  # the storages' CRC-32s, when whole
+                raise CorruptMetadata(f"{folder / file}: {name} is replicated across tensor-parallel ranks, and its bytes "
+                                      f"differ from {files[0]}'s (CRC-32)")
+        return Tensor(name, first.dtype, shape, (Chunk((0,) * len(shape), shape, first.blob),))
+    dim = 1 if rule == ROW else 0
+    if len(shape) <= dim or (rule == GATED and shape[0] % 2):
+        raise CorruptMetadata(f"{folder / files[0]}: {name} of shape {list(shape)} cannot be a {rule}-parallel part")
+    full = tuple(size * count if axis == dim else size for axis, size in enumerate(shape))
+    chunks = []
+    for rank, piece in enumerate(pieces):
+        if rule != GATED:
+            offsets = tuple(rank * size if axis == dim else 0 for axis, size in enumerate(shape))
+            chunks.append(Chunk(offsets, shape, piece.blob))
+            continue
+        half = shape[0] // 2
+        half_bytes = piece.blob.length // 2
+        sizes = (half, *shape[1:])
+        for which, row in enumerate((rank * half, full[0] // 2 + rank * half)):  # the gate part, then the up part
+            blob = Blob(piece.blob.file, piece.blob.offset + which * half_bytes, half_bytes, raw_range_transforms())
+            chunks.append(Chunk((row, *(0,) * (len(shape) - 1)), sizes, blob))
+    return Tensor(name, first.dtype, full, tuple(sorted(chunks)))
+
+
+def _natural(name: str) -> list:
+    """Sort key putting layer 2 before layer 10."""
+    return [int(piece) if piece.isdigit() else piece for piece in re.split(r"(\d+)", name)]
+
+
+__all__ = ["MERGE_RULES", "Namespace", "merge_rule", "rank_file", "read_legacy_args", "read_megatron_legacy"]
