@@ -26,6 +26,9 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100, "sho
 # command -> (its module in this package, which defines it under the module's name; its one-line
 # help in `ckpttool --help`: the first sentence of its docstring, which tests/test_startup_imports.py checks)
 COMMANDS = {
+    "average": ("average", "Write the weighted average of the model tensors of checkpoints of one model, any layouts and "
+                           "world sizes: OUT.safetensors, OUT.pt, a directory of Hub shards, or with --world N a DCP "
+                           "checkpoint."),
     "consolidate": ("consolidate", "Write a sharded checkpoint as one full state dict: OUT.safetensors, OUT.pt/.bin, or a "
                                    "directory of Hub-style safetensors shards with model.safetensors.index.json."),
     "diff": ("diff", "Compare two checkpoints of any layouts and shardings, entry by entry and byte for byte."),
