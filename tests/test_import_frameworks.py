@@ -30,6 +30,11 @@ CKPTTOOL = Path(sys.executable).with_name("ckpttool")
 TITAN = FIXTURES / "frameworks" / "torchtitan_families"
 MEGATRON = FIXTURES / "frameworks" / "megatron_families"
 TITAN_CASES = ["deepseek_v3", "llama3", "qwen3", "qwen3_moe"]
+# torchtitan 0.3.0's own from_hf and Megatron-Bridge 0.3.1's own mapping of tiny Hub models
+# (fixtures/frameworks/generate_{torchtitan,megatron}_import.py, their README: the frameworks'
+# loads of ckpttool's imports, check_*_import.py, at world 1 and 2, TP 1 and 2, EP 2)
+TITAN_IMPORT = FIXTURES / "frameworks" / "torchtitan_import"
+MEGATRON_IMPORT = FIXTURES / "frameworks" / "megatron_import"
 MEGATRON_CASES = ["llama_tp2", "moe", "moe_ep2"]
 
 
@@ -138,13 +143,13 @@ def test_megatron_import_gives_back_megatron_cores_own_save(megatron_imports, ru
     assert json.loads((target / "iter_0000000" / "metadata.json").read_text()) == saved
 
 
-def test_megatron_common_pt_says_checkpoint_version_3_and_loads_with_weights_only(megatron_imports):
+def test_megatron_common_pt_is_empty_as_a_model_save_writes_it(megatron_imports):
     import torch
 
     target, _ = megatron_imports["llama_tp2"]
-    # Megatron-LM reorders the QKV rows of a checkpoint below version 2.0 (fix_query_key_value_ordering)
-    common = torch.load(target / "iter_0000000" / "common.pt", weights_only=True)
-    assert common == {"checkpoint_version": 3.0, "iteration": 0}
+    # its entries come back from dist_checkpointing.load beside the model's: any key here fails a
+    # strict load_state_dict (fixtures/frameworks/megatron_import/*/probes.json)
+    assert torch.load(target / "iter_0000000" / "common.pt", weights_only=True) == {}
 
 
 @pytest.mark.parametrize("framework, name", [("torchtitan", "llama3"), ("torchtitan", "qwen3_moe"),
@@ -160,6 +165,48 @@ def test_import_then_export_gives_back_the_hub_tensors_byte_for_byte(titan_impor
     # and diff compares the Hub folder with the import itself through the names
     same = run("diff", hub, target, "--assets", hub, *(("--drop", "*.moe.expert_bias_E") if drop else ()))
     assert same.exit_code == 0 or drop, same.output
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", TITAN_CASES)
+def test_torchtitan_import_equals_torchtitans_own_from_hf_with_its_key_set(run, tmp_path, name, world):
+    import hashlib
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    expected = json.loads((TITAN_IMPORT / name / "expected.json").read_text())
+    result = run("import", TITAN_IMPORT / name / "hub", tmp_path / "tt", "--to", "torchtitan", "--world", str(world),
+                 "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    metadata = dcp.FileSystemReader(str(tmp_path / "tt")).read_metadata().state_dict_metadata
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in metadata.items()
+             if isinstance(entry, TensorStorageMetadata)}
+    assert set(state) == set(expected["tensors"])  # exactly the keys torchtitan's model state dict holds
+    dcp.load(state, checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    for key, row in expected["tensors"].items():
+        # stored as from_hf gives it (the Hub tensor's dtype); torchtitan's float32 model takes it
+        # widened, exactly, as its own HF load does: compared in the model's float32
+        allowed = {row["dtype"], *(f"torch.{d}" for d in row.get("hf_dtypes", ())), *row.get("hf_dtypes", ())}
+        assert str(state[key].dtype).removeprefix("torch.") in {d.removeprefix("torch.") for d in allowed}, key
+        value = state[key].to(getattr(torch, row["dtype"])).contiguous()
+        assert hashlib.sha256(value.view(torch.uint8).numpy().tobytes()).hexdigest() == row["sha256"], key
+    assert sorted(made["key"] for made in report["made"]) == sorted(expected["init_keys"])
+    assert sorted(entry["key"] for entry in report["left_out"]) == sorted(expected["hf_keys_unused"])
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_megatron_import_equals_megatron_bridges_conversion_as_megatron_core_saved_it(run, tmp_path, name, world):
+    result = run("import", MEGATRON_IMPORT / name / "hub", tmp_path / "mg", "--to", "megatron", "--world", str(world))
+    assert result.exit_code == 0, result.output
+    found = diff_document(run, MEGATRON_IMPORT / name / "reference", tmp_path / "mg", "--exact-names")
+    summary = found["summary"]
+    # every tensor and `_extra_state` entry, byte for byte, and nothing else on either side
+    assert found["verdict"] == "identical", summary
+    assert summary["objects"] > 0 and summary["objects_different"] == 0
 
 
 def write_hub(tmp_path: Path, source: Path, **changes) -> Path:

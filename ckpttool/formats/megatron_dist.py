@@ -52,10 +52,12 @@ EXPERT_EXTRA_STATE_MODULES = (
 TRACKER = "latest_checkpointed_iteration.txt"  # get_checkpoint_tracker_filename
 ITERATION = 0
 ITERATION_FOLDER = f"iter_{ITERATION:07d}"
-# common.pt of the run folder: `checkpoint_version` 3.0 (save_checkpoint's; load_checkpoint reorders
-# the QKV rows of checkpoints below 2.0: fix_query_key_value_ordering) and the iteration. No `args`:
-# Megatron-LM then uses the arguments it is given ("could not find arguments in the checkpoint")
-RUN_COMMON = {"checkpoint_version": 3.0, "iteration": ITERATION}
+# common.pt: empty, as dist_checkpointing.save writes it for a model's sharded state dict. Its
+# entries become the base of what `dist_checkpointing.load` returns, so any key here (even
+# `iteration`) fails a strict `load_state_dict`; Megatron-LM's `--load` of iteration 0 then
+# takes `--finetune` (no iteration, optimizer or RNG to restore), as for any converted model,
+# and `checkpoint_version` 0 reorders only the legacy `query_key_value` names, not `linear_qkv`
+RUN_COMMON: dict[str, object] = {}
 # a module's extra state when no FP8 recipe ran: what megatron-core's local linear layers return
 EXTRA_STATE_VALUE = None
 

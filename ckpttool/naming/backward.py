@@ -218,6 +218,7 @@ def backward(family: Family, shapes: Mapping[str, tuple[int, ...]], config: Mapp
     tied = bool(config.get("tie_word_embeddings", False))
     rules = chosen_rules(family)
     patterns = [(rule, index, Pattern(name)) for rule in rules for index, name in enumerate(rule.targets)]
+    ignored = [(Pattern(pattern), why) for pattern, why in family.hf_ignored]
     groups: dict[tuple[int, str], dict[int, dict[int, str]]] = {}
     left_out: dict[str, str] = {}
     for key in shapes:
@@ -225,6 +226,10 @@ def backward(family: Family, shapes: Mapping[str, tuple[int, ...]], config: Mapp
         if found is None:
             if any(pattern.match(key) is not None for pattern in HF_BUFFERS):
                 left_out[key] = "a rotary table the framework computes"
+                continue
+            why = next((why for pattern, why in ignored if pattern.match(key) is not None), None)
+            if why is not None:
+                left_out[key] = why
                 continue
             if tied and key == "lm_head.weight":
                 left_out[key] = "tie_word_embeddings: the framework uses the embedding"

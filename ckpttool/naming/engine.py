@@ -170,6 +170,9 @@ class Family:
     # the framework's state dict holds `tied_head` even when tied (torchtitan: the same
     # parameter under both names), so import writes the embedding's bytes under it too
     stores_tied_head: bool = False
+    # transformers keys the framework's own import never reads, with why (DeepSeek's MTP layers
+    # repeat the embedding and head, which the framework shares with the main model)
+    hf_ignored: tuple[tuple[str, str], ...] = ()
     # (first literal, last literal, rule, pattern) of each rule, then (rule None) of each ignored
     # pattern, in order: derived once, when the table is built
     patterns: tuple[tuple[str, str, Rule | None, Pattern], ...] = field(init=False, repr=False, compare=False)

@@ -64,5 +64,9 @@ FAMILY = Family(
     ),
     ignored=("layers.{L}.attention.rope.cache", "rope.cache", "layers.{L}.moe.tokens_per_expert",
              "mtp_layers.{M}.moe.tokens_per_expert"),
+    # import: the MTP layer's own copies of the embedding and head (DeepSeek-V3's Hub holds them
+    # in layer 61), which torchtitan's MTP shares with the main model: from_hf never reads them
+    hf_ignored=(("model.layers.{N}.embed_tokens.weight", "torchtitan's MTP layer shares the main embedding"),
+                ("model.layers.{N}.shared_head.head.weight", "torchtitan's MTP layer shares the main output head")),
     stores_tied_head=True,  # torchtitan ties by one parameter under both names: its state dict holds both
 )
