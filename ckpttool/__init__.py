@@ -45,6 +45,9 @@ _API = {
     "AdapterOptions": ("ckpttool.options", "AdapterOptions"),
     "manifest": ("ckpttool.commands.manifest", "manifest"),  # manifest (issue 34)
     "check_manifest": ("ckpttool.commands.manifest", "check"),
+    "import_to_framework": ("ckpttool.commands.import_framework", "import_to_framework"),  # issue 46
+    "latest": ("ckpttool.commands.latest", "latest"),  # run care (issue 47)
+    "average": ("ckpttool.commands.average", "average"),
 }
 
 __all__ = ["__version__", *_API]

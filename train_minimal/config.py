@@ -179,7 +179,9 @@ class TrainConfig:
                                            "(default with --ckpt-dir: only at the last step)", metavar="K")
     keep: int | None = setting(None, "keep only the newest K checkpoints (default: all)", metavar="K")
     resume: str | None = setting(None, "resume from DIR/latest (no value) or from PATH "
-                                       "(a step directory, or a checkpoint directory whose latest is used)",
+                                       "(a step directory, or a checkpoint directory whose latest is used); "
+                                       "--resume \"$(ckpttool latest DIR)\" takes DIR's newest whole step "
+                                       "(empty when there is none: a fresh start)",
                                  nargs="?", const="latest", metavar="PATH")
     async_save: bool = setting(False, "save with dcp.async_save: stage to CPU, write in a background thread")
     init_from: str | None = setting(None, "load full model weights (fresh optimizer and schedule) before training",

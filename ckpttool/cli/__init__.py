@@ -38,6 +38,7 @@ COMMANDS = {
     "import": ("import_", "Write full model weights (a .safetensors file, a Hub folder, a .pt) as a DCP checkpoint laid "
                           "out for N FSDP2 ranks that dcp.load and `train_minimal --resume` read."),
     "inspect": ("inspect", "Show what is in a checkpoint, reading only its metadata (no tensor bytes)."),
+    "latest": ("latest", "Print the path of the newest step of a run folder that is whole; exit 0 found, 1 none."),
     "manifest": ("manifest", "Write the SHA-256 of every tensor's bytes (row-major, as stored), its dtype and shape: the "
                              "same for a checkpoint at any world size, its reshard, consolidation and Hub export."),
     "push": ("push", "Upload a checkpoint to a Hugging Face Hub model repository (created if missing): a Hub-style "

@@ -2,6 +2,9 @@
 
 Without `deep`, only `.metadata` and file sizes are read, so it runs in seconds on checkpoints
 of any size. With `deep`, every blob is decoded and its checksum, dtype and shape checked.
+With `numerics`, every floating tensor's elements are scanned (`check.numbers`): a NaN or Inf
+is an error naming the tensor and its first bad element; all-zero tensors, subnormals and
+max |x| are reported. With both, the bytes are read once.
 
 Example:
     >>> report = validate("runs/x/step-00000020", deep=True)
@@ -21,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 from ckpttool import readers
 from ckpttool.check import integrity
 from ckpttool.core import dtypes
-from ckpttool.core.checkpoint import Blob, Checkpoint, as_path
+from ckpttool.core.checkpoint import Blob, Checkpoint, Tensor, as_path
 from ckpttool.core.errors import CheckpointError, NotACheckpoint
 from ckpttool.check.integrity import ERROR, INFO, WARNING, Problem
 from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import METADATA_FILENAME
 
 if TYPE_CHECKING:
+    from ckpttool.check.numbers import TensorNumbers
     from ckpttool.dcp.blobs import DataFiles
 
 DEEP_BLOCK = 16 << 20  # bytes --deep reads, checksums and scans at a time (a multiple of every itemsize)
@@ -57,6 +61,7 @@ class ValidationReport:
     bytes_read: int = 0
     seconds: float = 0.0
     manifest: Any = None  # --manifest: the commands.manifest.ManifestCheck, when the check ran
+    numbers: list[TensorNumbers] | None = None  # --numerics: each floating tensor's figures, fqn order
 
     @property
     def errors(self) -> list[Problem]:
@@ -75,11 +80,15 @@ class ValidationReport:
 
 
 def validate(src: str | os.PathLike, deep: bool = False, source: SourceOptions = SourceOptions(),
-             manifest: str | os.PathLike | None = None) -> ValidationReport:
+             manifest: str | os.PathLike | None = None, numerics: bool = False,
+             threads: int | None = None) -> ValidationReport:
     """Return every problem found in the checkpoint at `src` (never raises for a bad one).
     Data files that are symlinks leaving the checkpoint are a problem unless `source.follow_symlinks`.
     With `manifest` (a `ckpttool manifest` file), a valid checkpoint's tensors are hashed and
-    each one missing, extra or differing from it is an error naming the tensor.
+    each one missing, extra or differing from it is an error naming the tensor. With
+    `numerics`, each floating tensor holding NaN or Inf is an error (`non-finite`) naming its
+    first bad element, and `report.numbers` holds every floating tensor's figures (scanned
+    `threads` at a time, None: `store.io.DEFAULT_THREADS`; one pass with `deep`).
 
     Raises NotACheckpoint only when `src` does not exist (a usage error).
     """
@@ -102,7 +111,11 @@ def validate(src: str | os.PathLike, deep: bool = False, source: SourceOptions =
     report.files = found.files
     _check_quantization(checkpoint, report)
     if deep:
-        _check_bytes(checkpoint, found.sizes, report, follow_symlinks)
+        _check_bytes(checkpoint, found.sizes, report, follow_symlinks, numerics)
+    elif numerics:
+        _check_numbers(checkpoint, found.sizes, report, follow_symlinks, threads)
+    if numerics:
+        _report_numbers(checkpoint, report)
     if manifest is not None:  # manifest (issue 34)
         _check_manifest(src, manifest, source, report)
     report.seconds = time.perf_counter() - started
@@ -178,22 +191,67 @@ def _check_record_entries(files: DataFiles, blob: Blob, where: str, fqn: str, re
         report.add(ERROR, "checksum" if kind == "checksum" else "corrupt-blob", message, blob.file, fqn)
 
 
-def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport, follow_symlinks: bool) -> None:
-    """Decode every blob: record structure, dtype/shape, CRC-32, NaN/Inf counts.
+def _readable(tensor: Tensor, sizes: dict[str, int], broken_files: set[str]) -> bool:
+    """True when every chunk of `tensor` has a blob in a data file the gate found sound."""
+    return all(chunk.blob is not None and chunk.blob.file in sizes and chunk.blob.file not in broken_files
+               for chunk in tensor.chunks)
+
+
+def _check_numbers(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport, follow_symlinks: bool,
+                   threads: int | None) -> None:
+    """Scan the floating tensors whose chunks are all in sound files (`check.numbers`); a
+    chunk that cannot be read is an error naming its tensor, which then has no figures."""
+    from ckpttool.check.numbers import floating, scan_numbers
+    from ckpttool.store.io import DEFAULT_THREADS
+
+    broken_files: set[str] = {p.file for p in report.errors if p.file}
+    fqns = [fqn for fqn in floating(checkpoint) if _readable(checkpoint.tensors[fqn], sizes, broken_files)]
+
+    def failed(fqn: str, error: CheckpointError) -> None:
+        report.add(ERROR, error.code, str(error), fqn=fqn)
+
+    report.numbers = scan_numbers(checkpoint, fqns, follow_symlinks=follow_symlinks, threads=threads or DEFAULT_THREADS, on_error=failed)
+    report.bytes_read += sum(checkpoint.tensors[n.fqn].nbytes for n in report.numbers)
+
+
+def _report_numbers(checkpoint: Checkpoint, report: ValidationReport) -> None:
+    """Add a `non-finite` error, on one line, for each tensor holding NaN or Inf."""
+    for found in report.numbers or ():
+        if not found.bad:
+            continue
+        shape = list(checkpoint.tensors[found.fqn].shape)
+        where = f"{found.file}: " if found.file else ""
+        report.numerics.append(Numerics(found.fqn, found.nan, found.inf))
+        report.add(ERROR, "non-finite", f"{where}{found.fqn}: {found.nan} NaN and {found.inf} Inf of {found.numel} "
+                   f"elements, the first at element {found.first_bad} (flat row-major index, shape {shape})",
+                   found.file, found.fqn)
+
+
+def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: ValidationReport, follow_symlinks: bool,
+                 numbers: bool = False) -> None:
+    """Decode every blob: record structure, dtype/shape, CRC-32, NaN/Inf counts; with
+    `numbers`, every figure of `--numerics` too, from the same blocks (`report.numbers`).
 
     Needs no torch for torch_save and safetensors blobs of plain objects and tensors; torch
     is imported only to decode what must be decoded (zstd, strided records, torch objects).
     """
     from ckpttool.core import numerics  # numpy: only --deep pays for its import
+    from ckpttool.check.numbers import Tally
     from ckpttool.dcp.blobs import DataFiles, blob_bytes, decode_object, iter_blocks, locate, read_chunk  # and the blob reader
 
-    broken_files = {p.file for p in report.errors if p.file}
+    broken_files: set[str] = {p.file for p in report.errors if p.file}
     view = memoryview(bytearray(DEEP_BLOCK))  # one block buffer, refilled in place
+    work = bytearray(2 * DEEP_BLOCK) if numbers else None  # numerics.scan_block's arrays
+    if numbers:
+        report.numbers = []
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         for tensor in checkpoint.tensors.values():
             if tensor.dtype not in dtypes.ITEMSIZE:
                 continue
             nan = inf = 0
+            tally = Tally(tensor) if numbers and tensor.dtype in numerics.SCANNED else None
+            if tally is not None and not _readable(tensor, sizes, broken_files):
+                tally = None  # its figures cannot be whole
             for chunk in tensor.chunks:
                 if chunk.blob is None or chunk.blob.file not in sizes or chunk.blob.file in broken_files:
                     continue
@@ -202,20 +260,27 @@ def _check_bytes(checkpoint: Checkpoint, sizes: dict[str, int], report: Validati
                 try:
                     raw = locate(files, tensor, chunk)
                     blocks = iter_blocks(files, raw, DEEP_BLOCK, view) if raw else [read_chunk(files, tensor, chunk)]
-                    crc = 0
+                    crc = start = 0
                     for block in blocks:
                         crc = zlib.crc32(block, crc)
                         report.bytes_read += len(block)
-                        if tensor.dtype in numerics.SUPPORTED and block:
+                        if tally is not None:
+                            found = numerics.scan_block(block, tensor.dtype, work)
+                            tally.add(chunk, start, found)
+                            start += found.elements
+                        elif tensor.dtype in numerics.SUPPORTED and block:
                             block_nan, block_inf = numerics.count_non_finite(block, tensor.dtype)
                             nan, inf = nan + block_nan, inf + block_inf
                 except CheckpointError as error:
                     report.add(ERROR, "corrupt-blob", str(error), chunk.blob.file, tensor.fqn)
+                    tally = None
                     continue
                 # torch can be told not to record CRCs; a stored 0 means "not recorded"
                 if raw and raw.crc32 and crc != raw.crc32:
                     report.add(ERROR, "checksum", f"{where}: CRC-32 of the data is {crc:08x}, the record says {raw.crc32:08x} (bytes changed on disk)", chunk.blob.file, tensor.fqn)
-            if nan or inf:
+            if tally is not None and report.numbers is not None:
+                report.numbers.append(tally.result())  # its NaN/Inf: an error (_report_numbers)
+            elif nan or inf:
                 report.numerics.append(Numerics(tensor.fqn, nan, inf))
                 report.add(INFO, "non-finite", f"{tensor.fqn}: {nan} NaN and {inf} Inf values", fqn=tensor.fqn)
         for obj in checkpoint.objects.values():
