@@ -72,6 +72,13 @@ def test_the_run_folder_newest_is_named_by_megatrons_tracker_file():
         "megatron-legacy", "iter_0000002", "latest_checkpointed_iteration.txt")
 
 
+def test_one_rank_folder_is_refused_naming_its_iteration_folder(run):
+    result = run("inspect", ITERATION / "mp_rank_01_000")
+    assert result.exit_code == 1
+    assert result.output.strip().endswith(f"name its iteration folder, {ITERATION}"), result.output
+    assert "one tensor/pipeline rank of a Megatron-LM legacy save" in result.output
+
+
 @pytest.mark.parametrize("flags", [(), ("--deep",)], ids=["validate", "validate-deep"])
 @pytest.mark.parametrize("source", [RUN_DIR, ITERATION], ids=["run-folder", "iter-folder"])
 def test_validate_finds_nothing(run, source, flags):

@@ -23,7 +23,10 @@ ALL_METADATA = sorted(FIXTURES.glob("**/" + METADATA_FILENAME))
 # Megatron keeps its SavePlans on the Metadata (all_local_plans): only the Python loader reads it
 DECLINED = {"frameworks/megatron/checkpoints/iter_0000002", "frameworks/megatron_families/llama_tp2/checkpoints/iter_0000002",
             "frameworks/megatron_families/moe/checkpoints/iter_0000003",
-            "frameworks/megatron_families/moe_ep2/checkpoints/iter_0000002"}
+            "frameworks/megatron_families/moe_ep2/checkpoints/iter_0000002",
+            # Megatron-Bridge's own import, saved by dist_checkpointing.save (the reference ckpttool's import equals)
+            "frameworks/megatron_import/llama/reference/iter_0000000",
+            "frameworks/megatron_import/qwen3_moe/reference/iter_0000000"}
 
 
 def _columns(path: Path, raw: bytes) -> Checkpoint | None:

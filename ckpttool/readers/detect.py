@@ -184,6 +184,9 @@ def _detect(requested: Path, prefer: str | None = None,
         if below:
             found = _resolve(below[0], requested, prefer, MAX_NESTING, read_metadata)
     if found is None:
+        if MEGATRON_LEGACY_RANK.match(requested.name) and requested.parent.name and legacy_rank_dirs(requested.parent):
+            raise NotACheckpoint(f"{requested}: one tensor/pipeline rank of a Megatron-LM legacy save, not the model; "
+                                 f"name its iteration folder, {requested.parent}")
         raise NotACheckpoint(f"{requested}: no checkpoint found; looked for {LOOKED_FOR}")
     return _preferred(found[0], prefer), found[1]
 
