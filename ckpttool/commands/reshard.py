@@ -35,14 +35,14 @@ from ckpttool.core.checkpoint import Checkpoint, as_path
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.dcp.writer import metadata_bytes
 from ckpttool.run.distributed import ProcessStats
-from ckpttool.core.errors import CheckpointError, VerificationFailed, WriteFailed
+from ckpttool.core.errors import CheckpointError, UsageError, VerificationFailed, WriteFailed
 from ckpttool.check.integrity import Problem
 from ckpttool.outputs import atomic_directory, check_destination, refuse_overlap
 from ckpttool.plan.operations import Record
 from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.plan.rank_files import ReshardWrites, plan_writes
-from ckpttool.plan.reshard import Mesh, ReshardPlan, parse_mesh, plan_reshard
+from ckpttool.plan.reshard import EVERY_TENSOR_RULE, Mesh, ReshardPlan, parse_mesh, plan_reshard
 from ckpttool.formats import peft
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
@@ -87,6 +87,7 @@ def reshard(
     mesh: str | tuple[int, int] | None = None,
     *,
     keep_whole: Sequence[str] = (),
+    to: str | None = None,
     write: WriteOptions = WriteOptions(),
     source: SourceOptions = SourceOptions(),
 ) -> ReshardReport:
@@ -98,6 +99,9 @@ def reshard(
     objects once (`plan.reshard` says which rule decides what is sharded; `keep_whole` globs
     name tensors to leave in one piece). Stock `torch.distributed.checkpoint.load` reads the
     result; nothing is left at `dst` unless the whole write (and `write.verify`) succeeded.
+    `to="transformers"`: a Megatron-Core torch_dist save written as the transformers model and
+    AdamW state `get_state_dict` / `set_state_dict` give a `fully_shard` model
+    (naming/megatron_optimizer.py); by default keys stay as saved (Megatron loads its reshard).
 
     Example:
         >>> reshard("ckpt/step-00000100", "ckpt/step-00000100-hsdp", mesh="2,4").plan.world_size
@@ -108,10 +112,13 @@ def reshard(
     target_mesh = parse_mesh(world_size, mesh)
     destination = as_path(source.locate(dst)) if dst is not None else default_destination(origin, target_mesh)
     refuse_overlap(destination, origin)
-    checkpoint = readers.open_checkpoint(origin, source.follow_symlinks, as_saved=True, layout=source.layout)  # DCP keys kept as the framework saved them
+    detection, checkpoint = readers.read(origin, source.follow_symlinks, as_saved=True, layout=source.layout)  # DCP keys kept as the framework saved them
     warnings = tuple(integrity.gate(checkpoint, source.follow_symlinks).problems)
-    view = find_model(checkpoint, source.model_prefix)
-    plan = plan_reshard(checkpoint, target_mesh, keep_whole, view)
+    rule = None
+    if to is not None:  # the framework's save as transformers' model + AdamW state (every tensor a byte range of it)
+        checkpoint, rule = _migrated(detection.layout, checkpoint, to, source, write.threads)
+    view = find_model(checkpoint, source.model_prefix if to is None else None)
+    plan = plan_reshard(checkpoint, target_mesh, keep_whole, view, rule)
     if write.dry_run:
         return ReshardReport(origin, destination, plan, time.perf_counter() - started, plan.nbytes, 0,
                              dry_run=True, problems=warnings, model_view=view)
@@ -119,11 +126,28 @@ def reshard(
     save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.save_id}:{target_mesh}"))
     budget = cast(int, write.max_memory) // 2  # half of --max-memory for coalesced reads from object storage
     with DataFiles(checkpoint.path, source.follow_symlinks, budget, distributed.active() is None) as files:
-        writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, write=write)
+        writes, processes = write_dcp(checkpoint, plan, files, destination, save_id=save_id, write=write,
+                                      beside=() if to is not None else None)  # a migration is no Megatron save
         requests = files.requests
     return ReshardReport(origin, destination, plan, time.perf_counter() - started, plan.nbytes, writes.file_bytes,
                          verified=write.verify, problems=warnings, processes=processes, model_view=view,
                          requests=requests)
+
+
+def _migrated(layout: str, checkpoint: Checkpoint, to: str, source: SourceOptions, threads: int
+              ) -> tuple[Checkpoint, str]:
+    """Return `checkpoint` (of `layout`, as saved) as `get_state_dict` lays out transformers'
+    model and its AdamW state, and the sharding rule for it: fully_shard's, every parameter and
+    its state along dim 0 (the chunks are the table's pieces, not a sharding)."""
+    from ckpttool.naming import megatron_optimizer  # the naming engine and tables: imported by a migration only
+
+    if to != megatron_optimizer.TRANSFORMERS:
+        raise UsageError(f"--to {to}: reshard writes `{megatron_optimizer.TRANSFORMERS}` (a Megatron save as "
+                         "transformers' model and AdamW state for FSDP2)")
+    migration = megatron_optimizer.plan_migration(layout, checkpoint, source.follow_symlinks)
+    with DataFiles(checkpoint.path, source.follow_symlinks) as files:
+        located = locating.locate_chunks(files, migration.sources(), threads)
+    return migration.checkpoint(located), EVERY_TENSOR_RULE
 
 
 def write_dcp(checkpoint: Checkpoint, plan: ReshardPlan, files: DataFiles, destination: Path, *, save_id: str,

@@ -132,7 +132,8 @@ def _consolidate_plan_text(report: ConsolidateReport) -> str:
 RULE_TEXT = {
     "source": "sharded as in the source; single-chunk tensors sharded only if they have optimizer state",
     "optimizer-state": "single-rank source: tensors with optimizer state (and that state) sharded, the rest whole",
-    "every-tensor": "single-rank source without optimizer state: every tensor of 1+ dims sharded along dim 0",
+    "every-tensor": ("every tensor of 1+ dims sharded along dim 0, as fully_shard shards them (a single-rank source "
+                     "without optimizer state, or a migration: --to transformers)"),
 }
 
 
