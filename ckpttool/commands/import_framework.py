@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 import time
@@ -43,7 +44,7 @@ from ckpttool.options import SourceOptions, WriteOptions
 from ckpttool.outputs import check_destination, refuse_overlap
 from ckpttool.plan.reshard import EVERY_TENSOR_RULE, parse_mesh, plan_reshard
 from ckpttool.readers.detect import DCP_HF, HUB_FOLDER, SAFETENSORS
-from ckpttool.run import locating
+from ckpttool.run import distributed, locating
 from ckpttool.store.safepaths import read_json_object
 
 FRAMEWORKS = ("torchtitan", "megatron")
@@ -161,7 +162,12 @@ def import_to_framework(
                 run_files=(megatron_dist.TRACKER, megatron_dist.ITERATION_FOLDER + "/") if framework == "megatron" else ())
             if write.dry_run:
                 return FrameworkImportReport(seconds=time.perf_counter() - started, file_bytes=0, dry_run=True, **report)
-            check_destination(destination, write.force, write.notify)
+            check = functools.partial(check_destination, destination, write.force, write.notify)
+            world = distributed.active()
+            if framework == "megatron" and world is not None:
+                distributed.checked_together(check, destination)  # the run folder is made before the write
+            else:
+                check()
             save_id = str(uuid.uuid5(_SAVE_ID_NAMESPACE, f"{checkpoint.path}:{framework}:{mesh}"))
             if framework == "megatron":
                 writes, processes = _write_megatron_run(layout, plan, files, destination, save_id, write, beside or [])
@@ -177,10 +183,10 @@ def _write_megatron_run(layout: Checkpoint, plan: Any, files: DataFiles, destina
     """Write the torch_dist checkpoint as the Megatron-LM run folder `--load` reads: DST/iter_0000000/
     (atomically, as every DCP write), then DST/latest_checkpointed_iteration.txt naming it."""
     from ckpttool.outputs import atomic_output
-    from ckpttool.run import distributed
 
     # the run folder is created with the iteration folder, as a missing parent of it (removed
-    # again if the write fails: outputs.local), so no process finds it made by another first
+    # again if the write fails: outputs.local); under torchrun every process has checked it
+    # before (distributed.checked_together), so none finds it made by another
     written = write_dcp(layout, plan, files, destination / megatron_dist.ITERATION_FOLDER, save_id=save_id,
                         write=dataclasses.replace(write, force=True), label="import --to megatron", beside=beside)
     world = distributed.active()

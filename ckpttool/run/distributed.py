@@ -381,6 +381,22 @@ def all_ok(flag: bool) -> bool:
     return bool(value.item())
 
 
+def checked_together(check: Callable[[], None], target: Path) -> None:
+    """Run `check` (of the output `target`) on every rank, then wait for all: its error raised
+    where it failed, OtherFailed on the other ranks. A command that creates `target` itself
+    before the write (a run folder around its iteration folder) calls this first, so no rank
+    finds the folder another rank just made."""
+    init()
+    try:
+        check()
+    except Exception:
+        all_ok(False)
+        raise
+    if not all_ok(True):
+        raise OtherFailed(f"{target}: another process refused the output (its error is on its own stderr); "
+                          "nothing was written")
+
+
 # ---------------------------------------------------------------------------------------------
 # Naming a process that failed or died
 
