@@ -7,7 +7,8 @@ own subprocess, warm page cache (every file read once first), the order alternat
 after run (as `paired.alternate`); the ratios are against `cat`'s medians, and the paired
 ratios compare each run with the `cat` run beside it. CPU seconds (user + sys of the process)
 are reported beside the wall: on a machine shared with other work the wall times wait for a
-core, the CPU times do not. Cold-cache runs need dropping the page cache
+core, the CPU times do not. The tool runs from compiled bytecode (`tool_environment`), cached
+under the work directory. Cold-cache runs need dropping the page cache
 (root, `/proc/sys/vm/drop_caches`): with `--cold` each run starts from a dropped cache.
 
     python benchmarks/numerics.py                 # 4 GB, 3 runs each
@@ -70,10 +71,20 @@ def drop_caches() -> bool:
         return False
 
 
-def timed(command: list[str]) -> tuple[float, float, int]:
+def tool_environment(root: Path) -> dict[str, str]:
+    """The environment the tool runs in: as an installed ckpttool runs, from compiled bytecode
+    (pip compiles it at install; an editable install under PYTHONDONTWRITEBYTECODE=1, as in
+    this project's sessions, compiles ~60 modules from source on every run: ~0.1 s of CPU),
+    cached under `root`, not in the source tree."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")
+    return env
+
+
+def timed(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float, int]:
     """Return (wall seconds, CPU seconds (user + sys), peak RSS bytes) of one subprocess."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=env)
     _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - started
     if status != 0:
@@ -81,13 +92,14 @@ def timed(command: list[str]) -> tuple[float, float, int]:
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
 
 
-def alternate(named: dict[str, list[str]], runs: int, clean: Callable[[], object]) -> dict[str, list[tuple[float, float, int]]]:
+def alternate(named: dict[str, list[str]], runs: int, clean: Callable[[], object],
+              env: dict[str, str] | None = None) -> dict[str, list[tuple[float, float, int]]]:
     """Return name -> (wall, CPU, RSS) per run, the order reversed every other run."""
     results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in named}
     for run in range(runs):
         for name in (list(named) if run % 2 == 0 else list(reversed(named))):
             clean()
-            results[name].append(timed(named[name]))
+            results[name].append(timed(named[name], env))
     return results
 
 
@@ -143,7 +155,10 @@ def main() -> None:
         if args.cold and not drop_caches():
             raise SystemExit("--cold: cannot write /proc/sys/vm/drop_caches (not root, or a container that forbids it)")
         subprocess.run(["sh", "-c", f"cat {source}/* > /dev/null"], check=True)  # warm the page cache
-        results = alternate(commands(source), args.runs, clean=drop_caches if args.cold else (lambda: None))
+        env = tool_environment(root)
+        named = commands(source)
+        timed(named["ckpttool validate --numerics"], env)  # compiles the bytecode
+        results = alternate(named, args.runs, clean=drop_caches if args.cold else (lambda: None), env=env)
         print(f"Machine: {machine()}\n")
         print(f"{size / 1e9:.2f} GB in {len(list(source.glob('*.distcp')))} data file(s) (dcp.save, half fp32, half bf16), "
               f"{'cold' if args.cold else 'warm'} page cache, {args.runs} runs each, load average before: "

@@ -371,3 +371,50 @@ def test_under_torchrun_the_output_is_byte_identical_to_one_process(cli, sources
         assert (outputs["dcp"] / name).read_bytes() == (references["dcp"] / name).read_bytes(), name
     assert sorted(os.listdir(outputs["dcp"])) == sorted(os.listdir(references["dcp"]))
 
+
+
+@pytest.mark.parametrize("dtype, k, split", [
+    ("float32", 3, False), ("float32", 3, True), ("bfloat16", 3, False), ("bfloat16", 3, True),
+    ("float16", 2, False), ("float64", 2, True), ("float64", 4, True), ("float32", 9, True),
+], ids=["fp32-3", "fp32-3-split", "bf16-3", "bf16-3-split", "fp16-2", "fp64-2-split", "fp64-4-in-turn",
+        "fp32-9-in-turn"])
+def test_large_blocks_summed_in_cache_sized_steps_are_torchs_formula(tmp_path, dtype, k, split):
+    """A block of many sub-blocks (and a remainder), each source one range of a file or two
+    (`split`: a sub-block straddles them), or more sources than the interleaved sum keeps at
+    once (summed source by source): the bytes of torch's formula, with NaN, +-Inf, overflow,
+    subnormals and negative zeros among the values."""
+    import torch
+
+    from ckpttool.dcp.blobs import DataFiles, RawData
+    from ckpttool.plan.average import Average
+    from ckpttool.run import average as averaging
+
+    count = 16 * averaging.SUB_BLOCK + 12_345
+    generator = torch.Generator().manual_seed(5)
+    tensors, reads = [], []
+    for number in range(k):
+        values = torch.randn(count, generator=generator, dtype=torch.float64) * 10.0 ** (number - 1)
+        values[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 3e38, -3e38])
+        values[100 + number] = float("nan")
+        x = values.to(getattr(torch, dtype))
+        tensors.append(x)
+        data = x.view(torch.uint8).numpy().tobytes()
+        (tmp_path / f"s{number}").write_bytes(b"\0" * 13 + data)  # an offset off the page size
+        half = len(data) // 2 // x.element_size() * x.element_size()
+        pieces = (RawData(f"s{number}", 13, half), RawData(f"s{number}", 13 + half, len(data) - half)) if split \
+            else (RawData(f"s{number}", 13, len(data)),)
+        reads.append(pieces)
+    weights = [(-1.0) ** number * (number + 1) / (k + 2) for number in range(k)]
+    op = Average("w", dtype, 0, count, tuple(reads), "out", 0)
+    with DataFiles(tmp_path) as files:
+        data = bytes(averaging.block_bytes(op, weights, [files] * k))
+    acc = weights[0] * tensors[0].double()
+    for weight, x in zip(weights[1:], tensors[1:]):
+        acc = acc + weight * x.double()
+    expected = acc.to(tensors[0].dtype)
+    ours = torch.frombuffer(bytearray(data), dtype=expected.dtype)
+    if dtype == "bfloat16":  # torch's NaN varies with its loop (test_the_cast_is_torchs_...): ours is 0x7FC0
+        nan = expected.isnan()
+        assert (ours.view(torch.int16)[nan] == 0x7FC0).all()
+        ours, expected = ours[~nan], expected[~nan]
+    assert_same_bytes(ours, expected, dtype)
