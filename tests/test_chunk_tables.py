@@ -62,7 +62,7 @@ NOT_CHECKPOINTS = {
         "zero2_tied", "zero2_untied", "zero3_tied", "zero3_untied", "zero2_bf16_tied")),
     "frameworks/megatron_legacy/hf", "frameworks/megatron_legacy/virtual_pipeline/hf",
     "frameworks/torchtitan_import", "frameworks/megatron_import", "frameworks/megatron_import/llama",
-    "frameworks/megatron_import/qwen3_moe",
+    "frameworks/megatron_import/qwen3_moe", "frameworks/megatron_more_families",
 }
 # one rank of a Megatron-LM legacy save: refused with its iteration folder named (tests/test_megatron_legacy.py)
 LEGACY_RANK_FOLDERS = re.compile(r"frameworks/megatron_legacy(/virtual_pipeline)?/checkpoints/iter_0000002/mp_rank_\d\d_\d{3}")

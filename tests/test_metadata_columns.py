@@ -24,6 +24,9 @@ ALL_METADATA = sorted(FIXTURES.glob("**/" + METADATA_FILENAME))
 DECLINED = {"frameworks/megatron/checkpoints/iter_0000002", "frameworks/megatron_families/llama_tp2/checkpoints/iter_0000002",
             "frameworks/megatron_families/moe/checkpoints/iter_0000003",
             "frameworks/megatron_families/moe_ep2/checkpoints/iter_0000002",
+            "frameworks/megatron_more_families/mixtral_ep2/checkpoints/iter_0000003",
+            "frameworks/megatron_more_families/qwen2_tp2/checkpoints/iter_0000002",
+            "frameworks/megatron_more_families/deepseek_v3_ep2/checkpoints/iter_0000002",
             # Megatron-Bridge's own import, saved by dist_checkpointing.save (the reference ckpttool's import equals)
             "frameworks/megatron_import/llama/reference/iter_0000000",
             "frameworks/megatron_import/qwen3_moe/reference/iter_0000000"}

@@ -153,6 +153,8 @@ REGISTRY: tuple[Registered, ...] = (
                ("tok_embeddings.weight", "layers.{L}.attention.qkv_linear.wq.weight")),
     Registered("torchtitan 0.2 llama3", "torchtitan_v02_llama3",
                ("tok_embeddings.weight", "layers.{L}.attention.wq.weight")),
+    Registered("megatron deepseek_v3", "megatron_deepseek_v3",
+               ("embedding.word_embeddings.weight", "decoder.layers.{L}.self_attention.linear_kv_down_proj.weight")),
     Registered("megatron gpt", "megatron_gpt", _MEGATRON),  # Megatron's three share the names: the config chooses
     Registered("megatron qwen moe", "megatron_qwen_moe", _MEGATRON),
     Registered("megatron mixtral", "megatron_mixtral", _MEGATRON),

@@ -370,12 +370,13 @@ TRANSFORMS: Mapping[str, Transform] = MappingProxyType({
 })
 
 
-_LAYER_NUMBER = re.compile(r"^layers\.(\d+)\.")
+_LAYER_NUMBER = re.compile(r"^(?:decoder\.)?layers\.(\d+)\.")  # torchtitan's `layers.N.`, Megatron's `decoder.layers.N.`
 
 
 def main_layer_count(keys: Iterable[str]) -> int:
-    """Return how many main layers the source keys number (`layers.N.`): where `{N}` (an
-    extra layer such as DeepSeek's MTP, `{M}` in the source) starts counting."""
+    """Return how many main layers the source keys number (`layers.N.`, Megatron's
+    `decoder.layers.N.`): where `{N}` (an extra layer such as DeepSeek's MTP, `{M}` in the
+    source) starts counting."""
     numbers = [int(found.group(1)) for key in keys if (found := _LAYER_NUMBER.match(key))]
     return max(numbers) + 1 if numbers else 0
 

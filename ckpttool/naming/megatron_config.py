@@ -17,6 +17,7 @@ architecture: `num_experts` (MoE or dense), then `qk_layernorm` and `add_qkv_bia
     dense, qk_layernorm       -> Qwen3ForCausalLM
     MoE, qk_layernorm         -> Qwen3MoeForCausalLM
     MoE                       -> MixtralForCausalLM
+    MoE, multi_latent_attention -> DeepseekV3ForCausalLM (`_mla_config`: MLA, MTP, its router)
 
 each stated by the family converting to it (`Architecture.megatron` in
 naming/families/megatron_*.py: those flags, the fields its config.json always has, its MoE
@@ -155,7 +156,8 @@ def read_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[st
 def megatron_hf_config(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
     """Return the transformers config.json (a dict) for the model whose `common.pt` is `path`,
     or None when it stores no Megatron-LM arguments; UnsupportedFormat naming the argument when
-    the model is not one transformers' Llama, Qwen2, Qwen3, Qwen3-MoE or Mixtral represents.
+    the model is not one transformers' Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral or DeepSeek-V3
+    represents.
 
     Example:
         >>> megatron_hf_config("checkpoints/iter_0000003/common.pt")["num_experts"]
@@ -219,6 +221,8 @@ def hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
         >>> hf_config({"num_layers": 2, "hidden_size": 32, ..., "swiglu": True}, "common.pt")["model_type"]
         'llama'
     """
+    if _flag(args, "multi_latent_attention", where):
+        return _mla_config(args, where)
     experts = _int(args, "num_experts", where, optional=True) or 0
     _refuse_unrepresentable(args, _REPRESENTABLE + (_MOE_REPRESENTABLE if experts else ()), where)
     qk_norm = _flag(args, "qk_layernorm", where)
@@ -256,6 +260,94 @@ def hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
     config.update((name, list(value) if isinstance(value, tuple) else value) for name, value in mapping.fields)
     if experts:
         config.update(_moe_fields(args, found.name, mapping, experts, where))
+    return dict(sorted(config.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-latent attention: DeepSeek-V3 (naming/families/megatron_deepseek_v3.py)
+
+# What DeepSeek-V3's config states that the generic tables refuse: MLA, its multi-token
+# prediction, and its router (sigmoid scores with an expert bias, group-limited, scaled, shared
+# experts, the first layers dense); each is checked or mapped by _mla_config instead.
+_MLA_OWN = frozenset({"multi_latent_attention", "mtp_num_layers", "rope_type", "moe_router_score_function",
+                      "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                      "moe_router_group_topk", "moe_shared_expert_intermediate_size", "moe_layer_freq"})
+_MLA_REQUIRED: tuple[tuple[str, tuple, str], ...] = (
+    ("rope_type", ("rope",), "the rope type (DeepSeek's yarn scaling is not mapped: only --rope-type rope)"),
+    ("qk_layernorm", (True,), "the q/kv low-rank norms (DeepSeek-V3 has both: --qk-layernorm)"),
+    ("moe_router_score_function", ("sigmoid",), "the router score function (DeepSeek-V3's is sigmoid)"),
+    ("moe_router_enable_expert_bias", (True,), "the router's expert bias (DeepSeek-V3's e_score_correction_bias)"),
+    ("moe_shared_expert_gate", (False, None), "the shared experts' gate"),
+)
+
+
+def _mla_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """DeepSeek-V3's config.json for Megatron-LM `args` with multi-latent attention: Megatron-Bridge
+    0.3.1's DeepSeek config mapping (models/deepseek/common.py `get_common_configs`) read the other
+    way. A dense MLA model, or one DeepSeek-V3's config cannot state, is refused naming the argument."""
+    from ckpttool import naming
+
+    (architecture,) = naming.family("megatron deepseek_v3").converts_to
+    experts = _int(args, "num_experts", where, optional=True) or 0
+    if not experts:
+        raise UnsupportedFormat(f"{where}: args multi_latent_attention=True without num_experts: DeepSeek-V3 "
+                                f"is an MoE model; {_WAY_OUT}")
+    generic = tuple(row for row in _REPRESENTABLE + _MOE_REPRESENTABLE if row[0] not in _MLA_OWN)
+    _refuse_unrepresentable(args, generic + _MLA_REQUIRED, where)
+    layers = _int(args, "num_layers", where)
+    width = _int(args, "moe_ffn_hidden_size", where)
+    shared = _int(args, "moe_shared_expert_intermediate_size", where, optional=True) or 0
+    frequency = args.get("moe_layer_freq", 1)
+    pattern = [1] * layers if frequency == 1 else frequency
+    dense = pattern.index(1) if isinstance(pattern, list) and 1 in pattern else -1
+    if not shared or shared % width or not isinstance(pattern, list) or len(pattern) != layers or dense < 0 or \
+            pattern != [0] * dense + [1] * (layers - dense):
+        raise UnsupportedFormat(f"{where}: args moe_layer_freq={_shown(frequency)}, "
+                                f"moe_shared_expert_intermediate_size={shared}: DeepSeek-V3 states its first dense "
+                                f"layers and whole shared experts of the experts' width only; {_WAY_OUT}")
+    topk = _int(args, "moe_router_topk", where)
+    groups = _int(args, "moe_router_num_groups", where, optional=True) or 1
+    group_topk = _int(args, "moe_router_group_topk", where, optional=True) or 1
+    if groups > 1 and topk // group_topk != 2:
+        # Megatron ranks groups by their top topk/group_topk scores (moe_utils.group_limited_topk),
+        # transformers' DeepSeek-V3 router by their top 2
+        raise UnsupportedFormat(f"{where}: args moe_router_topk={topk}, moe_router_group_topk={group_topk}: "
+                                f"{architecture.name} ranks expert groups by their top 2 scores, Megatron by their top "
+                                f"{topk // group_topk}; {_WAY_OUT}")
+    heads = _int(args, "num_attention_heads", where)
+    rope_theta = _number(args, "rotary_base", where)
+    config: dict[str, Any] = {
+        "architectures": [architecture.name], "model_type": architecture.model_type,
+        "num_hidden_layers": layers, "hidden_size": _int(args, "hidden_size", where),
+        "intermediate_size": _int(args, "ffn_hidden_size", where), "moe_intermediate_size": width,
+        "num_attention_heads": heads, "num_key_value_heads": heads,  # MLA: every head its own k and v
+        "q_lora_rank": _int(args, "q_lora_rank", where, optional=True),
+        "kv_lora_rank": _int(args, "kv_lora_rank", where),
+        "qk_nope_head_dim": _int(args, "qk_head_dim", where),
+        "qk_rope_head_dim": _int(args, "qk_pos_emb_head_dim", where),
+        "head_dim": _int(args, "qk_pos_emb_head_dim", where),  # transformers' DeepseekV3Config: the rope part
+        "v_head_dim": _int(args, "v_head_dim", where),
+        "n_routed_experts": experts, "n_shared_experts": shared // width,
+        "num_experts_per_tok": topk, "n_group": groups, "topk_group": group_topk,
+        "routed_scaling_factor": (_number(args, "moe_router_topk_scaling_factor", where)
+                                  if args.get("moe_router_topk_scaling_factor") is not None else 1.0),
+        # Megatron's sigmoid router divides the top-k scores by their sum (moe_router_pre_softmax
+        # is a softmax setting: unused with sigmoid scores)
+        "norm_topk_prob": True,
+        "first_k_dense_replace": dense,
+        "num_nextn_predict_layers": _int(args, "mtp_num_layers", where, optional=True) or 0,
+        "vocab_size": _int(args, "padded_vocab_size", where),
+        "max_position_embeddings": (_int(args, "max_position_embeddings", where, optional=True)
+                                    or _int(args, "seq_length", where)),
+        "rms_norm_eps": _number(args, "norm_epsilon" if "norm_epsilon" in args else "layernorm_epsilon", where),
+        "rope_theta": rope_theta, "rope_scaling": None,
+        "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
+        "rope_interleave": True,  # Megatron's MLA rotary takes the even, then the odd channels (rotary_interleaved False)
+        "attention_bias": False,
+        "tie_word_embeddings": not _flag(args, "untie_embeddings_and_output_weights", where),
+        "hidden_act": "silu", "initializer_range": _number(args, "init_method_std", where),
+        "attention_dropout": _number(args, "attention_dropout", where), "torch_dtype": _dtype(args, where),
+    }
     return dict(sorted(config.items()))
 
 

@@ -30,7 +30,7 @@ FAMILY = Family(
                      megatron=MegatronArgs(moe=False, qk_layernorm=False, add_qkv_bias=False,
                                            fields=(("attention_bias", False), ("mlp_bias", False)))),
         Architecture("MistralForCausalLM", "mistral", dense_biases=(False, False)),
-        Architecture("Qwen2ForCausalLM", "qwen2", dense_biases=(True, False),
+        Architecture("Qwen2ForCausalLM", "qwen2", logit_tolerance=1e-4, dense_biases=(True, False),
                      megatron=MegatronArgs(moe=False, qk_layernorm=False, add_qkv_bias=True,
                                            fields=(("use_sliding_window", False),))),
         Architecture("Qwen3ForCausalLM", "qwen3",
