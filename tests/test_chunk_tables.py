@@ -63,6 +63,11 @@ NOT_CHECKPOINTS = {
     "frameworks/megatron_legacy/hf", "frameworks/megatron_legacy/virtual_pipeline/hf",
     "frameworks/torchtitan_import", "frameworks/megatron_import", "frameworks/megatron_import/llama",
     "frameworks/megatron_import/qwen3_moe", "frameworks/megatron_more_families",
+    # NeMo 2: context/ holds the model's config, not weights; the run folders above the checkpoints
+    # (`<exp>/checkpoints/<name>--...-step=N-...[-last]/`) are not found by structure until the nemo2 reader lands
+    "frameworks/nemo2", "frameworks/nemo2/llama", "frameworks/nemo2/llama/checkpoints",
+    *(f"frameworks/nemo2/llama/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0{last}/context"
+      for last in ("", "-last")),
 }
 # one rank of a Megatron-LM legacy save: refused with its iteration folder named (tests/test_megatron_legacy.py)
 LEGACY_RANK_FOLDERS = re.compile(r"frameworks/megatron_legacy(/virtual_pipeline)?/checkpoints/iter_0000002/mp_rank_\d\d_\d{3}")
