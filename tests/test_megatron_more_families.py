@@ -190,7 +190,9 @@ def test_deepseeks_router_expert_bias_is_written_not_left_out(exports):
 
 def test_the_family_is_found_by_its_mla_names(run):
     document = json.loads(run("inspect", run_dir("deepseek_v3_ep2"), "--json").stdout)
-    assert document["family"] == {"name": "megatron deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
+    assert document["family"] == {"name": "megatron deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                                  "named_by": {"architecture": "DeepseekV3ForCausalLM",
+                                               "config": "common.pt's Megatron-LM arguments"}}
     assert naming.candidates(["embedding.word_embeddings.weight",
                               "decoder.layers.0.self_attention.linear_kv_down_proj.weight"]) == ["megatron deepseek_v3"]
 
@@ -213,6 +215,17 @@ def test_mla_arguments_deepseek_v3_cannot_state_are_refused_naming_the_argument(
     with pytest.raises(UnsupportedFormat, match="--assets") as raised:
         hf_config({**args, **change}, "common.pt")
     assert named in str(raised.value)
+
+
+@pytest.mark.parametrize("name, family, architecture", [
+    ("mixtral_ep2", "megatron mixtral", "MixtralForCausalLM"),  # the same names as Qwen-MoE's: its arguments choose
+    ("qwen2_tp2", "megatron gpt", "Qwen2ForCausalLM"),
+])
+def test_inspect_names_the_family_its_megatron_arguments_choose(run, name, family, architecture):
+    result = run("inspect", run_dir(name))
+    assert f"names: {family}'s, not transformers'; `ckpttool export` writes them as {architecture} names" in result.stdout
+    document = json.loads(run("inspect", run_dir(name), "--json").stdout)
+    assert (document["family"]["name"], document["family"]["named_by"]["architecture"]) == (family, architecture)
 
 
 def test_mixtral_and_qwen2_are_what_their_arguments_choose():

@@ -136,7 +136,7 @@ def test_rules_are_data_one_table_per_family():
 
 def test_inspect_names_the_family_and_each_tensors_transformers_name(cli):
     document = json.loads(cli("inspect", STEP, "--json").output)
-    assert document["family"] == {"name": "torchtitan llama3", "architectures": ["LlamaForCausalLM"]}
+    assert document["family"] == {"name": "torchtitan llama3", "architectures": ["LlamaForCausalLM"], "named_by": None}
     names = {t["fqn"]: t["hf_names"] for t in document["tensors"] if t["group"] == "model"}
     assert names["layers.0.attention.qkv_linear.wq.weight"] == ["model.layers.0.self_attn.q_proj.weight"]
     assert names["tok_embeddings.weight"] == ["model.embed_tokens.weight"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, overload
 from ckpttool import readers
 from ckpttool.core.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.core.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
-from ckpttool.core.errors import InvalidCheckpoint
+from ckpttool.core.errors import CheckpointError, InvalidCheckpoint
 from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
@@ -190,6 +190,7 @@ class InspectReport:
     family: str | None = None  # the framework family whose names the model uses (naming tables)
     architectures: tuple[str, ...] = ()  # the transformers architectures that family converts to
     hf_names: dict[str, tuple[str, ...]] | None = None  # fqn -> its transformers names, when a family is found
+    named_by: tuple[str, str] | None = None  # (architecture, config source) that chose among families sharing the names
     found: str | None = None  # where SRC is not itself the checkpoint: which one was read and what else is there
     notes: tuple[str, ...] = ()  # what the reader says of the save (DeepSpeed: frozen parameters not saved)
 
@@ -364,7 +365,7 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
     )
     adapters, adapter_problem = _adapters(checkpoint, view)
     quantized = _quantization(checkpoint, config, {t.fqn for t in tensors if t.group == "model"})
-    family, names = _family(checkpoint, view)
+    family, names, named_by = _family(checkpoint, view, config)
     if quantized is not None:
         summary = replace(summary, parameters=quantized.parameters)
     return InspectReport(
@@ -372,25 +373,56 @@ def build_report(checkpoint: Checkpoint, filters: tuple[str, ...] = (), layout: 
         objects=tuple(o for o in objects if matches(o.fqn, filters)), files=tuple(files), filters=filters,
         layout=layout, model_view=view, adapters=adapters, adapter_problem=adapter_problem, quantization=quantized,
         family=family.name if family else None, architectures=family.architectures if family else (), hf_names=names,
-        notes=checkpoint.notes,
+        named_by=named_by, notes=checkpoint.notes,
     )
 
 
-def _family(checkpoint: Checkpoint, view: ModelView) -> tuple[Family | None, dict[str, tuple[str, ...]] | None]:
-    """Return the framework family the model's names belong to, and fqn -> transformers names."""
+def _family(checkpoint: Checkpoint, view: ModelView, config: dict | None = None
+            ) -> tuple[Family | None, dict[str, tuple[str, ...]] | None, tuple[str, str] | None]:
+    """Return the framework family the model's names belong to, fqn -> transformers names, and
+    the (architecture, config source) that chose the family when several share the names
+    (Megatron's GPT, Qwen-MoE and Mixtral tables): config.json beside the checkpoint, else the
+    Megatron-LM arguments in common.pt, as export reads them; without either, the first family
+    whose rules take every key. Megatron-LM's arguments name the architecture for one family too
+    (export needs no --assets then)."""
     if view.prefix is None:
-        return None, None
+        return None, None, None
     from ckpttool import naming  # the signatures: only when there is a model to name
 
     keys = {key: fqn for fqn, key in view.keys.items() if fqn in checkpoint.tensors}
-    if not naming.candidates(keys):
-        return None, None  # no framework's names: neither the engine nor the tables are imported
-    family = naming.find_family(keys, naming.FAMILIES)
+    found = naming.candidates(keys)
+    if not found:
+        return None, None, None  # no framework's names: neither the engine nor the tables are imported
+    source = "config.json" if config is not None else None
+    if config is None and (megatron := _megatron_config(checkpoint.path)) is not None:
+        config, source = megatron  # what export reads without --assets
+    architectures = (config or {}).get("architectures") or []
+    named_by = (architectures[0], source) if architectures and source and \
+        (len(found) > 1 or source != "config.json") else None
+    try:
+        family = naming.find_family(keys, naming.FAMILIES, config if named_by else None, str(checkpoint.path))
+    except InvalidCheckpoint:  # a config.json of another model beside it: inspect names what the keys say
+        family, named_by = naming.find_family(keys, naming.FAMILIES), None
     if family is None:
-        return None, None
+        return None, None, None
     main_layers = naming.main_layer_count(keys)
     return family, {fqn: naming.hf_names(family, key, checkpoint.tensors[fqn].shape, main_layers)
-                    for key, fqn in keys.items()}
+                    for key, fqn in keys.items()}, named_by
+
+
+def _megatron_config(path: Path | str) -> tuple[dict, str] | None:
+    """The config.json Megatron-LM's arguments give (naming/megatron_config.py) and where they
+    are, or None: no common.pt, or arguments no transformers config represents (export says which)."""
+    from ckpttool.naming import megatron_config
+
+    common = megatron_config.common_file(path)
+    if common is None:
+        return None
+    try:
+        config = megatron_config.megatron_hf_config(common)
+    except CheckpointError:
+        return None
+    return (config, f"{common.name}'s Megatron-LM arguments") if config is not None else None
 
 
 def _quantization(checkpoint: Checkpoint, config: dict | None, model: set[str]) -> QuantizationInfo | None:

@@ -41,7 +41,9 @@ def inspect_document(report: InspectReport) -> dict[str, Any]:
             "model_view": model_view_document(report.model_view),
             "adapters": adapters_document(report),
             "quantization": quantization_document(report.quantization),
-            "family": {"name": report.family, "architectures": list(report.architectures)} if report.family else None,
+            "family": {"name": report.family, "architectures": list(report.architectures),
+                       "named_by": {"architecture": report.named_by[0], "config": report.named_by[1]}
+                       if report.named_by else None} if report.family else None,
             "groups": {
                 name: {"tensors": g.tensors, "objects": g.objects, "numel": g.numel, "bytes": g.nbytes}
                 for name, g in report.groups.items()
@@ -122,7 +124,10 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
         lines.append(f"  model: {report.model_view.describe()}")
     lines += adapter_lines(report)
     lines += quantization_lines(report.quantization)
-    if report.family:
+    if report.family and report.named_by:
+        lines.append(f"  names: {report.family}'s, not transformers'; `ckpttool export` writes them as {report.named_by[0]} "
+                     f"names, as {report.named_by[1]} say (`--json`: each tensor's `hf_names`)")
+    elif report.family:
         lines.append(f"  names: {report.family}'s, not transformers'; `ckpttool export --assets DIR` writes them as "
                      f"{' or '.join(report.architectures)} names (`--json`: each tensor's `hf_names`)")
     if report.filters:
