@@ -418,3 +418,17 @@ def test_large_blocks_summed_in_cache_sized_steps_are_torchs_formula(tmp_path, d
         assert (ours.view(torch.int16)[nan] == 0x7FC0).all()
         ours, expected = ours[~nan], expected[~nan]
     assert_same_bytes(ours, expected, dtype)
+
+
+def test_local_averages_run_no_more_blocks_at_once_than_cores_remote_ones_keep_threads(monkeypatch):
+    from types import SimpleNamespace
+
+    from ckpttool.run.average import compute_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    local, remote = SimpleNamespace(local=True), SimpleNamespace(local=False)
+    assert compute_threads(8, [local, local]) == 3
+    assert compute_threads(2, [local]) == 2
+    assert compute_threads(8, [local, remote]) == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert compute_threads(8, [local]) == 2  # never below 2: a read overlaps the other block's arithmetic
