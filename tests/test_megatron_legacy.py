@@ -328,3 +328,33 @@ def test_ordered_dict_builds_become_pops_and_the_namespace_build_stays():
     assert [edited[pos:pos + 1] for pos in builds] == [pickle.BUILD, pickle.POP]  # the Namespace's, the OrderedDict's
     loaded = pickle.load(io.BytesIO(edited))
     assert vars(loaded["args"]) == {"lr": 0.1} and not hasattr(loaded["model"], "_metadata")
+
+
+# -- the pickled args stand in for --assets ------------------------------------------------------
+
+def test_export_without_assets_takes_the_config_from_the_pickled_args(run, tmp_path):
+    with_assets, without = tmp_path / "with", tmp_path / "without"
+    assert run("export", RUN_DIR, with_assets, "--assets", LEGACY / "hf", "--quiet").exit_code == 0
+    result = run("export", RUN_DIR, without)
+    assert result.exit_code == 0, result.output
+    assert f"config: {ITERATION / RANK_FILES[0]}: args" in result.output
+    assert (without / "model.safetensors").read_bytes() == (with_assets / "model.safetensors").read_bytes()
+    config, expected = (json.loads((folder / "config.json").read_text()) for folder in (without, LEGACY / "hf"))
+    fields = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "tie_word_embeddings")
+    assert {name: config[name] for name in fields} == {name: expected[name] for name in fields}
+
+
+def test_inspect_and_diff_read_the_pickled_args_as_export_does(run, tmp_path):
+    result = run("inspect", RUN_DIR)
+    assert "`ckpttool export` writes them as LlamaForCausalLM names, as model_optim_rng.pt's Megatron-LM " \
+           "arguments say" in result.output
+    out = tmp_path / "hf"
+    assert run("export", RUN_DIR, out, "--quiet").exit_code == 0
+    for a, b in ((RUN_DIR, out), (out, RUN_DIR)):  # against its export: compared under transformers' names
+        result = run("diff", a, b)
+        assert result.exit_code == 0 and result.output.startswith(f"IDENTICAL: {a} and {b}: 39 tensors"), result.output
+    flat = tmp_path / "megatron-names.safetensors"  # consolidate keeps Megatron's names: compared as they are
+    assert run("consolidate", RUN_DIR, flat, "--quiet").exit_code == 0
+    result = run("diff", RUN_DIR, flat)
+    assert result.exit_code == 0 and "27 tensors" in result.output, result.output

@@ -155,6 +155,8 @@ def test_diff_of_the_checkpoint_against_its_export_says_identical(exports, cli, 
     assert result.exit_code == 0, result.output
     compared = cli("diff", run_dir(name), target, "--assets", MORE / name / "hf")
     assert compared.exit_code == 0 and compared.output.startswith("IDENTICAL"), compared.output
+    compared = cli("diff", run_dir(name), target)  # without --assets: common.pt's args, as export reads them
+    assert compared.exit_code == 0 and compared.output.startswith("IDENTICAL"), compared.output
 
 
 # ---------------------------------------------------------------------------------------------

@@ -211,6 +211,16 @@ def diff(
         config = read_json_object(Path(assets) / "config.json") if (Path(assets) / "config.json").exists() else None
         checkpoint_a = as_transformers(checkpoint_a, config, follow_symlinks, model_prefix) or checkpoint_a
         checkpoint_b = as_transformers(checkpoint_b, config, follow_symlinks, model_prefix) or checkpoint_b
+    elif not (exact_names or normalize or only or renames or renames_a or renames_b):
+        # a Megatron save against its export (transformers' names): compared as export names it
+        if _keeps_megatron_args(checkpoint_a) and _transformers_named(checkpoint_b, model_prefix):
+            from ckpttool.commands.consolidate import as_transformers
+
+            checkpoint_a = as_transformers(checkpoint_a, None, follow_symlinks, model_prefix) or checkpoint_a
+        elif _keeps_megatron_args(checkpoint_b) and _transformers_named(checkpoint_a, model_prefix):
+            from ckpttool.commands.consolidate import as_transformers
+
+            checkpoint_b = as_transformers(checkpoint_b, None, follow_symlinks, model_prefix) or checkpoint_b
     view_a, view_b = (find_model(c, model_prefix if c.model_prefix is None else None) for c in (checkpoint_a, checkpoint_b))
     keys_a = entry_keys(checkpoint_a, normalize, rules_a, tuple(only), tuple(filters), view_a)
     keys_b = entry_keys(checkpoint_b, normalize, rules_b, tuple(only), tuple(filters), view_b)
@@ -244,6 +254,26 @@ def diff(
         seconds=time.perf_counter() - started, problems_a=warnings_a, problems_b=warnings_b, hint=hint,
         model_views=model_views,
     )
+
+
+def _keeps_megatron_args(checkpoint: Checkpoint) -> bool:
+    """True for a local Megatron-LM checkpoint whose arguments give its config.json (a
+    `torch_dist` save's common.pt, a legacy save's rank files): export needs no --assets for it,
+    and neither does diff against that export. File names only."""
+    from ckpttool.readers.detect import MEGATRON_COMMON, legacy_rank_dirs
+
+    if isinstance(checkpoint.path, RemotePath):
+        return False
+    path = Path(checkpoint.path)
+    return (path / MEGATRON_COMMON).is_file() or bool(legacy_rank_dirs(path))
+
+
+def _transformers_named(checkpoint: Checkpoint, model_prefix: str | None) -> bool:
+    """True when the checkpoint's model keys are no framework family's names (transformers' own)."""
+    from ckpttool import naming
+
+    view = find_model(checkpoint, model_prefix if checkpoint.model_prefix is None else None)
+    return view.prefix is not None and not naming.candidates(view.keys.values())
 
 
 def _check_options(only: Sequence[str], atol: float | None, rtol: float | None, block_size: int) -> None:

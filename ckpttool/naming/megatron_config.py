@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, overload
 from ckpttool.store import storage
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.core.errors import CorruptBlob, CorruptMetadata, UnsupportedFormat
-from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, detect
+from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY, MEGATRON_LEGACY_FILE, detect, legacy_rank_dirs
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED
 from ckpttool.torchsave.stored import DTypeName, StateDictUnpickler, load_data_pkl
 from ckpttool.torchsave.zip import read_directory
@@ -105,24 +105,37 @@ def _as_saved(raw: bytes) -> bytes:
 
 
 def common_file(src: str | os.PathLike) -> Path | None:
-    """Return the `common.pt` of the Megatron-Core `torch_dist` checkpoint at `src` (a checkpoint
-    folder, or a run directory: its newest, as every reader picks it), or None for any other
-    source (a remote one too). Looks at file names only unless a common.pt is there."""
+    """Return the file holding the Megatron-LM arguments of the Megatron checkpoint at `src` (a
+    checkpoint folder, or a run directory: its newest, as every reader picks it): a `torch_dist`
+    save's `common.pt`, a legacy per-rank save's first `mp_rank_*/model_optim_rng.pt`; None for
+    any other source (a remote one too). Looks at file names only unless one of those is there."""
     if storage.is_remote(src) or not os.path.isdir(src):
         return None
     path = Path(src)
-    if not (path / MEGATRON_COMMON).is_file() and not any(path.glob(f"*/{MEGATRON_COMMON}")):
+    common = (path / MEGATRON_COMMON).is_file() or any(path.glob(f"*/{MEGATRON_COMMON}"))
+    legacy = not common and (any(path.glob(f"mp_rank_*/{MEGATRON_LEGACY_FILE}"))
+                             or any(path.glob(f"*/mp_rank_*/{MEGATRON_LEGACY_FILE}")))
+    if not common and not legacy:
         return None
     detection = detect(path)
-    return detection.path / MEGATRON_COMMON if detection.layout == MEGATRON else None
+    if detection.layout == MEGATRON:
+        return detection.path / MEGATRON_COMMON
+    if detection.layout == MEGATRON_LEGACY and (ranks := legacy_rank_dirs(detection.path)):
+        return detection.path / ranks[0] / MEGATRON_LEGACY_FILE
+    return None
 
 
 def config_beside(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
-    """Return `megatron_hf_config` of the `common.pt` in the checkpoint folder `path`, or None
-    when it has none (any other layout, a remote one too) or it stores no arguments."""
-    if storage.is_remote(path) or not (Path(path) / MEGATRON_COMMON).is_file():
+    """Return `megatron_hf_config` of the arguments in the checkpoint folder `path` (common.pt,
+    or a legacy save's first rank file), or None when it has none (any other layout, a remote one
+    too) or they store no arguments."""
+    if storage.is_remote(path):
         return None
-    return megatron_hf_config(Path(path) / MEGATRON_COMMON, follow_symlinks)
+    if (Path(path) / MEGATRON_COMMON).is_file():
+        return megatron_hf_config(Path(path) / MEGATRON_COMMON, follow_symlinks)
+    if ranks := legacy_rank_dirs(Path(path)):
+        return megatron_hf_config(Path(path) / ranks[0] / MEGATRON_LEGACY_FILE, follow_symlinks)
+    return None
 
 
 def read_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
@@ -163,7 +176,12 @@ def megatron_hf_config(path: str | os.PathLike, follow_symlinks: bool = False) -
         >>> megatron_hf_config("checkpoints/iter_0000003/common.pt")["num_experts"]
         4
     """
-    args = read_args(path, follow_symlinks)
+    if Path(path).name == MEGATRON_LEGACY_FILE:  # a legacy per-rank save: its first rank's pickled args
+        from ckpttool.readers.megatron_legacy import read_legacy_args
+
+        args: dict[str, Any] | None = read_legacy_args(Path(path).parent.parent, follow_symlinks)
+    else:
+        args = read_args(path, follow_symlinks)
     return None if args is None else hf_config(args, str(path))
 
 
