@@ -284,14 +284,16 @@ def check_left_out(checkpoint: Checkpoint, selection: Selection, family: Family,
     InvalidCheckpoint (`dropped-tensor`) naming one whose absence changes the model's outputs (a
     non-zero router expert bias; a tied head whose bytes are not the embedding's) unless a
     `drops` glob names it: export never leaves out what the forward uses without being told."""
-    import torch  # reads the few small tensors that decide
-
     tied = bool((config or {}).get("tie_word_embeddings", False))
     reasons = family.left_out(selection.tensors, tied)
     for key, why in reasons.items():
         tensor = checkpoint.tensors[selection.tensors[key]]
         if any(fnmatch.fnmatchcase(key, glob) for glob in drops):
             continue
+        if not why.changes_forward and why.same_as not in selection.tensors:
+            continue  # nothing to read: torch (200 MB of a process) is imported only when a tensor decides
+        import torch  # reads the few small tensors that decide
+
         if why.changes_forward and bool((read_tensor(torch, files, tensor) != 0).any()):
             problem = "is not zero, and the router adds it to its expert scores"
         elif why.same_as in selection.tensors and not _same_bytes(
