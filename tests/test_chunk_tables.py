@@ -61,6 +61,8 @@ NOT_CHECKPOINTS = {
     "frameworks/lightning_deepspeed", *(f"frameworks/lightning_deepspeed/{case}/hf_config" for case in (
         "zero2_tied", "zero2_untied", "zero3_tied", "zero3_untied", "zero2_bf16_tied")),
     "frameworks/megatron_legacy/hf", "frameworks/megatron_legacy/virtual_pipeline/hf",
+    "frameworks/megatron_legacy_distopt/hf",  # and its rank folders, refused as megatron_legacy's are:
+    *(f"frameworks/megatron_legacy_distopt/checkpoints/iter_0000002/mp_rank_{t:02d}_{p:03d}" for t in range(2) for p in range(2)),
     "frameworks/torchtitan_import", "frameworks/megatron_import", "frameworks/megatron_import/llama",
     "frameworks/megatron_import/qwen3_moe", "frameworks/megatron_more_families",
     # NeMo 2: context/ holds the model's config, not weights; the run folders above the checkpoints

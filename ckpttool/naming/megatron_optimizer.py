@@ -34,8 +34,20 @@ Refused by name (a save whose optimizer this does not read): Megatron's distribu
 (`optimizer.distributed.*` entries, a `param_state_sharding_type` in common.pt: flat
 per-data-parallel-rank buffers, or the model-space layouts whose step lives in the groups), any
 other optimizer state kind, a --decoupled-lr run (its embedding/output group is told apart by a
-module attribute the save does not keep), tied embeddings, and the legacy per-rank format
-(`model_optim_rng.pt`, `distrib_optim.pt`).
+module attribute the save does not keep), and tied embeddings.
+
+A legacy per-rank save (`--ckpt-format torch`: `mp_rank_TT_PPP/model_optim_rng.pt`) is read by
+readers/megatron_legacy_optimizer.py `read_legacy_optimizer`: each rank's torch optimizer state dict (Megatron's
+non-distributed FP32Optimizer), its integer ids mapped to the parameters in the order Megatron-LM
+built its param groups, the moments merged over tensor-parallel ranks and renumbered over pipeline
+stages as the weights are; its config from the pickled `args`. Then the same table converts it,
+every chunk (the per-parameter `step` too, tensor-parallel rank 0's) a raw byte range of a rank
+file; each parameter goes to the saved group its id is in. With Megatron's distributed optimizer
+the moments are byte ranges of each rank's distrib_optim.pt, and the step, kept only as a number
+in the param groups, is the one value written anew: the torch.save of a 0-d float32 tensor, a
+byte entry that dcp.load puts in the step's place. Refused there by name: the mixed-precision and
+chained optimizers' state, a save without optimizer state, other optimizers than Adam/AdamW and
+non-standard param groups.
 
 Example:
     >>> migration = plan_migration(MEGATRON, read_checkpoint("checkpoints/iter_0000002"))
@@ -47,6 +59,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -58,6 +72,8 @@ from ckpttool.naming import engine, megatron_config
 from ckpttool.naming.fused import FusedLayout
 from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY
 from ckpttool.readers.megatron import MODEL_SUBTREE, model_view, stacked_split, unstack
+from ckpttool.readers.megatron_legacy_optimizer import read_legacy_optimizer
+from ckpttool.torchsave import archive
 from ckpttool.torchsave.archive import saved_value
 from ckpttool.torchsave.pickle import dumps
 from ckpttool.torchsave.record import _Rebuilt
@@ -101,6 +117,9 @@ class Migration:
     steps: dict[str, tuple[str, Blob]]  # transformers name -> (dtype, common_step's bytes)
     groups: tuple[Group, ...]
     parameters: tuple[str, ...]  # transformers names of the model, in its order
+    # a legacy distributed-optimizer save keeps the step only as a number in its param groups: it is
+    # written as the torch.save of a 0-d float32 tensor (a byte entry dcp.load puts in the step's place)
+    step_values: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def sources(self) -> list[Tensor]:
         """Return the tensors of `view` whose bytes the output copies (to locate)."""
@@ -125,6 +144,10 @@ class Migration:
                 tensors[fqn] = Tensor(fqn, dtype, (), (Chunk((), (), blob),))
                 nesting[fqn] = (*OPTIM_STATE, name, STEP)
         objects: dict[str, Object] = {}
+        for name in self.parameters:
+            if name in self.step_values:
+                fqn = f"{_state(name)}.{STEP}"
+                objects[fqn], nesting[fqn] = Object(fqn, None, _saved_step(self.step_values[name])), (*OPTIM_STATE, name, STEP)
         for number, group in enumerate(self.groups):
             for key, value in sorted({**dict(group.settings), "params": list(group.members)}.items()):
                 path = (*OPTIM_GROUPS, number, key)
@@ -133,6 +156,16 @@ class Migration:
         return dataclasses.replace(converted, tensors=dict(sorted(tensors.items())), objects=dict(sorted(objects.items())),
                                    nesting=nesting, model_prefix=MODEL,
                                    parameters=frozenset(f"{MODEL}.{name}" for name in self.parameters))
+
+
+def _saved_step(step: float) -> bytes:
+    """The bytes torch.save writes for `torch.tensor(step, dtype=torch.float32)` (torch's Adam step)."""
+    data = struct.pack("<f", step)
+    layout = archive.lay_out(dumps(archive.tensor("0", "float32", ())), [len(data)])
+    out = bytearray(layout.length)
+    for offset, part in [*archive.writes(layout, [zlib.crc32(data)]), (layout.storages[0].data_offset, data)]:
+        out[offset:offset + len(part)] = part
+    return bytes(out)
 
 
 def _state(name: str) -> str:
@@ -148,12 +181,11 @@ def plan_migration(layout: str, checkpoint: Checkpoint, follow_symlinks: bool = 
     """
     where = str(checkpoint.path)
     if layout == MEGATRON_LEGACY:
-        raise UnsupportedFormat(f"{where}: a legacy per-rank Megatron-LM save (--ckpt-format torch), whose optimizer "
-                                "state (model_optim_rng.pt's `optimizer`, distrib_optim.pt) is not read yet; reshard "
-                                f"--to {TRANSFORMERS} reads torch_dist saves (--ckpt-format torch_dist)")
+        return _legacy_migration(checkpoint, follow_symlinks)
     if layout != MEGATRON:
         raise UsageError(f"{where}: a {layout} checkpoint; reshard --to {TRANSFORMERS} converts a Megatron-Core "
-                         "torch_dist save (a DCP checkpoint of transformers' model reshards as it is)")
+                         "torch_dist save or a legacy per-rank Megatron-LM save (a DCP checkpoint of transformers' "
+                         "model reshards as it is)")
     distributed = sorted(fqn for fqn in (*checkpoint.tensors, *checkpoint.objects) if fqn.startswith(DISTRIBUTED))
     if distributed:
         raise UnsupportedFormat(f"{where}: {distributed[0]}: Megatron's distributed optimizer (--use-distributed-optimizer)"
@@ -165,12 +197,38 @@ def plan_migration(layout: str, checkpoint: Checkpoint, follow_symlinks: bool = 
         raise UnsupportedFormat(f"{common}: holds no Megatron-LM arguments (`args`), from which the transformers "
                                 "config is made; a save by megatron-core alone is not migrated yet")
     args = megatron_config.read_args(common, follow_symlinks) or {}
-    if args.get("decoupled_lr") is not None or config.get("tie_word_embeddings"):
-        what = "--decoupled-lr" if args.get("decoupled_lr") is not None else "tied embeddings"
-        raise UnsupportedFormat(f"{common}: a run with {what}, which reshard --to {TRANSFORMERS} does not migrate yet")
+    _refuse_unmigrated(args, config, str(common))
     with DataFiles(checkpoint.path, follow_symlinks) as files:
         optimizers = _saved_optimizers(common, files)
         view = _with_moments_per_layer(model_view(checkpoint, follow_symlinks), files)
+    converted = _convert(view, config, where)
+    groups, steps = _groups(converted.model, converted.moments, converted.names, optimizers,
+                            bool(args.get("apply_wd_to_qk_layernorm")), str(common))
+    return Migration(converted.family, view, converted.targets, steps, groups, converted.parameters)
+
+
+def _refuse_unmigrated(args: Mapping[str, Any], config: Mapping[str, Any], where: str) -> None:
+    if args.get("decoupled_lr") is not None or config.get("tie_word_embeddings"):
+        what = "--decoupled-lr" if args.get("decoupled_lr") is not None else "tied embeddings"
+        raise UnsupportedFormat(f"{where}: a run with {what}, which reshard --to {TRANSFORMERS} does not migrate yet")
+
+
+@dataclass(frozen=True)
+class _Converted:
+    """A view's model and moments under the family table: the output's targets, and each
+    Megatron key's transformers names."""
+
+    family: str
+    model: dict[str, tuple[int, ...]]  # Megatron key -> shape, in the model's order
+    moments: dict[str, dict[str, tuple[int, ...]]]  # kind -> Megatron key -> shape
+    targets: dict[str, engine.Target]
+    names: dict[str, dict[str, None]]  # Megatron key -> its transformers names, in order
+    parameters: tuple[str, ...]  # transformers names of the model, in its order
+
+
+def _convert(view: Checkpoint, config: Mapping[str, Any], where: str) -> _Converted:
+    """Convert `view` (the model under `model.`, moments under `optimizer.state.<kind>.`, one
+    tensor per layer) by the family table its names and `config` pick."""
     model = {str(path[1]): view.tensors[fqn].shape for fqn, path in view.nesting.items()  # in the model's order
              if path[0] == MODEL_SUBTREE and fqn in view.tensors}
     moments = _moments(view, model, where)
@@ -190,14 +248,40 @@ def plan_migration(layout: str, checkpoint: Checkpoint, follow_symlinks: bool = 
 
     hf = converted(model)
     targets = _renamed(hf, MODEL + ".", MODEL_SUBTREE + ".")
-    names: dict[str, dict[str, None]] = {key: {} for key in model}  # Megatron key -> its transformers names, in order
+    names: dict[str, dict[str, None]] = {key: {} for key in model}
     for name, target in hf.items():
         for piece in target.pieces:
             names[piece.source][name] = None
     for kind, shapes in moments.items():
         targets.update(_renamed(converted(shapes), "", f"{OPTIMIZER_STATE}{kind}.", kind))
-    groups, steps = _groups(model, moments, names, optimizers, bool(args.get("apply_wd_to_qk_layernorm")), str(common))
-    return Migration(family.name, view, targets, steps, groups, tuple(hf))
+    return _Converted(family.name, model, moments, targets, names, tuple(hf))
+
+
+def _legacy_migration(checkpoint: Checkpoint, follow_symlinks: bool) -> Migration:
+    """The Migration of a legacy per-rank save (readers/megatron_legacy_optimizer.py `read_legacy_optimizer`:
+    the model and each parameter's moments merged over the ranks, its saved group and step)."""
+    saved = read_legacy_optimizer(checkpoint.path, follow_symlinks)
+    where = str(saved.checkpoint.path)
+    args_file = f"{where}/{saved.checkpoint.metadata_file}"
+    config = megatron_config.hf_config(saved.args, args_file)
+    _refuse_unmigrated(saved.args, config, args_file)
+    converted = _convert(saved.checkpoint, config, where)
+    trained = [key for key in converted.model if key in next(iter(converted.moments.values()), {})]
+    merged: dict[tuple[tuple[str, Any], ...], list[str]] = {}  # in the saved groups' order
+    for group in saved.groups:
+        merged.setdefault(_settings(group), [])
+    steps: dict[str, tuple[str, Blob]] = {}
+    values: dict[str, float] = {}
+    for key in trained:
+        merged[_settings(saved.groups[saved.group_of[key]])].extend(converted.names[key])
+        step = saved.steps[key]
+        for name in converted.names[key]:
+            if isinstance(step, float):
+                values[name] = step
+            else:
+                steps[name] = (step.dtype, step.blob)
+    groups = tuple(Group(settings, tuple(members)) for settings, members in merged.items() if members)
+    return Migration(converted.family, saved.checkpoint, converted.targets, steps, groups, converted.parameters, values)
 
 
 def _families() -> tuple[engine.Family, ...]:

@@ -27,8 +27,9 @@ the megatron families' tables (naming/families/megatron_*.py) convert it:
 
 Every chunk is a raw byte range of a rank's file (the storage of its tensor inside the torch.save
 zip); only the pickles are read. `args` comes out as an inert record (`Namespace`), never
-executed; any global outside `_ALLOWED` is refused in one line. The optimizer state in
-`model_optim_rng.pt` and `distrib_optim.pt` are not read.
+executed; any global outside `_ALLOWED` is refused in one line.
+
+The optimizer state beside the model is read by readers/megatron_legacy_optimizer.py.
 
 Example:
     >>> checkpoint = read_megatron_legacy("checkpoints/iter_0000002")
@@ -162,6 +163,26 @@ def ordered_dict_builds_as_pops(raw: bytes) -> bytes:
     into POP, and every other BUILD (args' Namespace, numpy arrays) kept: the checking loader
     builds no dict by BUILD (torchsave.stored.builds_as_pops), and the Namespace is filled by one.
     Which object a BUILD fills is found by following the stack and the memo through the opcodes."""
+    return _popped(raw, lambda name, stack: name == "BUILD"
+                   and stack[-2] == ("made by", ("global", ("collections", "OrderedDict"))))
+
+
+FLOAT32_PAIR = (("global", ("torch", "float32")), ("global", ("torch", "float32")))
+
+
+def float32_pair_keys_as_one(raw: bytes) -> bytes:
+    """Return distrib_optim.pt's pickle with each `(torch.float32, torch.float32)` tuple (a buffer's
+    (param dtype, grad dtype) key) made by TUPLE2 turned into POP: the key is then the one dtype
+    record, which the checking loader hashes (it refuses tuple keys of anything but ints). Other
+    dtype pairs stay tuples, and the loader refuses them by name."""
+    return _popped(raw, lambda name, stack: name == "TUPLE2" and tuple(stack[-2:]) == FLOAT32_PAIR)
+
+
+def _popped(raw: bytes, wanted: Any) -> bytes:
+    """Return the pickle with every opcode `wanted(opcode name, stack)` picks turned into POP (a
+    one-byte opcode whose stack effect leaves what it should: BUILD drops the state, TUPLE2 the
+    second item), the stack and the memo followed through the opcodes (each item: a global, what
+    a call made of it, or a placeholder)."""
     try:  # parses only; a malformed pickle is left for the loader to word
         ops = list(pickletools.genops(raw))
     except Exception:
@@ -173,6 +194,9 @@ def ordered_dict_builds_as_pops(raw: bytes) -> bytes:
     try:
         for opcode, arg, position in ops:
             name = opcode.name
+            if name in ("BUILD", "TUPLE2") and position is not None and raw[position] == opcode.code.encode("latin-1")[0] \
+                    and wanted(name, stack):
+                found.append(position)
             if name == "MARK":
                 marks.append(len(stack))
             elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
@@ -189,8 +213,6 @@ def ordered_dict_builds_as_pops(raw: bytes) -> bytes:
                 stack.append(("made by", stack.pop()))
             elif name == "BUILD":
                 del stack[-1]
-                if stack[-1] == ("made by", ("global", ("collections", "OrderedDict"))) and position is not None:
-                    found.append(position)
             elif name in ("SETITEM", "APPEND"):  # the container stays where it is
                 del stack[-(2 if name == "SETITEM" else 1):]
             elif name in ("SETITEMS", "APPENDS", "ADDITEMS"):
@@ -228,13 +250,27 @@ class Stored:
 
 
 @dataclass(frozen=True)
+class RankOptimizer:
+    """A rank's `optimizer` entry as torch's `Optimizer.state_dict()` (Megatron's FP32Optimizer
+    saves its torch optimizer's): the param groups as saved (`params`: integer ids, numbered over
+    the groups in order) and id -> state kind -> part (`step` 0-d, the moments the parameter's shape)."""
+
+    groups: tuple[dict[str, Any], ...]
+    state: dict[int, dict[str, Stored]]
+    distributed: bool = False  # DistributedOptimizer's: groups without `params`, the state in distrib_optim.pt
+
+
+@dataclass(frozen=True)
 class RankFile:
-    """What one rank's model_optim_rng.pt holds: its arguments and, per model chunk, name -> part."""
+    """What one rank's model_optim_rng.pt holds: its arguments and, per model chunk, name -> part;
+    with `optimizer` asked for, its optimizer state, or why it is not read (`refused`)."""
 
     name: str  # relative to the iteration folder: mp_rank_TT_PPP/model_optim_rng.pt
     args: dict[str, Any]
     chunks: dict[int, dict[str, Stored]]  # chunk number (0 without a virtual pipeline) -> name -> part
     version: Any
+    optimizer: RankOptimizer | None = None
+    refused: str | None = None  # why the optimizer state is not read (kind, absence)
 
 
 def rank_file(tensor_rank: int, pipeline_rank: int, pipeline_parallel: bool) -> str:
@@ -248,7 +284,7 @@ def rank_file(tensor_rank: int, pipeline_rank: int, pipeline_parallel: bool) -> 
     return f"{folder}/{MEGATRON_LEGACY_FILE}"
 
 
-def _read_rank(files: DataFiles, folder: Path, name: str) -> RankFile:
+def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = False) -> RankFile:
     where = str(folder / name)
     size = files.size(name)
 
@@ -282,7 +318,68 @@ def _read_rank(files: DataFiles, folder: Path, name: str) -> RankFile:
             parts[str(key)] = Stored(raw_blob(entries, starts, read, size, here, name, value, dtype), dtype,
                                      ints(value.shape, f"{here}: shape"))
         chunks[number] = parts
-    return RankFile(name, dict(vars(args)), chunks, state.get("checkpoint_version"))
+    if not optimizer:
+        return RankFile(name, dict(vars(args)), chunks, state.get("checkpoint_version"))
+
+    def stored(value: Any, here: str) -> Stored:
+        dtype = stored_dtype(value, here)
+        return Stored(raw_blob(entries, starts, read, size, here, name, value, dtype), dtype, ints(value.shape, f"{here}: shape"))
+
+    saved, refused = _rank_optimizer(state.get(OPTIMIZER), stored, where)
+    return RankFile(name, dict(vars(args)), chunks, state.get("checkpoint_version"), saved, refused)
+
+
+OPTIMIZER = "optimizer"  # generate_state_dict: state_dict['optimizer'] = optimizer.state_dict()
+DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"  # checkpointing.get_distributed_optimizer_checkpoint_name
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")  # torch's Adam/AdamW per-parameter state (amsgrad off)
+
+
+def _rank_optimizer(saved: Any, stored: Any, where: str) -> tuple[RankOptimizer | None, str | None]:
+    """Return a rank's `optimizer` entry as a RankOptimizer, or why it is not read: the state dict
+    of Megatron's FP32Optimizer over torch's Adam/AdamW (optimizer.py `FP32Optimizer.state_dict`:
+    `self.optimizer.state_dict()`) is, and DistributedOptimizer's ({'optimizer': param groups only},
+    the state in distrib_optim.pt, read by `_read_buffers`); the others are named
+    (Float16OptimizerWithFloat16Params: {'optimizer', 'fp32_from_fp16_params', ...};
+    ChainedOptimizer of several: a list)."""
+    here = f"{where}: {OPTIMIZER}"
+    if saved is None:
+        return None, f"{here}: none saved (--no-save-optim?)"
+    if isinstance(saved, list):
+        return None, f"{here}: {len(saved)} chained optimizers' state (a model with experts), which is not read yet"
+    if not isinstance(saved, dict):
+        return None, f"{here}: a {type(saved).__name__}, no optimizer state this build knows"
+    if "fp32_from_fp16_params" in saved:
+        return None, (f"{here}: the mixed-precision optimizer's (fp32_from_fp16_params: a --bf16/--fp16 run's main "
+                      "parameters), which is not read yet")
+    inner = saved.get(OPTIMIZER)
+    if isinstance(inner, dict) and "state" not in inner and isinstance(inner.get("param_groups"), list):
+        if set(saved) - {OPTIMIZER, "grad_scaler"} or set(inner) != {"param_groups"}:
+            keys = ", ".join(sorted(map(str, (*saved, *inner))))[:80]
+            return None, f"{here}: keys {keys}: no distributed optimizer state this build knows"
+        if not all(isinstance(group, dict) and "params" not in group for group in inner["param_groups"]):
+            raise CorruptMetadata(f"{here}: the distributed optimizer's param groups are not dicts without `params`")
+        return RankOptimizer(tuple(inner["param_groups"]), {}, distributed=True), None
+    state, groups = saved.get("state"), saved.get("param_groups")
+    if set(saved) != {"state", "param_groups"} or not isinstance(state, dict) or not isinstance(groups, list):
+        keys = ", ".join(sorted(map(str, saved)))[:80]
+        return None, f"{here}: keys {keys}: no optimizer state this build knows (torch's state and param_groups)"
+    if not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
+        raise CorruptMetadata(f"{here}: a param group without its `params` list")
+    parts: dict[int, dict[str, Stored]] = {}
+    for number, held in state.items():
+        if type(number) is not int or not isinstance(held, dict):
+            raise CorruptMetadata(f"{here}: state entry {number!r:.40} is not torch's (an integer id -> its state)")
+        odd = sorted(str(kind) for kind in held if kind not in ADAM_STATE)
+        if odd or set(held) != set(ADAM_STATE):
+            what = f"`{odd[0][:40]}`" if odd else f"{', '.join(sorted(map(str, held)))[:60] or 'nothing'}"
+            return None, (f"{here}: parameter {number} keeps {what}, not Adam's {', '.join(ADAM_STATE)} (another "
+                          "optimizer, or amsgrad), which is not read")
+        parts[number] = {}
+        for kind in ADAM_STATE:
+            if not isinstance(held[kind], _Rebuilt):
+                return None, f"{here}: parameter {number}'s {kind} is a {type(held[kind]).__name__}, not a tensor"
+            parts[number][kind] = stored(held[kind], f"{here}: state {number} {kind}")
+    return RankOptimizer(tuple(groups), parts), None
 
 
 def _size_arg(args: dict[str, Any], key: str, where: str, default: int = 1) -> int:
@@ -325,47 +422,70 @@ def read_megatron_legacy(path: str | os.PathLike, follow_symlinks: bool = False)
     parallelism and for a tensor whose tensor-parallel split MERGE_RULES does not say.
     """
     folder = as_path(storage.location(path))
-    present = legacy_rank_dirs(folder)
-    if not present:
-        raise NotACheckpoint(f"{folder}: no mp_rank_TT[_PPP]/{MEGATRON_LEGACY_FILE}; not a Megatron-LM legacy save")
     with DataFiles(folder, follow_symlinks) as files:
-        first = _read_rank(files, folder, f"{present[0]}/{MEGATRON_LEGACY_FILE}")
-        where = str(folder / first.name)
-        tensor_parallel = _size_arg(first.args, "tensor_model_parallel_size", where)
-        pipeline_parallel = _size_arg(first.args, "pipeline_model_parallel_size", where)
-        if _size_arg(first.args, "expert_model_parallel_size", where) > 1 or first.args.get("num_experts"):
-            raise UnsupportedFormat(f"{where}: a mixture-of-experts save (args num_experts / expert_model_parallel_size); "
-                                    "this build reads dense legacy Megatron-LM saves; convert it with Megatron-LM's "
-                                    "checkpoint converter to torch_dist first")
-        wanted = {rank_file(t, p, pipeline_parallel > 1): (t, p)
-                  for t in range(tensor_parallel) for p in range(pipeline_parallel)}
-        found = sorted(f"{name}/{MEGATRON_LEGACY_FILE}" for name in present)
-        for name in found:
-            if name not in wanted:
-                raise CorruptMetadata(f"{folder / name}: beyond the save's tensor parallel {tensor_parallel} x pipeline "
-                                      f"parallel {pipeline_parallel} ranks (args in {where}); is an older save's file left over?")
-        ranks: dict[tuple[int, int], RankFile] = {}
-        for name, (t, p) in sorted(wanted.items(), key=lambda item: item[1][::-1]):
-            if name not in found:
-                raise MissingFile(f"{folder / name}: missing: tensor-parallel rank {t} of pipeline stage {p} (the save has "
-                                  f"tensor parallel {tensor_parallel} x pipeline parallel {pipeline_parallel}; was it interrupted?)")
-            ranks[(t, p)] = first if name == first.name else _read_rank(files, folder, name)
-    _check_same_topology(ranks, first, folder)
-    gated = any(first.args.get(flag) is True for flag in GATING_ARGS)
-    tensors = _merge(ranks, tensor_parallel, pipeline_parallel, gated, folder)
-    layers = first.args.get("num_layers")
-    counted = len({match.group("layer") for name in tensors if (match := _LAYER.match(name))})
-    if type(layers) is int and counted != layers:
-        raise CorruptMetadata(f"{where}: the stages hold {counted} decoder layers, args num_layers says {layers}")
-    model = {f"{MODEL_PREFIX}.{name}": Tensor(f"{MODEL_PREFIX}.{name}", tensor.dtype, tensor.shape, tensor.chunks)
-             for name, tensor in tensors.items()}
-    refuse_bad_names(folder, list(model), set(), model, {})
+        first, ranks, tensor_parallel, pipeline_parallel = _read_ranks(folder, files, optimizer=False)
+    tensors = _global_model(folder, first, ranks, tensor_parallel, pipeline_parallel)
+    return _as_checkpoint(folder, first, {f"{MODEL_PREFIX}.{name}": tensor for name, tensor in tensors.items()})
+
+
+def _as_checkpoint(folder: Path, first: RankFile, tensors: dict[str, Tensor]) -> Checkpoint:
+    """The Checkpoint of `tensors` (fqn -> global tensor): `model.` ones nested under `model`."""
+    tensors = {fqn: Tensor(fqn, tensor.dtype, tensor.shape, tensor.chunks) for fqn, tensor in tensors.items()}
+    model = [fqn for fqn in tensors if fqn.startswith(MODEL_PREFIX + ".")]
+    refuse_bad_names(folder, list(tensors), set(), tensors, {})
     version = first.version if type(first.version) in (int, float) else None
     return Checkpoint(path=folder, metadata_file=first.name,
                       version=f"megatron-lm checkpoint_version {version}" if version is not None else None,
-                      tensors=dict(sorted(model.items())),
+                      tensors=dict(sorted(tensors.items())),
                       objects={}, nesting={fqn: (MODEL_PREFIX, fqn.split(".", 1)[1]) for fqn in sorted(model, key=_natural)},
                       model_prefix=MODEL_PREFIX)
+
+
+def _read_ranks(folder: Path, files: DataFiles, optimizer: bool
+                ) -> tuple[RankFile, dict[tuple[int, int], RankFile], int, int]:
+    """Return the first rank file, every (tensor rank, pipeline rank) -> its file, and the tensor
+    and pipeline parallel sizes; refuse a missing, extra or disagreeing rank file."""
+    present = legacy_rank_dirs(folder)
+    if not present:
+        raise NotACheckpoint(f"{folder}: no mp_rank_TT[_PPP]/{MEGATRON_LEGACY_FILE}; not a Megatron-LM legacy save")
+    first = _read_rank(files, folder, f"{present[0]}/{MEGATRON_LEGACY_FILE}", optimizer)
+    where = str(folder / first.name)
+    tensor_parallel = _size_arg(first.args, "tensor_model_parallel_size", where)
+    pipeline_parallel = _size_arg(first.args, "pipeline_model_parallel_size", where)
+    if _size_arg(first.args, "expert_model_parallel_size", where) > 1 or first.args.get("num_experts"):
+        raise UnsupportedFormat(f"{where}: a mixture-of-experts save (args num_experts / expert_model_parallel_size); "
+                                "this build reads dense legacy Megatron-LM saves; convert it with Megatron-LM's "
+                                "checkpoint converter to torch_dist first")
+    wanted = {rank_file(t, p, pipeline_parallel > 1): (t, p)
+              for t in range(tensor_parallel) for p in range(pipeline_parallel)}
+    found = sorted(f"{name}/{MEGATRON_LEGACY_FILE}" for name in present)
+    for name in found:
+        if name not in wanted:
+            raise CorruptMetadata(f"{folder / name}: beyond the save's tensor parallel {tensor_parallel} x pipeline "
+                                  f"parallel {pipeline_parallel} ranks (args in {where}); is an older save's file left over?")
+    ranks: dict[tuple[int, int], RankFile] = {}
+    for name, (t, p) in sorted(wanted.items(), key=lambda item: item[1][::-1]):
+        if name not in found:
+            raise MissingFile(f"{folder / name}: missing: tensor-parallel rank {t} of pipeline stage {p} (the save has "
+                              f"tensor parallel {tensor_parallel} x pipeline parallel {pipeline_parallel}; was it interrupted?)")
+        ranks[(t, p)] = first if name == first.name else _read_rank(files, folder, name, optimizer)
+    _check_same_topology(ranks, first, folder)
+    return first, ranks, tensor_parallel, pipeline_parallel
+
+
+def _global_model(folder: Path, first: RankFile, ranks: dict[tuple[int, int], RankFile], tensor_parallel: int,
+                  pipeline_parallel: int) -> dict[str, Tensor]:
+    """Return the model's global tensors (Megatron's names, global layer numbers)."""
+    tensors = _merge(ranks, tensor_parallel, pipeline_parallel, _gated(first), folder)
+    layers = first.args.get("num_layers")
+    counted = len({match.group("layer") for name in tensors if (match := _LAYER.match(name))})
+    if type(layers) is int and counted != layers:
+        raise CorruptMetadata(f"{folder / first.name}: the stages hold {counted} decoder layers, args num_layers says {layers}")
+    return tensors
+
+
+def _gated(first: RankFile) -> bool:
+    return any(first.args.get(flag) is True for flag in GATING_ARGS)
 
 
 def _check_same_topology(ranks: dict[tuple[int, int], RankFile], first: RankFile, folder: Path) -> None:
@@ -378,6 +498,19 @@ def _check_same_topology(ranks: dict[tuple[int, int], RankFile], first: RankFile
                                   f" x {first.args.get(keys[1])!r:.20}")
 
 
+def _layout(ranks: dict[tuple[int, int], RankFile], pipeline_parallel: int) -> list[tuple[int, int, int]]:
+    """Return (model chunk, pipeline stage, its first global layer number) in the global layer
+    order: chunk-major for a virtual pipeline (the interleaved schedule's layer order)."""
+    found = []
+    offset = 0
+    for chunk in sorted(ranks[(0, 0)].chunks):
+        for stage in range(pipeline_parallel):
+            found.append((chunk, stage, offset))
+            local_layers = {int(m.group("layer")) for name in ranks[(0, stage)].chunks[chunk] if (m := _LAYER.match(name))}
+            offset += max(local_layers) + 1 if local_layers else 0
+    return found
+
+
 def _merge(ranks: dict[tuple[int, int], RankFile], tensor_parallel: int, pipeline_parallel: int, gated: bool,
            folder: Path) -> dict[str, Tensor]:
     """Return the global tensors: each stage's (and chunk's) layers renumbered, each tensor's
@@ -388,25 +521,21 @@ def _merge(ranks: dict[tuple[int, int], RankFile], tensor_parallel: int, pipelin
             raise CorruptMetadata(f"{folder / rank.name}: model chunks {sorted(rank.chunks)}, {ranks[(0, 0)].name} has "
                                   f"{chunk_numbers}")
     tensors: dict[str, Tensor] = {}
-    offset = 0
-    for chunk in chunk_numbers:  # virtual pipeline: chunk-major (interleaved schedule's layer order)
-        for stage in range(pipeline_parallel):
-            parts = [ranks[(t, stage)] for t in range(tensor_parallel)]
-            names = sorted(parts[0].chunks[chunk])
-            for rank in parts[1:]:
-                if sorted(rank.chunks[chunk]) != names:
-                    odd = sorted(set(names) ^ set(rank.chunks[chunk]))[0]
-                    raise CorruptMetadata(f"{folder / rank.name}: {odd} is on one tensor-parallel rank of stage {stage} and "
-                                          f"not on {parts[0].name}")
-            local_layers = {int(m.group("layer")) for name in names if (m := _LAYER.match(name))}
-            for name in names:
-                global_name = _renumbered(name, offset)
-                if global_name in tensors:
-                    raise CorruptMetadata(f"{folder / parts[0].name}: {name} gives {global_name}, which another stage "
-                                          "gives too")
-                pieces = [rank.chunks[chunk][name] for rank in parts]
-                tensors[global_name] = _placed(global_name, pieces, [rank.name for rank in parts], gated, folder)
-            offset += max(local_layers) + 1 if local_layers else 0
+    for chunk, stage, offset in _layout(ranks, pipeline_parallel):
+        parts = [ranks[(t, stage)] for t in range(tensor_parallel)]
+        names = sorted(parts[0].chunks[chunk])
+        for rank in parts[1:]:
+            if sorted(rank.chunks[chunk]) != names:
+                odd = sorted(set(names) ^ set(rank.chunks[chunk]))[0]
+                raise CorruptMetadata(f"{folder / rank.name}: {odd} is on one tensor-parallel rank of stage {stage} and "
+                                      f"not on {parts[0].name}")
+        for name in names:
+            global_name = _renumbered(name, offset)
+            if global_name in tensors:
+                raise CorruptMetadata(f"{folder / parts[0].name}: {name} gives {global_name}, which another stage "
+                                      "gives too")
+            pieces = [rank.chunks[chunk][name] for rank in parts]
+            tensors[global_name] = _placed(global_name, pieces, [rank.name for rank in parts], gated, folder)
     return tensors
 
 
