@@ -65,9 +65,8 @@ NOT_CHECKPOINTS = {
     *(f"frameworks/megatron_legacy_distopt/checkpoints/iter_0000002/mp_rank_{t:02d}_{p:03d}" for t in range(2) for p in range(2)),
     "frameworks/torchtitan_import", "frameworks/megatron_import", "frameworks/megatron_import/llama",
     "frameworks/megatron_import/qwen3_moe", "frameworks/megatron_more_families",
-    # NeMo 2: context/ holds the model's config, not weights; the run folders above the checkpoints
-    # (`<exp>/checkpoints/<name>--...-step=N-...[-last]/`) are not found by structure until the nemo2 reader lands
-    "frameworks/nemo2", "frameworks/nemo2/llama", "frameworks/nemo2/llama/checkpoints",
+    # NeMo 2: context/ holds the model's config, not weights; nemo2/ holds the run and NeMo's export of it
+    "frameworks/nemo2",
     *(f"frameworks/nemo2/llama/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0{last}/context"
       for last in ("", "-last")),
 }

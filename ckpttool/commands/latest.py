@@ -30,8 +30,8 @@ from ckpttool.commands.validate import validate
 from ckpttool.core.checkpoint import as_path
 from ckpttool.core.errors import CheckpointError, NotACheckpoint
 from ckpttool.formats.dcp import METADATA_FILENAME
-from ckpttool.readers.detect import (LIGHTNING_ENTRY_PATTERN, MAX_LISTED, detect, newest_checkpoint,
-                                     run_checkpoints, search, step_of)
+from ckpttool.readers.detect import (MAX_LISTED, NEMO_UNFINISHED_SUFFIX, detect, nemo_unfinished, newest_checkpoint,
+                                     run_checkpoints, run_entry_order, search, step_of)
 from ckpttool.source_options import SourceOptions
 from ckpttool.store import storage
 
@@ -131,21 +131,15 @@ def latest(run: str | os.PathLike, *, deep: bool = False, numerics: bool = False
 
 def step_entries(run: Path) -> list[str]:
     """Return the names of the run's step folders (and Lightning's `.ckpt` files), newest
-    first: by the step their names carry (then Lightning's `-vN`, then the name), never by
+    first: by the step their names carry (then Lightning's `-vN`, then NeMo's `-last`, then the name), never by
     name order. A folder named as a step that holds no checkpoint (a save killed before its
     metadata was written) is one of them: it is looked at, and found not whole."""
     try:
         names = [entry.name for entry in (run.iterdir() if storage.is_remote(run) else os.scandir(run))]
     except OSError:
         return []
-    return sorted((name for name in names if step_of(name) is not None), key=_order, reverse=True)
-
-
-def _order(name: str) -> tuple[int, int, str]:
-    step = step_of(name)
-    assert step is not None  # step_entries keeps only the names that carry a step
-    match = LIGHTNING_ENTRY_PATTERN.match(name)
-    return step, int(match.group(3) or 0) if match else 0, name
+    return sorted((name for name in names if step_of(name) is not None and not name.endswith(NEMO_UNFINISHED_SUFFIX)),
+                  key=run_entry_order, reverse=True)
 
 
 def _run_folder(root: Path) -> Path:
@@ -188,7 +182,10 @@ def _look_at(run: Path, name: str, is_checkpoint: bool, deep: bool, numerics: bo
 
 def _not_a_checkpoint(path: Path) -> str:
     """One line on a step folder that holds no checkpoint: a DCP save killed before it wrote
-    `.metadata` (torch writes it last, after every rank's data files), or an empty folder."""
+    `.metadata` (torch writes it last, after every rank's data files), NeMo's save still marked
+    unfinished, or an empty folder."""
+    if nemo_unfinished(path):
+        return f"NeMo's {path.name}{NEMO_UNFINISHED_SUFFIX} marker beside it: the save did not finish"
     try:
         names = [entry.name for entry in path.iterdir()]
     except OSError as error:
@@ -234,11 +231,11 @@ def _numbers_line(numbers: TensorNumbers) -> str:
 
 def _pointer(run: Path, entries: list[str]) -> tuple[str, str] | None:
     """Return (pointer file, step folder) when a `latest` pointer of the run names one of its steps."""
-    found = sorted(entries, key=_order)
+    found = sorted(entries, key=run_entry_order)
     if not found:
         return None
     newest, by = newest_checkpoint(run, found)
-    return (by, newest) if by != "highest number" else None
+    return (by, newest) if not by.startswith("highest number") else None
 
 
 def _lexists(path: Path) -> bool:

@@ -28,7 +28,7 @@ from ckpttool.core.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
-                                     LAYOUTS, LIGHTNING_METADATA, MEGATRON, MEGATRON_LEGACY, SAFETENSORS, TORCH_PT, VERL,
+                                     LAYOUTS, LIGHTNING_METADATA, MEGATRON, MEGATRON_LEGACY, NEMO2, SAFETENSORS, TORCH_PT, VERL,
                                      Detection, _detect, detect)
 
 
@@ -53,7 +53,7 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool 
     checkpoint = found if found is not None else _read(detection, follow_symlinks)
     if detection.layout == ACCELERATE:
         checkpoint = _with_accelerate_optimizer(checkpoint)
-    if detection.layout == MEGATRON and not as_saved:  # layers taken apart, model tensors under `model.`
+    if detection.layout in (MEGATRON, NEMO2) and not as_saved:  # layers taken apart, model tensors under `model.`
         from ckpttool.readers.megatron import model_view as megatron_model_view
 
         checkpoint = megatron_model_view(checkpoint, follow_symlinks)

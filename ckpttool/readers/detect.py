@@ -19,6 +19,9 @@ Layouts (one name each, as `inspect` shows them):
 - `deepspeed-universal`: DeepSpeed's universal checkpoint (deepspeed/checkpoint/ds_to_universal.py):
   `zero/<fqn>/{fp32,exp_avg,exp_avg_sq,step}.pt` and `zero/optimizer_state.pt` beside copies
   of the model states files; `latest_universal` names it.
+- `nemo2`: a NeMo 2 checkpoint folder, `context/` (the model's config: io.json, model.yaml) beside
+  `weights/` (a `megatron-torch-dist` save, model keys under `module.`) (nemo/lightning/io/pl.py
+  `ckpt_to_context_subdir`, `ckpt_to_weights_subdir`); read from `weights/`.
 - `megatron-legacy`: Megatron-LM's `--ckpt-format torch` iteration folder, `mp_rank_TT[_PPP]/model_optim_rng.pt`
   per tensor and pipeline rank (megatron/training/checkpointing.py `get_checkpoint_name`).
 - `verl`: `model_world_size_W_rank_R.pt` per rank, in the folder or its `actor/`
@@ -29,9 +32,11 @@ Layouts (one name each, as `inspect` shows them):
   or a folder with `pytorch_model.bin`.
 
 A run directory holds checkpoints (`step-*`, `step*` (OLMo-core), `iter_*`, `global_step_*`,
-`checkpoint-*`, `checkpoint_*`, `ep*-ba*` (Composer, by batch), `global_stepN` (DeepSpeed)); the newest is the one a
+`checkpoint-*`, `checkpoint_*`, `ep*-ba*` (Composer, by batch), `global_stepN` (DeepSpeed), NeMo's
+`<name>--...-step=N-...[-last]`); the newest is the one a
 `latest` link or file, Composer's `latest-rank0.pt` link, or `latest_checkpointed_iteration.txt`
-(Megatron `iter_%07d`, verl `global_step_N`), names, else the highest number.
+(Megatron `iter_%07d`, verl `global_step_N`), names, else the highest number; of two folders of
+one step, Lightning's later `-vN`, then NeMo's `-last` (its save_last copy of the newest state).
 """
 
 from __future__ import annotations
@@ -50,10 +55,10 @@ from ckpttool.formats.model_config import HUB_CONFIG
 DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", "accelerate", "lightning"
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
 OLMO_CORE, DEEPSPEED, DEEPSPEED_UNIVERSAL = "olmo-core", "deepspeed", "deepspeed-universal"
-MEGATRON_LEGACY = "megatron-legacy"
-LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, MEGATRON_LEGACY, OLMO_CORE, DEEPSPEED,
+MEGATRON_LEGACY, NEMO2 = "megatron-legacy", "nemo2"
+LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, MEGATRON_LEGACY, NEMO2, OLMO_CORE, DEEPSPEED,
            DEEPSPEED_UNIVERSAL, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT)
-DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, OLMO_CORE})  # read as torch DCP
+DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, NEMO2, OLMO_CORE})  # read as torch DCP
 
 TORCHTITAN_KEYS = frozenset({"lr_scheduler", "dataloader", "train_state"})  # beside "optimizer"
 ACCELERATE_MODEL_DIR = "pytorch_model_fsdp_0"  # f"{FSDP_MODEL_NAME}_{model_index}"
@@ -67,6 +72,7 @@ MAX_CONFIG_BYTES = 1 << 20  # metadata.json is ~100 bytes
 # Megatron-LM checkpointing.py get_checkpoint_name: iter_%07d/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
 MEGATRON_LEGACY_RANK = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
 MEGATRON_LEGACY_FILE = "model_optim_rng.pt"
+NEMO2_CONTEXT, NEMO2_WEIGHTS = "context", "weights"  # nemo/lightning/io/pl.py: ckpt_to_{context,weights}_subdir
 # deepspeed/runtime/engine.py `_get_ckpt_name` (stage 1/2; stage 3 prefixes zero_pp_rank_R_) and
 # `_get_zero_ckpt_name` (bf16_ when the BF16 optimizer saved it)
 DEEPSPEED_MODEL_PATTERN = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -82,6 +88,12 @@ RUN_ENTRY_PATTERN = re.compile(r"^(step-|step|iter_|global_step_|global_step|che
 # Lightning's ModelCheckpoint: `epoch={epoch}-step={step}` (+ `-v1` on a clash), a folder for the
 # DeepSpeed and sharded FSDP strategies (lightning/pytorch/callbacks/model_checkpoint.py)
 LIGHTNING_ENTRY_PATTERN = re.compile(r"^epoch=(\d+)-step=(\d+)(?:-v(\d+))?(?:\.ckpt)?$")
+# NeMo 2's ModelCheckpoint: its filename template's `{step}` field (the recipes' default is
+# `{model_name}--{val_loss:.2f}-{step}-{consumed_samples}`), and `-last` on its save_last copy
+# (nemo/lightning/pytorch/callbacks/model_checkpoint.py, nemo/collections/llm/recipes/log/default.py)
+NEMO_ENTRY_PATTERN = re.compile(r"(?:^|-)step=(\d+)(?=-|$)")
+NEMO_LAST_SUFFIX = "-last"
+NEMO_UNFINISHED_SUFFIX = "-unfinished"  # ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX: a file beside a save in progress
 LATEST_POINTER = "latest"  # train_minimal, DeepSpeed, many trainers: a link or a small text file
 COMPOSER_LATEST = "latest-rank0.pt"  # composer/callbacks/checkpoint_saver.py: a link to the newest save
 ITERATION_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM, verl
@@ -96,8 +108,8 @@ MAX_LISTED = 8  # candidates named in an ambiguous-source error
 LOOKED_FOR = (
     ".metadata (dcp), shard-*.safetensors with DCP_SHARDING_INFO (dcp-hf), model.safetensors or "
     "model.safetensors.index.json (hub-folder), pytorch_model_fsdp_0/ (accelerate), model_and_optim/ "
-    "(olmo-core), mp_rank_TT[_PPP]/model_optim_rng.pt (megatron-legacy), *_optim_states.pt beside *_model_states.pt (deepspeed), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
-    "step-*, step*, iter_*, global_step_*, global_stepN, checkpoint-*, ep*-ba*, epoch=E-step=S (run directory), "
+    "(olmo-core), mp_rank_TT[_PPP]/model_optim_rng.pt (megatron-legacy), context/ beside weights/ (nemo2), *_optim_states.pt beside *_model_states.pt (deepspeed), model_world_size_W_rank_R.pt (verl), pytorch_model.bin (torch-pt), or checkpoint folders "
+    "step-*, step*, iter_*, global_step_*, global_stepN, checkpoint-*, ep*-ba*, epoch=E-step=S, NeMo's ...-step=N-... (run directory), "
     f"up to {MAX_SEARCH_DEPTH} folders down"
 )
 
@@ -292,7 +304,7 @@ def _subfolders(path: Path) -> list[str]:
 
 
 def _read_path(layout: str, path: Path) -> Path:
-    return path / {ACCELERATE: ACCELERATE_MODEL_DIR, OLMO_CORE: OLMO_CORE_DIR}.get(layout, "")
+    return path / {ACCELERATE: ACCELERATE_MODEL_DIR, OLMO_CORE: OLMO_CORE_DIR, NEMO2: NEMO2_WEIGHTS}.get(layout, "")
 
 
 def _file_layout(path: Path) -> str | None:
@@ -341,6 +353,8 @@ def _directory_layout(path: Path, read_metadata: bool = True) -> tuple[str | Non
         return ACCELERATE, None
     if _is_dcp(path / OLMO_CORE_DIR):
         return OLMO_CORE, None
+    if is_nemo2(path):
+        return NEMO2, None
     if any(verl_files(path / sub) for sub in VERL_SUBDIRS):
         return VERL, None
     if legacy_rank_dirs(path):
@@ -375,6 +389,15 @@ def _is_megatron(path: Path) -> bool:
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
     return isinstance(document, dict) and document.get("sharded_backend") == MEGATRON_BACKEND
+
+
+def is_nemo2(path: Path) -> bool:
+    """True for a NeMo 2 checkpoint folder: `context/` beside a Megatron `torch_dist` save in `weights/`."""
+    weights = path / NEMO2_WEIGHTS
+    try:
+        return (path / NEMO2_CONTEXT).is_dir() and _is_dcp(weights) and _is_megatron(weights)
+    except OSError:
+        return False
 
 
 def is_deepspeed(path: Path) -> bool:
@@ -445,14 +468,22 @@ def _safetensors_layout(path: Path) -> str | None:
 
 def run_checkpoints(path: Path) -> list[str]:
     """Return the checkpoint folders of a run directory (those holding a layout we know by
-    its file names), oldest first: by the step their names carry, never by name order."""
+    its file names, and no NeMo `-unfinished` marker), oldest first: by the step their names
+    carry, never by name order."""
     try:
         entries = path.iterdir() if storage.is_remote(path) else os.scandir(path)
         names = [entry.name for entry in entries if entry.is_dir() and step_of(entry.name) is not None]
     except OSError:
         return []
-    names = [name for name in names if _looks_like_checkpoint(path / name)]
-    return sorted(names, key=_run_entry_order)
+    names = [name for name in names if _looks_like_checkpoint(path / name) and not nemo_unfinished(path / name)]
+    return sorted(names, key=run_entry_order)
+
+
+def nemo_unfinished(path: Path) -> bool:
+    """True when NeMo's ModelCheckpoint marks the save at `path` as not finished: the file
+    `<path>-unfinished` beside it, written before the save starts and removed once it is whole
+    (nemo/lightning/pytorch/callbacks/model_checkpoint.py `format_checkpoint_unfinished_marker_path`)."""
+    return path.with_name(path.name + NEMO_UNFINISHED_SUFFIX).is_file()
 
 
 def step_of(name: str) -> int | None:
@@ -462,15 +493,25 @@ def step_of(name: str) -> int | None:
     if match:
         return int(match.group(2))
     match = LIGHTNING_ENTRY_PATTERN.match(name)
-    return int(match.group(2)) if match else None
+    if match:
+        return int(match.group(2))
+    match = NEMO_ENTRY_PATTERN.search(name)
+    return int(match.group(1)) if match else None
 
 
-def _run_entry_order(name: str) -> tuple[int, int, str]:
-    """Sort key of a run directory's checkpoint folder: its step, then Lightning's version, then its name."""
+def run_entry_order(name: str) -> tuple[int, int, bool, str]:
+    """Sort key of a run directory's checkpoint folder, oldest first: its step, then Lightning's
+    version, then NeMo's `-last` after the other folder of its step (the save_last copy, written
+    last), then its name.
+
+    Example:
+        >>> sorted(["a-step=3-x-last", "a-step=12-x", "a-step=3-x"], key=run_entry_order)
+        ['a-step=3-x', 'a-step=3-x-last', 'a-step=12-x']
+    """
     step = step_of(name)
     assert step is not None  # run_checkpoints keeps only the names that carry a step
     match = LIGHTNING_ENTRY_PATTERN.match(name)
-    return step, int(match.group(3) or 0) if match else 0, name
+    return step, int(match.group(3) or 0) if match else 0, name.endswith(NEMO_LAST_SUFFIX), name
 
 
 def _looks_like_checkpoint(path: Path, nested: bool = True) -> bool:
@@ -481,7 +522,7 @@ def _looks_like_checkpoint(path: Path, nested: bool = True) -> bool:
 
     if (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR)
             or any(verl_files(path / s) for s in VERL_SUBDIRS) or is_deepspeed(path) or is_deepspeed_universal(path)
-            or bool(legacy_rank_dirs(path))
+            or bool(legacy_rank_dirs(path)) or is_nemo2(path)
             or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
             or (path / HUB_TORCH_FILE).is_file()):  # an index alone: a save whose data went missing, not "no checkpoint"
         return True
@@ -505,6 +546,8 @@ def newest_checkpoint(path: Path, found: list[str]) -> tuple[str, str]:
         for name in (f"iter_{int(iteration):07d}", f"global_step_{int(iteration)}"):
             if name in found:
                 return name, ITERATION_TRACKER
+    if len(found) > 1 and found[-1].endswith(NEMO_LAST_SUFFIX) and step_of(found[-2]) == step_of(found[-1]):
+        return found[-1], f"highest number, then NeMo's {NEMO_LAST_SUFFIX}"
     return found[-1], "highest number"
 
 
