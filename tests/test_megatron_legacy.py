@@ -347,8 +347,8 @@ def test_export_without_assets_takes_the_config_from_the_pickled_args(run, tmp_p
 
 def test_inspect_and_diff_read_the_pickled_args_as_export_does(run, tmp_path):
     result = run("inspect", RUN_DIR)
-    assert "`ckpttool export` writes them as LlamaForCausalLM names, as model_optim_rng.pt's Megatron-LM " \
-           "arguments say" in result.output
+    assert "`ckpttool export` writes them as LlamaForCausalLM names (the config: model_optim_rng.pt's Megatron-LM " \
+           "arguments" in result.output
     out = tmp_path / "hf"
     assert run("export", RUN_DIR, out, "--quiet").exit_code == 0
     for a, b in ((RUN_DIR, out), (out, RUN_DIR)):  # against its export: compared under transformers' names

@@ -225,7 +225,7 @@ def test_mla_arguments_deepseek_v3_cannot_state_are_refused_naming_the_argument(
 ])
 def test_inspect_names_the_family_its_megatron_arguments_choose(run, name, family, architecture):
     result = run("inspect", run_dir(name))
-    assert f"names: {family}'s, not transformers'; `ckpttool export` writes them as {architecture} names" in result.stdout
+    assert f"names: {family}'s, not transformers'; `ckpttool export` writes them as {architecture} names (the config: common.pt's Megatron-LM arguments" in result.stdout
     document = json.loads(run("inspect", run_dir(name), "--json").stdout)
     assert (document["family"]["name"], document["family"]["named_by"]["architecture"]) == (family, architecture)
 

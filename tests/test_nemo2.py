@@ -57,6 +57,12 @@ def test_inspect_finds_the_nemo2_layout_by_structure(run, source):
     expected = NEWEST if source == RUN_DIR else source
     assert Path(document["path"]) == expected / "weights"
     assert document["groups"]["model"]["tensors"] == len(EXPECTED["tensors"]) == 15
+    # the names are Megatron's under DDP's `module.`; the architecture is what context/model.yaml says
+    assert document["family"]["name"] == "megatron gpt"
+    assert document["family"]["named_by"] == {"architecture": "LlamaForCausalLM", "config": "NeMo's context/model.yaml"}
+    text = run("inspect", source).stdout
+    assert text.startswith(f"{expected / 'weights'}  (DCP 1.0.0, .metadata)")
+    assert "writes them as LlamaForCausalLM names (the config: NeMo's context/model.yaml;" in text
 
 
 def test_the_run_folder_reads_the_newest_step_then_the_last_copy():

@@ -20,7 +20,7 @@ from ckpttool import readers
 from ckpttool.core.checkpoint import Checkpoint, ChunkTable, Tensor, paused_gc
 from ckpttool.core.geometry import COLUMN_LIMIT, Sharding, classify, classify_columns, column_volumes
 from ckpttool.core.errors import CheckpointError, InvalidCheckpoint
-from ckpttool.model.model_view import ModelView, find_model
+from ckpttool.model.model_view import ModelView, find_model, normalise
 from ckpttool.source_options import SourceOptions
 from ckpttool.formats.dcp import DATA_FILE_PATTERN
 from ckpttool.formats.fp8 import ALL_FLOAT8
@@ -389,13 +389,13 @@ def _family(checkpoint: Checkpoint, view: ModelView, config: dict | None = None
         return None, None, None
     from ckpttool import naming  # the signatures: only when there is a model to name
 
-    keys = {key: fqn for fqn, key in view.keys.items() if fqn in checkpoint.tensors}
+    keys = {normalise(key): fqn for fqn, key in view.keys.items() if fqn in checkpoint.tensors}  # DDP's module. too
     found = naming.candidates(keys)
     if not found:
         return None, None, None  # no framework's names: neither the engine nor the tables are imported
     source = "config.json" if config is not None else None
-    if config is None and (megatron := _megatron_config(checkpoint.path)) is not None:
-        config, source = megatron  # what export reads without --assets
+    if config is None and (saved := _saved_config(checkpoint.path)) is not None:
+        config, source = saved  # what export reads without --assets
     architectures = (config or {}).get("architectures") or []
     named_by = (architectures[0], source) if architectures and source and \
         (len(found) > 1 or source != "config.json") else None
@@ -410,19 +410,22 @@ def _family(checkpoint: Checkpoint, view: ModelView, config: dict | None = None
                     for key, fqn in keys.items()}, named_by
 
 
-def _megatron_config(path: Path | str) -> tuple[dict, str] | None:
-    """The config.json Megatron-LM's arguments give (naming/megatron_config.py) and where they
-    are, or None: no common.pt, or arguments no transformers config represents (export says which)."""
-    from ckpttool.naming import megatron_config
+def _saved_config(path: Path | str) -> tuple[dict, str] | None:
+    """The config.json a framework's save states (what export reads without --assets) and where:
+    Megatron-LM's arguments in common.pt or a legacy rank file (naming/megatron_config.py), NeMo
+    2's context/model.yaml (naming/nemo_config.py); None for any other source, or one no
+    transformers config represents (export says which)."""
+    from ckpttool.naming import megatron_config, nemo_config
 
-    common = megatron_config.common_file(path)
-    if common is None:
-        return None
     try:
-        config = megatron_config.megatron_hf_config(common)
+        if (common := megatron_config.common_file(path)) is not None and \
+                (config := megatron_config.megatron_hf_config(common)) is not None:
+            return config, f"{common.name}'s Megatron-LM arguments"
+        if (context := nemo_config.context_dir(path)) is not None:
+            return nemo_config.nemo_hf_config(context), f"NeMo's {context.name}/{nemo_config.MODEL_YAML}"
     except CheckpointError:
         return None
-    return (config, f"{common.name}'s Megatron-LM arguments") if config is not None else None
+    return None
 
 
 def _quantization(checkpoint: Checkpoint, config: dict | None, model: set[str]) -> QuantizationInfo | None:

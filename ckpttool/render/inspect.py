@@ -102,7 +102,7 @@ def _tensor_document(tensor: TensorInfo, hf_names: dict[str, tuple[str, ...]] | 
 
 
 def _format_name(layout: str, version: str | None) -> str:
-    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist", "olmo-core"):  # torch DCP inside
+    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist", "olmo-core", "nemo2"):  # torch DCP inside
         return f"DCP {version or 'unversioned'}"
     return layout
 
@@ -126,7 +126,7 @@ def inspect_text(report: InspectReport, chunks: bool = False, by_file: bool = Fa
     lines += quantization_lines(report.quantization)
     if report.family and report.named_by:
         lines.append(f"  names: {report.family}'s, not transformers'; `ckpttool export` writes them as {report.named_by[0]} "
-                     f"names, as {report.named_by[1]} say (`--json`: each tensor's `hf_names`)")
+                     f"names (the config: {report.named_by[1]}; `--json`: each tensor's `hf_names`)")
     elif report.family:
         lines.append(f"  names: {report.family}'s, not transformers'; `ckpttool export --assets DIR` writes them as "
                      f"{' or '.join(report.architectures)} names (`--json`: each tensor's `hf_names`)")
