@@ -307,6 +307,10 @@ def pieces_as_rows(target, shapes) -> list[tuple[str, int]]:
     rows = []
     for piece in target.pieces:
         (first, *_), (count, *_) = piece.box
+        if piece.transposed is not None:  # target row y * X + x is box row x * Y + y
+            x, y = piece.transposed
+            rows.extend((piece.source, first + number % x * y + number // x) for number in range(count))
+            continue
         rows.extend((piece.source, first + number * piece.step) for number in range(count))
     return rows
 
@@ -365,3 +369,46 @@ def test_a_rule_with_no_inverse_is_refused_by_name(monkeypatch):
     trimmed = type(table)(table.name, table.signature, table.converts_to, (rule,))
     with pytest.raises(NoInverse, match="norm.weight <- model.norm.weight"):
         backward(trimmed, {"model.norm.weight": (4,)}, {}, "test")
+
+
+@pytest.mark.parametrize("cuts", [(), (40,), (16, 17, 90)])
+def test_an_unpermuted_weight_is_a_chunk_per_head_whose_bytes_are_torchtitans_reverse_permute(tmp_path, cuts):
+    """A head held in one source chunk is one chunk (its rows' range and the grid transposed,
+    not a chunk per row); one straddling source chunks falls back to a chunk per row."""
+    import torch
+
+    from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms, rows_transposed
+    from ckpttool.dcp.blobs import DataFiles, read_chunk
+    from ckpttool.naming import family
+    from ckpttool.naming.backward import backward
+    from ckpttool.naming.engine import converted_checkpoint
+    from ckpttool.run import locating
+
+    rows, cols, heads = 96, 3, 4
+    weight = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    (tmp_path / "w.bin").write_bytes(b"\0" * 8 + weight.numpy().tobytes())
+    row_bytes = cols * 4
+    bounds = [0, *cuts, rows]
+    hub = "model.layers.0.self_attn.q_proj.weight"
+    chunks = tuple(Chunk((a, 0), (b - a, cols), Blob("w.bin", 8 + a * row_bytes, (b - a) * row_bytes,
+                                                      raw_range_transforms()))
+                   for a, b in zip(bounds, bounds[1:]))
+    checkpoint = Checkpoint(tmp_path, "", None, {hub: Tensor(hub, "float32", (rows, cols), chunks)}, {})
+    table = family("torchtitan llama3")
+    rule = next(r for r in table.rules if r.source.endswith("wq.weight"))
+    trimmed = type(table)(table.name, table.signature, table.converts_to, (rule,))
+    targets = backward(trimmed, {hub: (rows, cols)}, {"num_attention_heads": heads}, "test").targets
+    with DataFiles(tmp_path) as files:
+        located = locating.locate_chunks(files, checkpoint.tensors.values())
+        converted = converted_checkpoint(checkpoint, targets, located)
+        tensor = converted.tensors["layers.0.attention.qkv_linear.wq.weight"]
+        made = torch.empty(rows, cols)
+        for chunk in tensor.chunks:
+            (first, _), (count, _) = chunk.offsets, chunk.sizes
+            made[first:first + count] = torch.frombuffer(bytearray(read_chunk(files, tensor, chunk)),
+                                                         dtype=torch.float32).reshape(count, cols)
+    assert torch.equal(made, titan_reverse_permute(weight, heads))
+    head_dim = rows // heads
+    whole_heads = sum(1 for h in range(heads) if not any(h * head_dim < cut < (h + 1) * head_dim for cut in cuts))
+    assert sum(1 for chunk in tensor.chunks if rows_transposed(chunk.blob)) == whole_heads
+    assert len(tensor.chunks) == whole_heads + (heads - whole_heads) * head_dim

@@ -335,3 +335,80 @@ def test_output_crc_reads_back_where_a_stored_crc_is_zero(tmp_path):
         assert execute.output_crc(fd, 8, 6, wrong) != zlib.crc32(b"abcdef"), "a stored CRC-32 is taken as it is"
     finally:
         os.close(fd)
+
+
+def permuted_rows_record(path, dst: str = "out", offset: int = 64) -> Record:
+    """A (7, 4) float32 Record of `rows`' rows in the order 0, 4, 1, 5, 2, 6, 3 (a rotary
+    head's halves interleaved, as import --to torchtitan lays q and k), one Copy per row,
+    none of which a stored CRC-32 covers: each is cut from the middle of the source record."""
+    import dataclasses
+
+    from ckpttool.plan.operations import Copy
+
+    checkpoint = read_checkpoint(path)
+    with DataFiles(checkpoint.path) as files:
+        raw = locating.locate_chunks(files, checkpoint.tensors.values())["rows"][0]
+    raw = dataclasses.replace(raw, crc32=None)  # as a safetensors source: no stored CRC-32
+    row = raw.length // 7
+    layout = record_layout("float32", (7, 4))
+    at = offset + layout.data_offset
+    order = [0, 4, 1, 5, 2, 6, 3]
+    parts = tuple(Copy(raw.file, raw.offset + source * row, dst, at + number * row, row, within=raw)
+                  for number, source in enumerate(order))
+    return Record(dst, offset, "rows", (0, 0), "float32", (7, 4), parts)
+
+
+def test_a_record_of_short_rows_is_read_in_one_span_and_written_from_memory(saved, tmp_path, monkeypatch):
+    """Per row, a copy_file_range, a read for its CRC-32 and a CRC-32 combine cost more than
+    the row (30k rows of 4 KiB in a 1.3 GB Llama import): the rows are read as one span,
+    laid out and summed in memory, and written at once; the bytes are the general path's."""
+    import torch
+
+    path, state = saved
+    record = permuted_rows_record(path)
+    assert [len(group) for group in record_writes.copy_groups(record.parts)] == [7]
+    copies, summed = [], []
+    copy_range, source_crc = record_writes.copy_range, record_writes.source_crc
+    monkeypatch.setattr(record_writes, "copy_range", lambda *args: copies.append(args[4]) or copy_range(*args))
+    monkeypatch.setattr(record_writes, "source_crc", lambda *args: summed.append(args[3]) or source_crc(*args))
+    monkeypatch.setattr(execute, "SMALL_OPERATION", 0)  # not built whole in memory: a large record's path
+    out = written(path, [record], tmp_path, "record")
+    assert copies == [] and summed == []
+    with DataFiles(path) as files:
+        assert out[record.offset:] == streamed(record, files)
+    loaded = torch.load(io.BytesIO(out[record.offset:]), weights_only=True)
+    assert_same_bytes(loaded, state["rows"][[0, 4, 1, 5, 2, 6, 3]])
+    monkeypatch.setattr(execute, "SMALL_OPERATION", 1 << 20)  # a small record, built whole: the same bytes
+    assert written(path, [record], tmp_path, "small") == out
+
+
+def test_short_copies_far_apart_or_with_a_stored_crc_are_not_gathered():
+    from ckpttool.plan.operations import GATHER_SPAN, GATHER_WINDOW, Copy
+
+    row = 4096
+    near = [Copy("a", n * 2 * row, "out", n * row, row) for n in range(3)]
+    assert [len(group) for group in record_writes.copy_groups(near)] == [3]
+    far = [Copy("a", 0, "out", 0, row), Copy("a", GATHER_WINDOW + GATHER_SPAN, "out", row, row)]
+    assert [len(group) for group in record_writes.copy_groups(far)] == [1, 1]
+    stored = [Copy("a", 0, "out", 0, row, crc32=1), Copy("a", row, "out", row, row)]
+    assert [len(group) for group in record_writes.copy_groups(stored)] == [1, 1]
+    other_file = [Copy("a", 0, "out", 0, row), Copy("b", row, "out", row, row)]
+    assert [len(group) for group in record_writes.copy_groups(other_file)] == [1, 1]
+
+
+def test_a_large_source_range_is_summed_from_maps_of_its_pages(tmp_path, monkeypatch):
+    """The CRC-32 of bytes the kernel copied: from the page cache in place, not read into a buffer."""
+    import zlib
+
+    data = os.urandom(3 << 20)
+    (tmp_path / "src").write_bytes(data)
+    read_into = DataFiles.read_into
+    reads = []
+    monkeypatch.setattr(DataFiles, "read_into", lambda self, *args: reads.append(args) or read_into(self, *args))
+    with DataFiles(tmp_path) as files:
+        assert record_writes.source_crc(files, "src", 12345, 2 << 20) == zlib.crc32(data[12345:12345 + (2 << 20)])
+        assert reads == []
+        pieces = [bytes(piece) for piece in files.mapped("src", 12345, (1 << 20) + 7, block=1 << 18)]
+        assert b"".join(pieces) == data[12345:12345 + (1 << 20) + 7] and len(pieces) == 5
+        with pytest.raises(CorruptBlob, match="src: byte range"):
+            record_writes.source_crc(files, "src", 2 << 20, 2 << 20)

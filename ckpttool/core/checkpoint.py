@@ -35,7 +35,11 @@ EXCLUDED_FROZEN = "frozen parameters not saved (DeepSpeed exclude_frozen_paramet
 # they are, with no record around them (readers/verl.py: a storage inside a torch.save .pt
 # file); `ckpttool.raw/<crc32 hex>` also states the CRC-32 of those bytes.
 RAW_RANGE_TRANSFORM = "ckpttool.raw"
-OUR_TRANSFORMS = "ckpttool."  # the prefix of our markers (RAW_RANGE_TRANSFORM), never in a file
+# `ckpttool.rows-transposed/<X>/<Y>`: the blob is X * Y rows of raw bytes (a box of whole rows
+# of a source tensor) and the chunk is them as an X x Y grid of rows, transposed: chunk row
+# y * X + x is blob row x * Y + y (a rotary head's rows in torchtitan's order: naming.backward)
+ROWS_TRANSPOSED_TRANSFORM = "ckpttool.rows-transposed"
+OUR_TRANSFORMS = "ckpttool."  # the prefix of our markers (RAW_RANGE_TRANSFORM, ...), never in a file
 
 
 # Blob and Chunk are NamedTuples rather than frozen dataclasses: a checkpoint can hold
@@ -277,6 +281,27 @@ def tensor_files(tensor: Tensor) -> set[str]:
 def raw_range_transforms(crc32: int | None = None) -> tuple[str, ...]:
     """Return the transforms of a raw-byte-range blob (with its CRC-32 when known)."""
     return (RAW_RANGE_TRANSFORM if crc32 is None else f"{RAW_RANGE_TRANSFORM}/{crc32:08x}",)
+
+
+def rows_transposed_transforms(grid: tuple[int, int]) -> tuple[str, ...]:
+    """Return the transforms of a blob whose rows, as a `grid` (X, Y) of rows, are the chunk's transposed."""
+    return (f"{ROWS_TRANSPOSED_TRANSFORM}/{grid[0]}/{grid[1]}",)
+
+
+def rows_transposed(blob: Blob) -> tuple[int, int] | None:
+    """Return the (X, Y) grid of a ROWS_TRANSPOSED_TRANSFORM blob, None for any other.
+
+    Example:
+        >>> rows_transposed(Blob("a.safetensors", 0, 1024, rows_transposed_transforms((2, 64))))
+        (2, 64)
+    """
+    if len(blob.transforms) != 1:
+        return None
+    name, _, grid = blob.transforms[0].partition("/")
+    if name != ROWS_TRANSPOSED_TRANSFORM:
+        return None
+    x, _, y = grid.partition("/")
+    return int(x), int(y)
 
 
 def is_raw_range(blob: Blob) -> bool:

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import threading
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, MutableMapping, P
 
 from ckpttool.core import dtypes
 from ckpttool.store import spans, storage
-from ckpttool.core.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, as_path, is_raw_range
+from ckpttool.core.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, as_path, is_raw_range, rows_transposed
 from ckpttool.core.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
 from ckpttool.formats import safetensors
 from ckpttool.store.safepaths import check_data_file, containment_root, safe_relative_path
@@ -42,6 +43,7 @@ MAX_OBJECT_BYTES = 64 << 20  # a non-tensor entry decompressed: param_groups, st
 RECORD_SLACK = 1 << 20  # what a one-tensor record may hold beyond its data (data.pkl, small entries, zip directory)
 RECORD_TAIL = 64 << 10  # what locating reads at a record's end: torchsave.zip.read_directory's end-record window
 DECOMPRESS_BLOCK = 4 << 20  # bytes decompressed per step
+MAP_BLOCK = 4 << 20  # bytes of a local file mapped at once by `DataFiles.mapped`
 
 
 class DataFiles:
@@ -236,6 +238,35 @@ class DataFiles:
             if count == 0:
                 raise CorruptBlob(f"{self.path(relative)}: unexpected end of file at {offset + got}")
             got += count
+
+    def mapped(self, relative: str, offset: int, length: int, block: int = MAP_BLOCK) -> Iterator[memoryview]:
+        """Yield the `length` bytes at `offset` of a local file as read-only maps of at most
+        `block` bytes, one at a time (each view valid until the next): the page cache's pages
+        read in place, without the copy into a buffer a read makes (for a CRC-32 of bytes the
+        kernel copies: `record_writes.source_crc`). The range is checked against the file's size
+        first (CorruptBlob); a file truncated by another process while mapped faults (SIGBUS),
+        as with any mapped reader (check.numbers maps what it scans the same way)."""
+        fd = self._checked_fd(relative, offset, length)
+        if fd is None:
+            raise TypeError(f"{self.path(relative)}: a remote file cannot be mapped (check DataFiles.local)")
+        end = offset + length
+        for begin in range(offset, end, block):
+            start = begin - begin % mmap.ALLOCATIONGRANULARITY
+            stop = min(begin + block, end)
+            try:
+                mapping = mmap.mmap(fd, stop - start, access=mmap.ACCESS_READ, offset=start)
+            except OSError as error:
+                raise CorruptBlob(f"{self.path(relative)}: cannot map ({error.strerror or error})") from None
+            view = memoryview(mapping)
+            try:
+                piece = view[begin - start:]
+                try:
+                    yield piece
+                finally:
+                    piece.release()
+            finally:
+                view.release()
+                mapping.close()
 
     def pieces(self, relative: str, offset: int, length: int, buffer: memoryview) -> Iterator[memoryview]:
         """Yield the `length` bytes at `offset` as consecutive fills of `buffer` (each view valid
@@ -534,7 +565,25 @@ def read_chunk(files: DataFiles, tensor: Tensor, chunk: Chunk) -> bytes:
     raw = locate(files, tensor, chunk)
     if raw is not None:
         return files.read(raw.file, raw.offset, raw.length)
+    grid = rows_transposed(chunk.blob) if chunk.blob is not None else None
+    if grid is not None:
+        return _transposed_rows(files, tensor, chunk, grid)
     return _decode_chunk(files, tensor, chunk)
+
+
+def _transposed_rows(files: DataFiles, tensor: Tensor, chunk: Chunk, grid: tuple[int, int]) -> bytes:
+    """Return a ROWS_TRANSPOSED_TRANSFORM chunk's bytes: its blob's rows read in one range, as
+    a grid of rows transposed (numpy moves whole rows: one strided copy)."""
+    import numpy as np
+
+    blob = cast(Blob, chunk.blob)
+    x, y = grid
+    expected = chunk.numel * tensor.itemsize
+    if blob.length != expected or x <= 0 or y <= 0 or expected % (x * y):
+        raise CorruptBlob(f"{_where(files, tensor, chunk)}: a {x} x {y} grid of rows in {blob.length} bytes, "
+                          f"expected {expected}")
+    data = np.frombuffer(files.read(blob.file, blob.offset, blob.length), dtype=np.uint8)
+    return data.reshape(x, y, expected // (x * y)).transpose(1, 0, 2).tobytes()
 
 
 def object_bytes(files: DataFiles, entry: Any) -> bytes:

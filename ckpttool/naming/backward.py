@@ -7,7 +7,7 @@ how the transformers tensors make the framework's tensor again, here in `INVERSE
 - rename: the tensor as it is;
 - unpermute-q / unpermute-k: torchtitan's rotary row order back (its `_reverse_permute`, the
   inverse of `engine.rotary_rows`): framework row (h, b, a) is transformers row (h, a, b), one
-  piece per row;
+  piece per head, its rows a (2, head_dim / 2) grid transposed (`Piece.transposed`);
 - join-halves: [gate; up] (Megatron's `linear_fc1`, Megatron-Bridge `GatedMLPMapping`);
 - join-qkv: q, k, v interleaved per query group (Megatron-Bridge `QKVMapping`): each group's
   q heads, then its k head, then its v head;
@@ -91,9 +91,9 @@ def _unpermuted(heads: int, rule: Rule, key: str, source: str, shape: tuple[int,
                                 "size (config.json's head counts disagree with the weights)", code="config-mismatch")
     head_dim = rows // heads
     half = head_dim // 2
-    # framework row (h, b, a) = transformers row (h, a, b): torchtitan's _reverse_permute
-    pieces = tuple(Piece(source, row_box(shape, h * head_dim + a * half + b, 1))
-                   for h in range(heads) for b in range(half) for a in range(2))
+    # framework row (h, b, a) = transformers row (h, a, b): torchtitan's _reverse_permute, each
+    # head's rows as a (2, half) grid transposed
+    pieces = tuple(Piece(source, row_box(shape, h * head_dim, head_dim), transposed=(2, half)) for h in range(heads))
     return Target(key, shape, pieces, rule)
 
 
@@ -337,7 +337,7 @@ def _placed_in_layer(target: Target, layer: int) -> list[Piece]:
             placed.append(Piece(piece.source, piece.box, piece.step, at=(layer, *piece.at)))
             continue
         rows = piece.box[1][len(piece.box[1]) - len(target.shape)] if target.shape else 1
-        if piece.step != 1:
+        if piece.step != 1 or piece.transposed is not None:
             raise ValueError(f"{target.key}: a strided piece cannot be placed in a stacked layer")
         placed.append(Piece(piece.source, piece.box, at=(layer, row, *zeros) if target.shape else (layer,)))
         row += rows

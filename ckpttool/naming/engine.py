@@ -44,9 +44,9 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Callable, Final, Iterable, Literal, Mapping, NamedTuple
+from typing import Any, Callable, Final, Iterable, Literal, Mapping, NamedTuple, cast
 
-from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms
+from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms, rows_transposed_transforms
 from ckpttool.core.errors import InvalidCheckpoint, UsageError
 from ckpttool.core.geometry import Box, intersect, row_major_runs, slab_rows
 from ckpttool.naming import Pattern, signature_matches
@@ -237,6 +237,10 @@ class Piece:
     # it). A placed box lines its dims up with the target's last ones, as many leading dims of
     # size 1 added or dropped as the target has more or fewer (an expert stacked on an axis)
     at: tuple[int, ...] | None = None
+    # (X, Y): the box's rows (X * Y of them, `step` 1) as an X x Y grid of rows, written
+    # transposed: target row y * X + x is box row x * Y + y (a rotary head in torchtitan's
+    # order, naming.backward). One chunk, not one per row (ROWS_TRANSPOSED_TRANSFORM)
+    transposed: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -548,6 +552,8 @@ class _Source:
     def chunks(self, piece: Piece, row: int, shape: tuple[int, ...], key: str) -> list[Chunk]:
         """Return the target chunks that hold `piece` (placed from target row `row` of a target of `shape`)."""
         rows = slab_rows(self.tensor.shape, piece.box) if len(piece.box[1]) == len(shape) else None
+        if piece.transposed is not None:
+            return self._transposed(piece, rows, row, shape, key)
         if self.slabs is None or rows is None:
             if piece.step == 1:
                 return self._chunks_of_box(piece.box, row, len(shape), key)
@@ -577,6 +583,24 @@ class _Source:
                 file, offset = raw.file, raw.offset - slab_first * row_bytes
             found.append(Chunk((row + number, *zeros), sizes, Blob(file, offset + at * row_bytes, row_bytes, _RAW)))
         return found
+
+    def _transposed(self, piece: Piece, rows: tuple[int, int] | None, row: int, shape: tuple[int, ...],
+                    key: str) -> list[Chunk]:
+        """Return the target chunks of a `transposed` piece: one, its rows' raw bytes with the
+        grid as a transform, when the box is whole rows of one source slab; else one per row."""
+        x, y = cast(tuple[int, int], piece.transposed)
+        (first, *others), (count, *sizes) = piece.box
+        if x * y != count or piece.step != 1:
+            raise ValueError(f"{key}: a transposed piece of {count} rows is not a {x} x {y} grid of rows")
+        if self.slabs is not None and rows is not None:
+            slab_first, slab_stop, raw = self._slab(first, key)
+            if first + count <= slab_stop:
+                blob = Blob(raw.file, raw.offset + (first - slab_first) * self.row_bytes, count * self.row_bytes,
+                            rows_transposed_transforms((x, y)))
+                return [Chunk((row, *(0,) * (len(shape) - 1)), (count, *shape[1:]), blob)]
+        return [chunk for number in range(count)
+                for chunk in self._chunks_of_box(((first + number % x * y + number // x, *others), (1, *sizes)),
+                                                 row + number, len(shape), key)]
 
     def placed(self, piece: Piece, at: tuple[int, ...], key: str) -> list[Chunk]:
         """Return the target chunks that hold the source `piece.box` placed at `at` in the target."""

@@ -36,6 +36,12 @@ from ckpttool.torchsave.record import record_layout
 CONVERT_BLOCK = 16 << 20  # source bytes cast per step: bounds memory of a --dtype cast
 DEQUANTIZE_ELEMENTS = 4 << 20  # output elements dequantised per operation (16 MiB of float32 working copy)
 STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a record's data
+# a record's copies shorter than this whose CRC-32 must be summed are read with their neighbours
+# in one span and written from memory (run.record_writes.copy_groups): a copy_file_range, a
+# pread and a CRC-32 combine per row of a weight cut into rows (4 KiB) cost more than its bytes
+GATHER_PART = 64 << 10
+GATHER_SPAN = STREAM_BLOCK // 2  # the most source bytes read at once for them, and the most gathered
+GATHER_WINDOW = 1 << 20  # a span may read through this much, else at most twice what it copies
 RECORDS_WRITE_BLOCK = 4 << 20  # a Records operation's output is built and written this much at a time
 # the bytes between its runs a Records operation may read through (at least its own length):
 # its records often come from a few source files, each run a few KiB apart
@@ -153,8 +159,11 @@ class Record:
             return
         length = sum(part.output_length for part in parts)
         decoded = {(p.tensor.fqn, p.chunk): p.memory for p in parts if isinstance(p, Gather)}
+        # short copies read in a span and gathered (record_writes.copy_groups): the span and the gathered bytes
+        gathering = (min(GATHER_SPAN, max(2 * length, GATHER_WINDOW)) + min(length, GATHER_SPAN)
+                     if any(type(p) is Copy and p.length < GATHER_PART and not p.crc32 for p in parts) else 0)
         object.__setattr__(self, "output_length", length)
-        object.__setattr__(self, "memory", max(min(length, STREAM_BLOCK), sum(decoded.values())))
+        object.__setattr__(self, "memory", max(min(length, STREAM_BLOCK), sum(decoded.values()), gathering))
 
 
 @dataclass(frozen=True, eq=False)

@@ -410,20 +410,22 @@ def _blocks(op: Operation, files: DataFiles, block: int = STREAM_BLOCK) -> Itera
 
 def _small_record(op: Record, layout: RecordLayout, files: DataFiles) -> bytes | None:
     """Return the whole record (head, data, tail) when it is small and its parts are copies
-    from local files laid end to end in output order: one read per part and one CRC-32,
-    without streaming it block by block. None for any other record."""
+    from local files laid end to end in output order: one read per part (neighbouring short
+    ones in one span: `record_writes.copy_groups`) and one CRC-32, without streaming it block
+    by block. None for any other record."""
     if layout.length > SMALL_OPERATION or not files.local:
         return None
     at = op.offset + layout.data_offset
-    data = []
     for part in op.parts:
         if type(part) is not Copy or part.dst_offset != at:
             return None
-        data.append(files.read(part.src, part.src_offset, part.length))
         at += part.length
-    joined = b"".join(data)
-    if len(joined) != layout.data_length:
+    if at - op.offset - layout.data_offset != layout.data_length:
         return None
+    data = [bytes(record_writes.gathered(group, files)) if len(group) > 1
+            else files.read(group[0].src, group[0].src_offset, group[0].length)
+            for group in record_writes.copy_groups(typing.cast(tuple[Copy, ...], op.parts))]
+    joined = b"".join(data)
     return b"".join((layout.head, joined, layout.tail(zlib.crc32(joined))))
 
 

@@ -12,7 +12,14 @@ expanded into those records by `expanded` and take the general path.
 A large `Record` whose parts are all copies (a chunk straddling source chunks) is written by
 `write_record`: its data moves in the kernel (`copy_file_range`), like consolidate's, and its
 CRC-32 is combined from those torch.save stored for the source records, so only the bytes a
-stored CRC-32 does not cover are read and summed (`copy_crc`).
+stored CRC-32 does not cover are read and summed (`copy_crc`; from maps of the source's pages,
+not copied into a buffer first: `source_crc`). Short copies whose bytes would
+be summed anyway (a weight the naming engine cuts into rows, a few KiB each and a row or a
+few apart in the source: a rotary head that straddles source chunks) are read with their
+neighbours in one span instead (`copy_groups`), laid
+end to end in memory, summed there and written in one pwrite (`gathered`): each byte is read
+once, and a record of 256 rows costs a few syscalls, not a copy, a read and a CRC-32 combine
+per row.
 
 Example:
     >>> write_records(op, files, fd)  # op: Records; files.local; fd: an int
@@ -28,17 +35,19 @@ import os
 import typing
 import zlib
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
-from ckpttool.dcp.blobs import DataFiles
+from ckpttool.dcp.blobs import DataFiles, RawData
 from ckpttool.core.errors import CorruptBlob
 from ckpttool.store.io import Output, copy_range, thread_buffer, write_at
-from ckpttool.plan.operations import RECORDS_WRITE_BLOCK, STREAM_BLOCK, Copy, Operation, Record, Records
+from ckpttool.plan.operations import (GATHER_PART, GATHER_SPAN, GATHER_WINDOW, RECORDS_WRITE_BLOCK, STREAM_BLOCK, Copy,
+                                      Operation, Record, Records)
 from ckpttool.torchsave import native
 from ckpttool.torchsave.assembly import assemble
 from ckpttool.torchsave.crc32 import crc32_combine, crc32_slice
 from ckpttool.torchsave.record import record_layout
 
+MAP_AT_LEAST = 1 << 20  # a source range summed from maps of its pages, not reads (smaller: a map costs more)
 # source runs closer than this are read as one span, the bytes between them read through:
 # one 64 KiB read costs less than a second syscall and its Python around it
 READ_GAP = 64 << 10
@@ -212,12 +221,21 @@ def copies_only(op: Operation, files: DataFiles, outputs: Mapping[str, Output]) 
 
 def write_record(op: Record, files: DataFiles, fd: int) -> int:
     """Write the record `op` (its parts all copies) into `fd`: each part copied in the kernel,
-    the head, and the tail holding the data's CRC-32 from `copy_crc`. Returns its data bytes."""
+    or short ones read with their neighbours and written from memory (`copy_groups`), the
+    head, and the tail holding the data's CRC-32 (`copy_crc` for kernel copies, summed over
+    the gathered bytes for the others). Returns its data bytes."""
     layout = record_layout(op.dtype, op.shape)
     crc, at = 0, op.offset + layout.data_offset
     copies = typing.cast(list[Copy], list(op.parts))  # all copies: `copies_only`
-    for part in sorted(copies, key=lambda part: part.dst_offset):
+    for group in copy_groups(sorted(copies, key=lambda part: part.dst_offset)):
+        part = group[0]
         assert part.dst_offset == at  # the parts cover the data exactly once (Record)
+        if len(group) > 1:
+            data = gathered(group, files)
+            crc = zlib.crc32(data, crc)  # in output order: the data's CRC-32 runs on over them
+            write_at(fd, data, at)
+            at += len(data)
+            continue
         try:
             copy_range(files.fd(part.src), part.src_offset, fd, part.dst_offset, part.length)
         except EOFError:
@@ -230,6 +248,74 @@ def write_record(op: Record, files: DataFiles, fd: int) -> int:
     return op.output_length
 
 
+def copy_groups(copies: Sequence[Copy]) -> list[list[Copy]]:
+    """Return `copies` (in output order) as groups: neighbouring short copies (under
+    GATHER_PART bytes each, their CRC-32 to be summed from their own bytes: `sums_own_bytes`)
+    from one file, laid end to end in the output, whose source lies in one span of at most
+    GATHER_SPAN bytes, and at most twice what they copy or GATHER_WINDOW (the rows of a
+    permuted head alternate between its two halves), together; every other copy alone. A
+    group copies at most GATHER_SPAN bytes (`Record.memory` counts the span and them).
+
+    Example (three rows of 4 KiB, 8 KiB apart in the source, then a 1 MiB copy):
+        >>> [len(group) for group in copy_groups([row0, row2, row4, big])]
+        [3, 1]
+    """
+    groups: list[list[Copy]] = []
+    group: list[Copy] = []
+    start = end = copied = reached = 0
+    for part in copies:
+        at, length = part.src_offset, part.length
+        if length >= GATHER_PART or not sums_own_bytes(part):
+            group = []
+            groups.append([part])
+            continue
+        if group and part.src == group[0].src and part.dst_offset == reached:
+            low, high = min(start, at), max(end, at + length)
+            if high - low <= min(GATHER_SPAN, max(2 * (copied + length), GATHER_WINDOW)) and copied + length <= GATHER_SPAN:
+                group.append(part)
+                start, end, copied, reached = low, high, copied + length, reached + length
+                continue
+        group = [part]
+        groups.append(group)
+        start, end, copied, reached = at, at + length, length, part.dst_offset + length
+    return groups
+
+
+def gathered(group: Sequence[Copy], files: DataFiles) -> memoryview:
+    """Return the bytes `group` (a `copy_groups` group) copies, end to end, read in one span:
+    a view of this thread's buffer, valid until the next call."""
+    start = min(part.src_offset for part in group)
+    end = max(part.src_offset + part.length for part in group)
+    span = memoryview(thread_buffer(end - start, "gather-span"))[:end - start]
+    files.read_into(group[0].src, start, span)
+    total = sum(part.length for part in group)
+    out = memoryview(thread_buffer(total, "gather-out"))[:total]
+    at = 0
+    for part in group:
+        begin = part.src_offset - start
+        out[at:at + part.length] = span[begin:begin + part.length]
+        at += part.length
+    return out
+
+
+def sums_own_bytes(part: Copy) -> bool:
+    """True when `copy_crc` reads and sums the bytes `part` copies (no stored CRC-32 gives theirs)."""
+    return _slice_crc_sides(part) is None and not part.crc32
+
+
+def _slice_crc_sides(part: Copy) -> tuple[int, int] | None:
+    """Return (bytes before, bytes after) `part` in the torch.save record it is cut from when
+    its CRC-32 follows from the record's stored one and those sides' (shorter than it); else None."""
+    within = part.within
+    if part.crc32 or within is None or not within.crc32 or within.file != part.src:
+        return None
+    before = part.src_offset - within.offset
+    after = within.offset + within.length - part.src_offset - part.length
+    if before >= 0 and after >= 0 and before + after < part.length:
+        return before, after
+    return None
+
+
 def copy_crc(part: Copy, files: DataFiles) -> int:
     """Return the CRC-32 of the bytes `part` copies: the one torch.save stored when they are a
     whole record's data; from a stored one and the CRC-32 of the rest of its record when the
@@ -240,21 +326,27 @@ def copy_crc(part: Copy, files: DataFiles) -> int:
     """
     if part.crc32:
         return part.crc32
-    within = part.within
-    if within is not None and within.crc32 and within.file == part.src:
-        before = part.src_offset - within.offset
-        after = within.offset + within.length - part.src_offset - part.length
-        if before >= 0 and after >= 0 and before + after < part.length:
-            return crc32_slice(within.crc32, source_crc(files, part.src, within.offset, before),
-                               source_crc(files, part.src, part.src_offset + part.length, after),
-                               part.length, after)
+    sides = _slice_crc_sides(part)
+    if sides is not None:
+        within = typing.cast(RawData, part.within)
+        before, after = sides
+        return crc32_slice(typing.cast(int, within.crc32), source_crc(files, part.src, within.offset, before),
+                           source_crc(files, part.src, part.src_offset + part.length, after),
+                           part.length, after)
     return source_crc(files, part.src, part.src_offset, part.length)
 
 
 def source_crc(files: DataFiles, file: str, offset: int, length: int) -> int:
-    """Return the CRC-32 of `length` bytes at `offset` of a source file, read a STREAM_BLOCK at a time."""
+    """Return the CRC-32 of `length` bytes at `offset` of a source file: of a local file from
+    maps of its pages when they are at least MAP_AT_LEAST bytes (the kernel copied them; read
+    into a buffer they would be copied a second time), else read a STREAM_BLOCK at a time."""
     if not length:
         return 0
+    if files.local and length >= MAP_AT_LEAST:
+        crc = 0
+        for piece in files.mapped(file, offset, length):
+            crc = zlib.crc32(piece, crc)
+        return crc
     size = min(length, STREAM_BLOCK)
     buffer = memoryview(thread_buffer(size))[:size]
     crc = 0
