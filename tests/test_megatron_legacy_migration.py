@@ -15,7 +15,7 @@ settings): each parameter's AdamW state after Megatron-LM's own `load_checkpoint
 on CPU), the live optimizer's state just before the save. No megatron is imported here.
 
 The acceptance where Megatron does not step here: every parameter's exp_avg, exp_avg_sq and step,
-loaded into AdamW at world 1 and 2, equal Megatron's loaded state byte for byte (the transformers
+loaded into AdamW at world 2 and 3 (the issue's acceptance worlds), equal Megatron's loaded state byte for byte (the transformers
 tensors put back into Megatron's names by torch alone: q/k/v per query group, gate/up); the weights
 equal `ckpttool export`'s; one AdamW step on the fully_shard model equals, byte for byte, the step of
 an unsharded transformers model + AdamW holding that same (checked) state.
@@ -40,7 +40,7 @@ LEGACY = FIXTURES / "frameworks" / "megatron_legacy"
 # the same model saved with --use-distributed-optimizer: distrib_optim.pt beside each rank's file
 DISTRIBUTED = FIXTURES / "frameworks" / "megatron_legacy_distopt"
 SAVES = {"tp2_pp2": LEGACY, "virtual_pipeline": LEGACY / "virtual_pipeline", "distributed_optimizer": DISTRIBUTED}
-WORLDS = (1, 2)
+WORLDS = (2, 3)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 INPUT_IDS = json.loads((LEGACY / "expected.json").read_text())["input_ids"]
 
@@ -95,7 +95,7 @@ def migrated(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("legacy-migration")
     found = {}
     for name in SAVES:
-        for world in WORLDS:
+        for world in (1, *WORLDS):  # world 1: the unsharded reference step
             report = reshard(SAVES[name] / "checkpoints", root / f"{name}-{world}", world_size=world, to="transformers")
             assert sorted(p.name for p in report.destination.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(world)]
             found[(name, world)] = report.destination
@@ -256,9 +256,12 @@ def test_each_parameter_has_the_settings_of_the_group_megatron_put_it_in(loaded,
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", sorted(SAVES))
 def test_one_adamw_step_equals_the_step_from_the_reference_state(loaded, unsharded, name, world):
-    """The fully_shard model's parameters after one step equal, byte for byte, those of an
-    unsharded model + AdamW holding the same state (the reference: its moments checked against
-    Megatron's here too)."""
+    """The fully_shard model's parameters after one step equal those of an unsharded model +
+    AdamW holding the same state (the reference: its moments checked against Megatron's here
+    too): byte for byte at world 2, where every rank's gradient of the same batch averages
+    exactly ((g + g) / 2 = g); at world 3 within rtol 1e-6, atol 1e-8: (g + g + g) / 3 rounds
+    twice in float32 (|relative error| <= 2 ** -23), which moves each AdamW update (lr 1e-3 scale)
+    by ~1e-9 and each parameter by at most a few ulps."""
     config = json.loads((LEGACY / "hf" / "config.json").read_text())
     reference_run = unsharded[name]
     for kind in MOMENTS:
@@ -268,7 +271,12 @@ def test_one_adamw_step_equals_the_step_from_the_reference_state(loaded, unshard
     assert result["loss"] == reference_run["loss"] and 0 < result["loss"] < 10
     changed = 0
     for key, value in reference_run["after"].items():
-        assert sha256(result["after"][key]) == sha256(value), key
+        if world & (world - 1) == 0:
+            assert sha256(result["after"][key]) == sha256(value), key
+        else:
+            import torch
+
+            assert torch.allclose(result["after"][key], value, rtol=1e-6, atol=1e-8), key
         changed += sha256(value) != sha256(reference_run["weights"][key])
     assert changed == len(reference_run["after"])
 
