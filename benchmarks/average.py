@@ -17,6 +17,7 @@ With `--dir`, the checkpoints are kept and reused by later runs.
     python benchmarks/average.py                 # 4 GB per checkpoint (12 GB of inputs)
     python benchmarks/average.py --size 1        # 1 GB per checkpoint
     python benchmarks/average.py --size 1 --dir /tmp/bench   # keeps DIR/ckpt-1gb-world*
+    python benchmarks/average.py --size 1 --dir /tmp/bench --cold   # every command from a dropped page cache (root)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from consolidate import checkpoint_bytes, machine, make_checkpoint  # noqa: E402  (a sibling script)
+from numerics import drop_caches  # noqa: E402
 
 WORLDS = (8, 4, 2)
 
@@ -67,7 +69,7 @@ def measure(command: list[str] | str, env: dict[str, str] | None = None) -> tupl
     return max(timed, 0.0) or wall, float(user.group(1)) + float(system.group(1)), int(rss.group(1)) * 1024
 
 
-def run(root: Path, gigabytes: int, repeats: int) -> list[tuple[str, float, float, int]]:
+def run(root: Path, gigabytes: int, repeats: int, cold: bool = False) -> list[tuple[str, float, float, int]]:
     sources = []
     for world in WORLDS:
         source = root / f"ckpt-{gigabytes}gb-world{world}"
@@ -101,6 +103,8 @@ def run(root: Path, gigabytes: int, repeats: int) -> list[tuple[str, float, floa
     rows = []
     for _ in range(repeats):
         for name, command in commands:
+            if cold and not drop_caches():  # every input read from the disk: the cost of the reads themselves
+                raise SystemExit("--cold: cannot write /proc/sys/vm/drop_caches (not root, or a container that forbids it)")
             wall, cpu, rss = measure(command, env)
             rows.append((name, wall, cpu, rss))
             print(f"# {name}: {wall:.2f} s, CPU {cpu:.2f} s, peak RSS {rss / 1e6:.0f} MB", file=sys.stderr)
@@ -133,12 +137,14 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4, help="GB per checkpoint (default 4)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each command, interleaved (default 3)")
     parser.add_argument("--dir", help="work directory (default: a temporary directory under /tmp, removed)")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the page cache before every command (root only): inputs read from the disk")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpttool-average-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        rows = run(root, args.size, args.repeats)
-        print(f"Machine: {machine()}\n")
+        rows = run(root, args.size, args.repeats, args.cold)
+        print(f"Machine: {machine()}; page cache {'dropped before every command' if args.cold else 'warm'}\n")
         print(table(rows, args.size))
     finally:
         if not args.dir:
