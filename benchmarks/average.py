@@ -35,19 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from consolidate import checkpoint_bytes, machine, make_checkpoint  # noqa: E402  (a sibling script)
-from numerics import drop_caches  # noqa: E402
+from numerics import drop_caches, tool_environment  # noqa: E402
 
 WORLDS = (8, 4, 2)
-
-
-def tool_environment(root: Path) -> dict[str, str]:
-    """The environment the tool runs in: as an installed ckpttool runs, from compiled bytecode
-    (pip compiles it at install; an editable install under PYTHONDONTWRITEBYTECODE=1, as in
-    this project's sessions, compiles ~60 modules from source on every run: ~0.1 s of CPU),
-    cached under `root`, not in the source tree."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = str(root / "pycache")
-    return env
 
 
 def measure(command: list[str] | str, env: dict[str, str] | None = None) -> tuple[float, float, int]:

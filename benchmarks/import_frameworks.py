@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
@@ -142,6 +143,47 @@ def same_tensors(tool: str, a: Path, b: Path) -> str:
     return verdict.split(":")[0] if verdict.startswith(("IDENTICAL", "SAME", "DIFFERENT")) else verdict[:80]
 
 
+Result = tuple[float, float, int, str]  # wall s, CPU s, peak RSS bytes, error text
+
+
+def interleaved(commands: Sequence[tuple[str, list[str]]], repeats: int, out: Path,
+                after_first: Callable[[dict[str, list[Result]]], None] | None = None) -> dict[str, list[Result]]:
+    """Run every command `repeats` times, in turn (OUT emptied before each round), and return
+    label -> its results; `after_first` sees them once the first round is done (its outputs still there)."""
+    measured: dict[str, list[Result]] = {label: [] for label, _ in commands}
+    for repeat in range(repeats):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        for label, command in commands:
+            result = measure(command)
+            measured[label].append(result)
+            print(f"# {label}: {result[0]:.2f} s, CPU {result[1]:.2f} s, peak RSS {result[2] / 1e6:.0f} MB"
+                  f"{' FAILED ' + result[3] if result[3] else ''}", file=sys.stderr)
+        if repeat == 0 and after_first is not None:
+            after_first(measured)
+    return measured
+
+
+def table(measured: dict[str, list[Result]], notes: dict[str, str] | None = None) -> str:
+    """The markdown table of `measured` (its first label the baseline): medians, every run's
+    wall, ratios to the baseline's medians, the largest peak RSS; `notes` a last column."""
+    first = next(iter(measured.values()))
+    base, base_cpu = statistics.median(r[0] for r in first), statistics.median(r[1] for r in first)
+    extra = (" tensors |", "---|") if notes is not None else ("", "")
+    lines = [f"| run | median wall s | runs s | x consolidate | median CPU s | CPU x consolidate | peak RSS MB |{extra[0]}",
+             f"|---|---:|---|---:|---:|---:|---:|{extra[1]}"]
+    for label, results in measured.items():
+        errors = [error for *_, error in results if error]
+        if errors:
+            lines.append(f"| {label} | - | - | - | - | - | - | failed: {errors[0][:200]} |")
+            continue
+        wall, cpu = statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+        note = f" {notes.get(label, '')} |" if notes is not None else ""
+        lines.append(f"| {label} | {wall:.2f} | {', '.join(f'{r[0]:.2f}' for r in results)} | {wall / base:.2f}x | "
+                     f"{cpu:.2f} | {cpu / base_cpu:.2f}x | {max(r[2] for r in results) / 1e6:.0f} |{note}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--make", type=Path, help=argparse.SUPPRESS)
@@ -179,38 +221,18 @@ def main() -> None:
         runs.append(("Megatron-Bridge 0.3.1 import_ckpt (CPU workarounds: bridge_import.py)", out / "bridge",
                      [str(args.bridge_python), str(Path(__file__).with_name("bridge_import.py")), str(hub),
                       str(out / "bridge")], out / "mg"))
-    measured: dict[str, list[tuple[float, float, int, str]]] = {label: [] for label, *_ in runs}
     checked: dict[str, str] = {}
-    for repeat in range(args.repeats):
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-        for label, _, command, _ in runs:
-            result = measure(command)
-            measured[label].append(result)
-            print(f"# {label}: {result[0]:.2f} s, CPU {result[1]:.2f} s, peak RSS {result[2] / 1e6:.0f} MB"
-                  f"{' FAILED ' + result[3] if result[3] else ''}", file=sys.stderr)
-        if repeat == 0:  # every output against ckpttool's, once
-            for label, output, _, twin in runs:
-                if twin is not None and not measured[label][0][3]:
-                    checked[label] = f"{same_tensors(tool, output, twin)} to {twin.name}"
-    base = statistics.median(wall for wall, *_ in measured[runs[0][0]])
-    base_cpu = statistics.median(cpu for _, cpu, _, _ in measured[runs[0][0]])
+
+    def check(measured: dict[str, list[Result]]) -> None:  # every output against ckpttool's, once
+        for label, output, _, twin in runs:
+            if twin is not None and not measured[label][0][3]:
+                checked[label] = f"{same_tensors(tool, output, twin)} to {twin.name}"
+
+    measured = interleaved([(label, command) for label, _, command, _ in runs], args.repeats, out, check)
     print(f"\n{size / 1e9:.2f} GB Llama-shaped bf16 Hub folder ({len(list(hub.glob('*.safetensors')))} shards); "
           f"{platform.machine()}, {os.cpu_count()} cores, page cache warm; median of {args.repeats} interleaved runs; "
           f"load average {' '.join(f'{load:.1f}' for load in os.getloadavg())} at the end\n")
-    print("| run | median wall s | runs s | x consolidate | median CPU s | CPU x consolidate | peak RSS MB | tensors |")
-    print("|---|---:|---|---:|---:|---:|---:|---|")
-    for label, *_ in runs:
-        results = measured[label]
-        errors = [error for *_, error in results if error]
-        if errors:
-            print(f"| {label} | - | - | - | - | - | - | failed: {errors[0][:200]} |")
-            continue
-        wall = statistics.median(w for w, *_ in results)
-        cpu = statistics.median(c for _, c, _, _ in results)
-        print(f"| {label} | {wall:.2f} | {', '.join(f'{w:.2f}' for w, *_ in results)} | {wall / base:.2f}x | "
-              f"{cpu:.2f} | {cpu / base_cpu:.2f}x | {max(r for _, _, r, _ in results) / 1e6:.0f} | "
-              f"{checked.get(label, '')} |")
+    print(table(measured, checked))
     if not args.keep:
         shutil.rmtree(root)
     else:

@@ -28,13 +28,12 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from import_frameworks import measure  # benchmarks/: the same timing as the import benchmark
+from import_frameworks import interleaved, table  # benchmarks/: the same timing and table as the import benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "frameworks" / "megatron_legacy" / "checkpoints" / "iter_0000002"
@@ -126,32 +125,11 @@ def main() -> None:
         ("ckpttool export -> transformers folder", [tool, "export", str(save), str(out / "hub"), "-q"]),
         ("cat of the rank files > /dev/null (read floor)", ["cat", *files]),
     ]
-    measured: dict[str, list[tuple[float, float, int, str]]] = {label: [] for label, _ in runs}
-    for _ in range(args.repeats):
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-        for label, command in runs:
-            result = measure(command)
-            measured[label].append(result)
-            print(f"# {label}: {result[0]:.2f} s, CPU {result[1]:.2f} s, peak RSS {result[2] / 1e6:.0f} MB"
-                  f"{' FAILED ' + result[3] if result[3] else ''}", file=sys.stderr)
-    base = statistics.median(wall for wall, *_ in measured[runs[0][0]])
-    base_cpu = statistics.median(cpu for _, cpu, _, _ in measured[runs[0][0]])
+    measured = interleaved(runs, args.repeats, out)
     print(f"\n{size / 1e9:.2f} GB legacy save, TP {TP} x PP {PP} ({len(files)} rank files), bf16; "
           f"{platform.machine()}, {os.cpu_count()} cores, page cache warm; median of {args.repeats} interleaved runs; "
           f"load average {' '.join(f'{load:.1f}' for load in os.getloadavg())} at the end\n")
-    print("| run | median wall s | runs s | x consolidate | median CPU s | CPU x consolidate | peak RSS MB |")
-    print("|---|---:|---|---:|---:|---:|---:|")
-    for label, _ in runs:
-        results = measured[label]
-        errors = [error for *_, error in results if error]
-        if errors:
-            print(f"| {label} | - | - | - | - | - | failed: {errors[0][:200]} |")
-            continue
-        wall = statistics.median(w for w, *_ in results)
-        cpu = statistics.median(c for _, c, _, _ in results)
-        print(f"| {label} | {wall:.2f} | {', '.join(f'{w:.2f}' for w, *_ in results)} | {wall / base:.2f}x | "
-              f"{cpu:.2f} | {cpu / base_cpu:.2f}x | {max(r for _, _, r, _ in results) / 1e6:.0f} |")
+    print(table(measured))
     if not args.keep:
         shutil.rmtree(root)
     else:
