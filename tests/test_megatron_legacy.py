@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, tensor_bytes
+from megatron_rank_files import resave
 
 from ckpttool.outputs.temps import TEMP_PREFIX
 
@@ -189,27 +190,6 @@ def _rewrite_pickle(path: Path, edit) -> None:
             archive.writestr(name, edit(data) if name.endswith("/data.pkl") else data)
 
 
-class _MegatronFree(pickle.Unpickler):
-    """Loads a rank file without megatron: its Enum-valued arguments as their values."""
-
-    def find_class(self, module, name):
-        if module.startswith("megatron."):
-            return lambda value: value
-        return super().find_class(module, name)
-
-
-def _resave(path: Path, edit) -> None:
-    """torch.load the rank file (megatron-free), `edit` its state dict, torch.save it back."""
-    import types
-
-    import torch
-
-    state = torch.load(path, weights_only=False, pickle_module=types.SimpleNamespace(
-        Unpickler=_MegatronFree, load=pickle.load, __name__="pickle"))
-    edit(state)
-    torch.save(state, path)
-
-
 def _global_outside_the_allowlist(folder: Path) -> None:
     def edit(data: bytes) -> bytes:
         assert data.count(b"cargparse\nNamespace\n") == 1
@@ -227,14 +207,14 @@ def _shapes_disagree(folder: Path) -> None:
         key = "decoder.layers.0.mlp.linear_fc2.weight"
         state["model"][key] = state["model"][key][:, :-1].clone()
 
-    _resave(folder / "mp_rank_01_000/model_optim_rng.pt", narrow)
+    resave(folder / "mp_rank_01_000/model_optim_rng.pt", narrow)
 
 
 def _replicas_differ(folder: Path) -> None:
     def bump(state):
         state["model"]["decoder.layers.1.input_layernorm.weight"] += 1
 
-    _resave(folder / "mp_rank_01_000/model_optim_rng.pt", bump)
+    resave(folder / "mp_rank_01_000/model_optim_rng.pt", bump)
 
 
 def _legacy_model_nesting(folder: Path) -> None:
@@ -242,7 +222,7 @@ def _legacy_model_nesting(folder: Path) -> None:
     def nest(state):
         state["model"] = {"language_model": {"embedding": dict(state["model"])}}
 
-    _resave(folder / "mp_rank_00_000/model_optim_rng.pt", nest)
+    resave(folder / "mp_rank_00_000/model_optim_rng.pt", nest)
 
 
 HOSTILE = {

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import shutil
-import types
 from pathlib import Path
 
 import pytest
 
 from conftest import FIXTURES, tensor_bytes
+from megatron_rank_files import resave
 
 from ckpttool.outputs.temps import TEMP_PREFIX
 
@@ -343,26 +342,8 @@ def test_the_distributed_optimizer_saves_model_consolidates_to_megatrons_own_ten
 
 # -- refusals -------------------------------------------------------------------------------------
 
-class _MegatronFree(pickle.Unpickler):
-    """Loads a rank file without megatron: its Enum-valued arguments as their values."""
-
-    def find_class(self, module, name):
-        if module.startswith("megatron."):
-            return lambda value: value
-        return super().find_class(module, name)
-
-
-def _resave(path: Path, edit) -> None:
-    import torch
-
-    state = torch.load(path, weights_only=False, pickle_module=types.SimpleNamespace(
-        Unpickler=_MegatronFree, load=pickle.load, __name__="pickle"))
-    edit(state)
-    torch.save(state, path)
-
-
 def _no_optimizer(folder: Path) -> None:
-    _resave(folder / "mp_rank_01_001/model_optim_rng.pt", lambda state: state.pop("optimizer"))
+    resave(folder / "mp_rank_01_001/model_optim_rng.pt", lambda state: state.pop("optimizer"))
 
 
 def _groups_only(state) -> None:
@@ -373,7 +354,7 @@ def _groups_only(state) -> None:
 
 def _distributed_without_its_file(folder: Path) -> None:
     for rank in sorted(folder.glob("mp_rank_*")):
-        _resave(rank / "model_optim_rng.pt", _groups_only)
+        resave(rank / "model_optim_rng.pt", _groups_only)
 
 
 def _distributed_of_another_layout(folder: Path) -> None:
@@ -381,12 +362,12 @@ def _distributed_of_another_layout(folder: Path) -> None:
     import torch
 
     for rank in sorted(folder.glob("mp_rank_*")):
-        _resave(rank / "model_optim_rng.pt", _groups_only)
+        resave(rank / "model_optim_rng.pt", _groups_only)
         torch.save({0: {"exp_avg": torch.zeros(4)}}, rank / "distrib_optim.pt")
 
 
 def _distributed_on_one_rank(folder: Path) -> None:
-    _resave(folder / "mp_rank_00_000/model_optim_rng.pt", _groups_only)
+    resave(folder / "mp_rank_00_000/model_optim_rng.pt", _groups_only)
 
 
 def _distrib_optim_of_another_buffer_layout(folder: Path) -> None:
@@ -412,14 +393,14 @@ def _sgd(folder: Path) -> None:
         for held in state["optimizer"]["state"].values():
             held["momentum_buffer"] = held.pop("exp_avg")
 
-    _resave(folder / "mp_rank_01_000/model_optim_rng.pt", edit)
+    resave(folder / "mp_rank_01_000/model_optim_rng.pt", edit)
 
 
 def _mixed_precision(folder: Path) -> None:
     def edit(state):
         state["optimizer"] = {"optimizer": state["optimizer"], "fp32_from_fp16_params": [[], []]}
 
-    _resave(folder / "mp_rank_00_001/model_optim_rng.pt", edit)
+    resave(folder / "mp_rank_00_001/model_optim_rng.pt", edit)
 
 
 def _other_groups(folder: Path) -> None:
@@ -427,7 +408,7 @@ def _other_groups(folder: Path) -> None:
         state["optimizer"]["param_groups"][0]["lr_mult"] = 0.5
 
     for rank in sorted(folder.glob("mp_rank_*")):
-        _resave(rank / "model_optim_rng.pt", edit)
+        resave(rank / "model_optim_rng.pt", edit)
 
 
 REFUSED = {

@@ -37,7 +37,7 @@ from ckpttool.model.keys import KeyRules
 from ckpttool.model.model_view import ModelView, find_model
 from ckpttool.options import AdapterOptions, ConvertOptions, SourceOptions, WriteOptions
 from ckpttool.outputs import atomic_directory, atomic_output, check_destination, refuse_overlap
-from ckpttool.naming import Family, megatron_config, nemo_config
+from ckpttool.naming import Family, saved_config
 from ckpttool.model.quantization import Quantization, QuantizedWeight
 from ckpttool.plan.consolidate import (ConsolidatePlan, OutputFormat, Selection, Tie, plan_consolidate, quantizable,
                                        select)
@@ -270,7 +270,8 @@ def as_transformers(checkpoint: Checkpoint, config: Mapping[str, Any] | None, fo
         return None
     selection = select(checkpoint, view, KeyRules(), OutputFormat("torch", False, None))
     if config is None:  # no config.json: a Megatron-LM checkpoint's own arguments, or NeMo 2's context/, make one
-        config = megatron_config.config_beside(checkpoint.path, follow_symlinks) or nemo_config.config_beside(checkpoint.path)
+        saved = saved_config.beside(checkpoint.path, follow_symlinks)
+        config = saved.config if saved is not None else None
     family = naming.find_family(selection.tensors, naming.FAMILIES, config, str(checkpoint.path))
     if family is None:
         return None

@@ -260,12 +260,9 @@ def _keeps_megatron_args(checkpoint: Checkpoint) -> bool:
     """True for a local Megatron-LM checkpoint whose arguments give its config.json (a
     `torch_dist` save's common.pt, a legacy save's rank files): export needs no --assets for it,
     and neither does diff against that export. File names only."""
-    from ckpttool.readers.detect import MEGATRON_COMMON, legacy_rank_dirs
+    from ckpttool.naming import megatron_config
 
-    if isinstance(checkpoint.path, RemotePath):
-        return False
-    path = Path(checkpoint.path)
-    return (path / MEGATRON_COMMON).is_file() or bool(legacy_rank_dirs(path))
+    return not isinstance(checkpoint.path, RemotePath) and megatron_config.args_file_beside(checkpoint.path) is not None
 
 
 def _transformers_named(checkpoint: Checkpoint, model_prefix: str | None) -> bool:

@@ -2,8 +2,8 @@
 
 The pipeline: plan the weights once with consolidate's planning step (`plan_output`: the
 source read once, gated, selected, located; no byte written) -> read the assets'
-`config.json` (or Megatron-LM's arguments in `common.pt`: naming/megatron_config.py, NeMo 2's
-context/model.yaml: naming/nemo_config.py, or the
+`config.json` (or the one the save itself states, Megatron-LM's arguments or NeMo 2's
+context/model.yaml: naming/saved_config.py, or the
 trainer's stored `train.config`) -> check the planned keys and shapes
 against what the config's architecture expects (and a reference index's key set) -> lay out
 every other file (config.json with the written dtype, generation and tokenizer files, the
@@ -43,7 +43,7 @@ from ckpttool.dcp.blobs import DataFiles
 from ckpttool.core.errors import CheckpointError, InvalidCheckpoint, UsageError, WriteFailed
 from ckpttool.run.execute import write_file
 from ckpttool.check.expected_keys import transformers_expected, transformers_missing
-from ckpttool.naming import megatron_config, nemo_config
+from ckpttool.naming import saved_config
 from ckpttool.store.safepaths import read_json_object
 from ckpttool.formats import hub
 from ckpttool.formats.card import CARD_FILENAME, CardFacts, CardTensor, model_card
@@ -142,9 +142,11 @@ def export(
         check_destination(target, write.force, write.notify)
     config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
     config_from = str(asset_dir / CONFIG_FILENAME) if config is not None and asset_dir is not None else None
-    from_save, from_save_at = _framework_config(src, source)  # read beside --assets too: refuses what it cannot state
-    if config is None:
-        config, config_from = from_save, from_save_at
+    # read beside --assets too: a setting the tables cannot represent (rotary_interleaved, zero-centred
+    # norms, ...) changes the forward whatever config.json says, and is refused naming the argument or field
+    saved = saved_config.found_in(src, source.follow_symlinks)
+    if config is None and saved is not None:
+        config, config_from = saved.config, saved.where
     tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
     weights_convert = replace(convert, max_shard_size=convert.shard_bytes or parse_size(hub.DEFAULT_MAX_SHARD_SIZE),
                               drop_tied=convert.drop_tied or tied)
@@ -255,20 +257,6 @@ def _not_converted(plan: ConsolidatePlan, planned: Planned) -> list[str]:
     quantized = set(planned.quantized_keys)
     return sorted({t.key[: -len(".weight")] for t in plan.tensors
                    if t.key.endswith(".weight") and len(t.shape) == 2 and t.key not in quantized})
-
-
-def _framework_config(src: str | os.PathLike, source: SourceOptions) -> tuple[dict | None, str | None]:
-    """Return the config.json a framework's own save states and where: Megatron-LM's arguments in
-    `common.pt`, NeMo 2's `context/model.yaml`; (None, None) for any other source. Read even beside
-    --assets: a setting the tables cannot represent (rotary_interleaved, zero-centred norms, ...)
-    changes the forward whatever config.json says, and is refused naming the argument or field."""
-    if (common := megatron_config.common_file(src)) is not None:
-        from_args = megatron_config.megatron_hf_config(common, source.follow_symlinks)
-        if from_args is not None:
-            return from_args, f"{common}: {megatron_config.ARGS}"
-    if (context := nemo_config.context_dir(src)) is not None:  # read as data: nemo_config's docstring
-        return nemo_config.nemo_hf_config(context), str(context / nemo_config.MODEL_YAML)
-    return None, None
 
 
 def _own_folders(src: str | os.PathLike, source: SourceOptions) -> list[Any]:

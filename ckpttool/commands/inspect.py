@@ -411,21 +411,16 @@ def _family(checkpoint: Checkpoint, view: ModelView, config: dict | None = None
 
 
 def _saved_config(path: Path | str) -> tuple[dict, str] | None:
-    """The config.json a framework's save states (what export reads without --assets) and where:
-    Megatron-LM's arguments in common.pt or a legacy rank file (naming/megatron_config.py), NeMo
-    2's context/model.yaml (naming/nemo_config.py); None for any other source, or one no
+    """The config.json the save itself states (what export reads without --assets) and which of
+    its files states it (naming/saved_config.py); None for any other source, or one no
     transformers config represents (export says which)."""
-    from ckpttool.naming import megatron_config, nemo_config
+    from ckpttool.naming import saved_config
 
     try:
-        if (common := megatron_config.common_file(path)) is not None and \
-                (config := megatron_config.megatron_hf_config(common)) is not None:
-            return config, f"{common.name}'s Megatron-LM arguments"
-        if (context := nemo_config.context_dir(path)) is not None:
-            return nemo_config.nemo_hf_config(context), f"NeMo's {context.name}/{nemo_config.MODEL_YAML}"
+        saved = saved_config.beside(path)
     except CheckpointError:
         return None
-    return None
+    return (saved.config, saved.label) if saved is not None else None
 
 
 def _quantization(checkpoint: Checkpoint, config: dict | None, model: set[str]) -> QuantizationInfo | None:

@@ -118,24 +118,20 @@ def common_file(src: str | os.PathLike) -> Path | None:
     if not common and not legacy:
         return None
     detection = detect(path)
-    if detection.layout == MEGATRON:
-        return detection.path / MEGATRON_COMMON
-    if detection.layout == MEGATRON_LEGACY and (ranks := legacy_rank_dirs(detection.path)):
-        return detection.path / ranks[0] / MEGATRON_LEGACY_FILE
-    return None
+    return args_file_beside(detection.path) if detection.layout in (MEGATRON, MEGATRON_LEGACY) else None
 
 
-def config_beside(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
-    """Return `megatron_hf_config` of the arguments in the checkpoint folder `path` (common.pt,
-    or a legacy save's first rank file), or None when it has none (any other layout, a remote one
-    too) or they store no arguments."""
+def args_file_beside(path: str | os.PathLike) -> Path | None:
+    """Return the file holding the Megatron-LM arguments in the checkpoint folder `path` (what a
+    reader's Checkpoint.path is): its common.pt, or a legacy save's first rank file; None for any
+    other folder (a remote one too). File names only: nothing is read or detected."""
     if storage.is_remote(path):
         return None
-    if (Path(path) / MEGATRON_COMMON).is_file():
-        return megatron_hf_config(Path(path) / MEGATRON_COMMON, follow_symlinks)
-    if ranks := legacy_rank_dirs(Path(path)):
-        return megatron_hf_config(Path(path) / ranks[0] / MEGATRON_LEGACY_FILE, follow_symlinks)
-    return None
+    folder = Path(path)
+    if (folder / MEGATRON_COMMON).is_file():
+        return folder / MEGATRON_COMMON
+    ranks = legacy_rank_dirs(folder)
+    return folder / ranks[0] / MEGATRON_LEGACY_FILE if ranks else None
 
 
 def read_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:

@@ -60,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -73,10 +72,9 @@ from ckpttool.naming.fused import FusedLayout
 from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY
 from ckpttool.readers.megatron import MODEL_SUBTREE, model_view, stacked_split, unstack
 from ckpttool.readers.megatron_legacy_optimizer import read_legacy_optimizer
-from ckpttool.torchsave import archive
 from ckpttool.torchsave.archive import saved_value
 from ckpttool.torchsave.pickle import dumps
-from ckpttool.torchsave.record import _Rebuilt
+from ckpttool.torchsave.record import _Rebuilt, record_bytes
 from ckpttool.torchsave.stored import file_entries, load_data_pkl, raw_blob, stored_dtype
 
 TRANSFORMERS = "transformers"  # reshard --to transformers
@@ -147,7 +145,7 @@ class Migration:
         for name in self.parameters:
             if name in self.step_values:
                 fqn = f"{_state(name)}.{STEP}"
-                objects[fqn], nesting[fqn] = Object(fqn, None, _saved_step(self.step_values[name])), (*OPTIM_STATE, name, STEP)
+                objects[fqn], nesting[fqn] = Object(fqn, None, record_bytes("float32", (), struct.pack("<f", self.step_values[name]))), (*OPTIM_STATE, name, STEP)
         for number, group in enumerate(self.groups):
             for key, value in sorted({**dict(group.settings), "params": list(group.members)}.items()):
                 path = (*OPTIM_GROUPS, number, key)
@@ -156,16 +154,6 @@ class Migration:
         return dataclasses.replace(converted, tensors=dict(sorted(tensors.items())), objects=dict(sorted(objects.items())),
                                    nesting=nesting, model_prefix=MODEL,
                                    parameters=frozenset(f"{MODEL}.{name}" for name in self.parameters))
-
-
-def _saved_step(step: float) -> bytes:
-    """The bytes torch.save writes for `torch.tensor(step, dtype=torch.float32)` (torch's Adam step)."""
-    data = struct.pack("<f", step)
-    layout = archive.lay_out(dumps(archive.tensor("0", "float32", ())), [len(data)])
-    out = bytearray(layout.length)
-    for offset, part in [*archive.writes(layout, [zlib.crc32(data)]), (layout.storages[0].data_offset, data)]:
-        out[offset:offset + len(part)] = part
-    return bytes(out)
 
 
 def _state(name: str) -> str:

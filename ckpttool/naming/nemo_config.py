@@ -109,8 +109,8 @@ def context_dir(src: str | os.PathLike) -> Path | None:
     if storage.is_remote(src) or not os.path.isdir(src):
         return None
     path = Path(src)
-    if path.name == NEMO2_WEIGHTS and is_nemo2(path.parent):
-        return path.parent / NEMO2_CONTEXT
+    if (beside := context_beside(path)) is not None:
+        return beside
     if not (path / NEMO2_CONTEXT).is_dir() and not any(path.glob(f"*/{NEMO2_CONTEXT}")) \
             and not any(path.glob(f"*/*/{NEMO2_CONTEXT}")):
         return None
@@ -123,12 +123,12 @@ def context_dir(src: str | os.PathLike) -> Path | None:
     return None
 
 
-def config_beside(path: str | os.PathLike) -> dict[str, Any] | None:
-    """Return `nemo_hf_config` of the NeMo 2 checkpoint whose `weights/` folder is `path` (what
-    a reader's Checkpoint.path is), or None for any other folder (a remote one too)."""
+def context_beside(path: str | os.PathLike) -> Path | None:
+    """Return the `context/` folder of the NeMo 2 checkpoint whose `weights/` folder is `path`
+    (what a reader's Checkpoint.path is), or None for any other folder (a remote one too)."""
     if storage.is_remote(path) or Path(path).name != NEMO2_WEIGHTS or not is_nemo2(Path(path).parent):
         return None
-    return nemo_hf_config(Path(path).parent / NEMO2_CONTEXT)
+    return Path(path).parent / NEMO2_CONTEXT
 
 
 def read_model_yaml(path: str | os.PathLike) -> dict[str, Any]:
