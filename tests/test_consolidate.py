@@ -29,7 +29,7 @@ from ckpttool.options import ConvertOptions, WriteOptions
 from ckpttool.run import execute
 from ckpttool.commands.consolidate import consolidate
 from ckpttool.core.errors import VerificationFailed
-from ckpttool.plan.operations import Copy
+from ckpttool.plan.operations import Band, Copy
 from ckpttool.outputs.temps import TEMP_PREFIX
 
 CKPTTOOL = Path(sys.executable).with_name("ckpttool")
@@ -151,7 +151,10 @@ def test_trainer_optimizer_state_with_all_equals_torch(name, written, reference,
 def test_block_sharding_and_hsdp_replicas_are_planned_as_expected(written):
     report = consolidate(written["block_tied_buffers"], "unused.safetensors", write=WriteOptions(dry_run=True))
     operations = {t.key: t.operations for t in report.plan.tensors}
-    assert len(operations["block.weight"]) == 4  # 2x2 blocks, each gathered and scattered
+    (band,) = operations["block.weight"]  # 2x2 blocks of short rows: one band of whole rows
+    block = next(t for t in report.plan.tensors if t.key == "block.weight")
+    assert isinstance(band, Band) and (band.offset, band.length) == (block.offset, block.nbytes)
+    assert sorted(part.chunk for part in band.parts) == [0, 1, 2, 3]
     assert all(isinstance(op, Copy) for op in operations["fc.weight"])
     assert len(operations["fc.weight"]) == 2  # 2 shards; the replica's copies are not read again
 

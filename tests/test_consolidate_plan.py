@@ -17,8 +17,8 @@ from ckpttool.formats import hub, safetensors
 from ckpttool.model.keys import KeyRules, Rename, normalise, output_keys
 from ckpttool.model.model_view import find_model
 from ckpttool.plan import unique_chunks
-from ckpttool.plan.consolidate import plan_tensor, target_dtype
-from ckpttool.plan.operations import CONVERT_BLOCK, Convert, Copy, Gather
+from ckpttool.plan.consolidate import bands, plan_tensor, target_dtype
+from ckpttool.plan.operations import CONVERT_BLOCK, GATHER_PART, Band, Convert, Copy, Gather
 from ckpttool.torchsave import ptfile
 
 
@@ -101,14 +101,37 @@ def test_dim0_chunks_become_one_copy_each_at_their_row_offset():
     )  # the empty shard of rank 3 is skipped
 
 
-def test_block_sharded_chunks_are_gathered_and_scattered_row_by_row():
+def test_block_sharded_chunks_are_assembled_in_a_band_of_whole_rows():
     t = tensor("w", (2, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2))])
-    operations = plan_tensor(t, raw_for(t), "float32", "out", 0)
-    assert [type(op) for op in operations] == [Gather, Gather]
+    (band,) = plan_tensor(t, raw_for(t), "float32", "out", 0)
+    assert isinstance(band, Band) and (band.offset, band.length) == (0, 32)
     # (offset in the chunk's bytes, output offset, length): each chunk row lands in its output row
-    assert operations[0].pieces == ((0, 0, 8), (8, 16, 8))
-    assert operations[1].pieces == ((0, 8, 8), (8, 24, 8))
-    assert operations[0].memory == 16  # one chunk
+    assert band.parts[0].pieces == ((0, 0, 8), (8, 16, 8))
+    assert band.parts[1].pieces == ((0, 8, 8), (8, 24, 8))
+    assert [part.source for part in band.parts] == [RawData("__0_0.distcp", 1000, 16), RawData("__1_0.distcp", 1000, 16)]
+    assert band.memory == 32 + 16  # the band, and one chunk's rows at a time
+
+
+def test_a_band_reads_only_its_rows_of_each_chunk_and_casts_them():
+    t = tensor("w", (4, 8), [((0, 0), (4, 4)), ((0, 4), (4, 4))])
+    raw = raw_for(t)
+    first, second = bands([op for op in _gathers(t, raw, "bfloat16")], 16, 0, 32)
+    assert (first.offset, first.length, second.offset, second.length) == (0, 32, 32, 32)
+    # rows 2-3 of each [4, 4] float32 chunk: bytes 32-63 of its raw data; pieces in bf16 bytes
+    assert [part.source for part in second.parts] == [RawData("__0_0.distcp", 1032, 32), RawData("__1_0.distcp", 1032, 32)]
+    assert second.parts[1].pieces == ((0, 40, 8), (8, 56, 8))
+
+
+def test_wide_pieces_and_decoded_chunks_stay_whole_gathers():
+    wide = tensor("w", (2, 2 * GATHER_PART), [((0, 0), (2, GATHER_PART)), ((0, GATHER_PART), (2, GATHER_PART))], "uint8")
+    assert [type(op) for op in plan_tensor(wide, raw_for(wide), "uint8", "out", 0)] == [Gather, Gather]
+    t = tensor("w", (2, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2))])
+    assert [type(op) for op in plan_tensor(t, {0: None, 1: raw_for(t)[1]}, "float32", "out", 0)] == [Gather, Gather]
+
+
+def _gathers(t, raw, dtype):
+    return [Gather(op.tensor, op.chunk, op.source, op.dtype, op.dst, op.pieces)
+            for band in plan_tensor(t, raw, dtype, "out", 0) for op in band.parts]
 
 
 def test_replicated_boxes_are_read_once():

@@ -35,7 +35,7 @@ from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_
 from ckpttool.core.errors import InvalidCheckpoint, UnsupportedFormat, UsageError
 from ckpttool.dcp.blobs import RawData
 from ckpttool.plan.consolidate import ConsolidatePlan
-from ckpttool.plan.operations import Copy, Gather, Operation, Record, Records
+from ckpttool.plan.operations import Band, Copy, Gather, Operation, Record, Records
 from ckpttool.plan.rank_files import ReshardWrites
 from ckpttool.plan.reshard import ReshardPlan
 
@@ -234,9 +234,9 @@ def check_same_model(names: Sequence[str], models: Sequence[Mapping[str, Tensor]
 def source_map(tensor_offset: int, operations: Sequence[Operation]) -> SourceMap:
     """Return where a source holds each byte of a tensor, from the operations consolidate
     planned to write it at `tensor_offset` of its output (Copy: a raw run; Gather: pieces of a
-    chunk, raw or decoded)."""
+    chunk, raw or decoded; Band: the Gathers of its rows)."""
     segments: list[Segment] = []
-    for op in operations:
+    for op in [part for each in operations for part in (each.parts if isinstance(each, Band) else (each,))]:
         if isinstance(op, Copy):
             segments.append(Segment(op.dst_offset - tensor_offset, RawData(op.src, op.src_offset, op.length)))
         elif isinstance(op, Gather) and op.dtype == op.tensor.dtype:

@@ -27,8 +27,8 @@ from ckpttool.model.keys import KeyRules, match_dtype, normalise, output_keys
 from ckpttool.core.geometry import row_major_runs, slab_rows, slab_runs
 from ckpttool.model.model_view import ModelView
 from ckpttool.plan import unique_chunks
-from ckpttool.plan.operations import (CONVERT_BLOCK, DEQUANTIZE_ELEMENTS, Convert, Copy, Dequantize, Gather, Operation,
-                                      Quantize, Rows)
+from ckpttool.plan.operations import (CONVERT_BLOCK, DEQUANTIZE_ELEMENTS, GATHER_PART, STREAM_BLOCK, Band, Convert, Copy,
+                                      Dequantize, Gather, Operation, Quantize, Rows)
 from ckpttool.model.quantization import QuantizedWeight
 from ckpttool.torchsave import ptfile
 
@@ -272,7 +272,8 @@ def plan_tensor(tensor: Tensor, located: Mapping[int, RawData | None], dtype: st
 
     `located` holds each distinct chunk's raw bytes (None: its blob must be decoded); a
     chunk that is one contiguous run of the output is copied (or converted) as it is, any
-    other is gathered in memory and written row by row.
+    other is gathered in memory and written row by row, or, when every chunk is raw bytes
+    cut into short row pieces (a weight split on dim 1), in bands of whole rows (`bands`).
     """
     itemsize = dtypes.ITEMSIZE[dtype]
     source_itemsize = dtypes.ITEMSIZE[tensor.dtype]
@@ -298,7 +299,51 @@ def plan_tensor(tensor: Tensor, located: Mapping[int, RawData | None], dtype: st
             pieces.append((at, offset + start, length))
             at += length
         operations.append(Gather(tensor, index, raw, dtype, file, tuple(pieces)))
+    gathers = [op for op in operations if type(op) is Gather]
+    if len(gathers) > 1 and len(gathers) == len(operations):
+        return tuple(bands(gathers, math.prod(tensor.shape[1:]) * itemsize, offset))
     return tuple(operations)
+
+
+def bands(gathers: list[Gather], row: int, offset: int, size: int = STREAM_BLOCK) -> list[Operation]:
+    """Return `gathers` (all the chunks of one tensor written at `offset`, `row` output bytes
+    a row) as Bands of whole rows, about `size` output bytes each, when every chunk is raw
+    bytes written as row pieces shorter than GATHER_PART on average; else `gathers` as they are.
+
+    A band reads, of each chunk, only the raw bytes of its rows in the band: the pieces of a
+    chunk lie in the output in the order of its bytes, so those are one run of them.
+
+    Example (a [4, 8] float32 weight cut on dim 1 into two [4, 4] chunks):
+        >>> [(op.offset, op.length, [p.source.length for p in op.parts]) for op in bands(gathers, 32, 0, 64)]
+        [(0, 64, [32, 32]), (64, 64, [32, 32])]
+    """
+    pieces = [piece for op in gathers for piece in op.pieces]
+    if (row <= 0 or any(op.source is None for op in gathers)
+            or sum(length for _, _, length in pieces) >= GATHER_PART * len(pieces)):
+        return list(gathers)
+    rows = max(1, size // row)
+    end = offset + sum(length for _, _, length in pieces)
+    out: list[Operation] = []
+    for start in range(offset, end, rows * row):
+        stop = min(end, start + rows * row)
+        parts = []
+        for op in gathers:
+            inside = [piece for piece in op.pieces if start <= piece[1] < stop]
+            if not inside:
+                continue
+            if any(at + length > stop for _, at, length in inside):
+                return list(gathers)  # a piece crosses rows: keep the chunks whole
+            assert op.source is not None
+            first, last = inside[0][0], inside[-1][0] + inside[-1][2]
+            out_item, src_item = dtypes.ITEMSIZE[op.dtype], op.tensor.itemsize
+            source = RawData(op.source.file, op.source.offset + first // out_item * src_item,
+                             (last - first) // out_item * src_item)
+            parts.append(Gather(op.tensor, op.chunk, source, op.dtype, op.dst,
+                                tuple((at_chunk - first, at, length) for at_chunk, at, length in inside)))
+        if sum(length for part in parts for _, _, length in part.pieces) != stop - start:
+            return list(gathers)  # the chunks do not tile these rows: keep them whole
+        out.append(Band(gathers[0].dst, start, stop - start, tuple(parts)))
+    return out
 
 
 def plan_dequantize(weight: QuantizedWeight, codes: Tensor, codes_located: Mapping[int, RawData | None], scale: Tensor,

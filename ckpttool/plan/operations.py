@@ -9,6 +9,8 @@ kinds, and `execute` runs any list of them (with one memory budget) and verifies
 - `Convert`: a contiguous run that is cast (`--dtype`), in blocks of `CONVERT_BLOCK`;
 - `Gather`: a chunk read whole (decoded when its blob is transformed or strided), cast if
   asked, and written as pieces (block / 2-D sharding, or a decoded source);
+- `Band`: whole output rows that several chunks fill side by side (a weight cut on dim 1:
+  row-parallel TP), assembled in memory from a Gather of each chunk's rows and written once;
 - `Record`: a torch.save record of one chunk (reshard): its head, the data of its parts
   (each a Copy or Gather), and the tail that carries the CRC-32 of that data;
 - `Records`: many such records laid end to end in one output, each filled by one run of
@@ -127,9 +129,32 @@ class Gather:
 
     @property
     def memory(self) -> int:
-        numel = self.tensor.chunks[self.chunk].numel
-        cast = dtypes.ITEMSIZE[self.dtype] if self.dtype != self.tensor.dtype else 0
-        return numel * (self.tensor.itemsize + cast)
+        # the bytes read (the chunk, or the rows of it a Band takes: `source`), and their cast copy
+        read = self.source.length if self.source is not None else self.tensor.chunks[self.chunk].numel * self.tensor.itemsize
+        cast = read // self.tensor.itemsize * dtypes.ITEMSIZE[self.dtype] if self.dtype != self.tensor.dtype else 0
+        return read + cast
+
+
+@dataclass(frozen=True)
+class Band:
+    """Output bytes [offset, offset + length) of `dst`: whole rows of one tensor that the
+    `parts` fill side by side, each a Gather of one chunk's rows in the band (its `source` the
+    raw bytes of those rows; its pieces' output offsets inside the band, together covering it
+    once). Assembled in one buffer and written with one write, instead of one write per row
+    piece: a weight cut on dim 1 into TP ranks has a piece per row and rank."""
+
+    dst: str
+    offset: int
+    length: int
+    parts: tuple[Gather, ...]
+
+    @property
+    def output_length(self) -> int:
+        return self.length
+
+    @property
+    def memory(self) -> int:
+        return self.length + max((part.memory for part in self.parts), default=0)
 
 
 @dataclass(frozen=True)
@@ -292,4 +317,4 @@ class Quantize:
         return self.source.nbytes + 4 * self.source.nbytes // max(1, self.source.tensor.itemsize) + self.output_length
 
 
-Operation = Copy | Put | Convert | Gather | Record | Records | Dequantize | Quantize
+Operation = Copy | Put | Convert | Gather | Band | Record | Records | Dequantize | Quantize

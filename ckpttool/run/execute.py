@@ -28,7 +28,8 @@ from ckpttool.run.dequantizing import dequantized_bytes, quantized_bytes, row_ra
 from ckpttool.dcp.blobs import DataFiles, read_chunk
 from ckpttool.core.errors import CorruptBlob, VerificationFailed
 from ckpttool.store.io import Output, Task, copy_range, run_tasks, thread_buffer, write_at
-from ckpttool.plan.operations import STREAM_BLOCK, Convert, Copy, Dequantize, Gather, Operation, Put, Quantize, Record, Records
+from ckpttool.plan.operations import (STREAM_BLOCK, Band, Convert, Copy, Dequantize, Gather, Operation, Put, Quantize, Record,
+                                      Records)
 from ckpttool.torchsave.ptfile import crc32_combine
 from ckpttool.torchsave.record import RecordLayout, record_layout
 
@@ -210,6 +211,8 @@ def source_ranges(op: Operation) -> list[tuple[str, int, int]]:
         return row_ranges(op.source)
     if isinstance(op, Put):
         return []
+    if isinstance(op, Band):
+        return [span for part in op.parts for span in source_ranges(part)]
     source = op.source if op.source is not None else op.tensor.chunks[op.chunk].blob
     return [(source.file, source.offset, source.offset + source.length)] if source is not None else []
 
@@ -433,7 +436,7 @@ def _piece_offsets(part: Copy | Gather) -> list[int]:
     return [part.dst_offset] if isinstance(part, Copy) else [offset for _, offset, _ in part.pieces]
 
 
-def output_blocks(op: Convert | Gather | Copy | Put | Dequantize | Quantize, files: DataFiles, decoded: dict,
+def output_blocks(op: Convert | Gather | Band | Copy | Put | Dequantize | Quantize, files: DataFiles, decoded: dict,
                   block: int = STREAM_BLOCK) -> Iterator[tuple[int, bytes | memoryview]]:
     """Yield (output offset, bytes) that `op` writes, in output order; a block is valid only
     until the next is asked for (they share this thread's buffers). `decoded` caches decoded
@@ -456,6 +459,8 @@ def output_blocks(op: Convert | Gather | Copy | Put | Dequantize | Quantize, fil
         yield op.dst_offset, quantized_bytes(op, files)
     elif isinstance(op, Put):
         yield op.dst_offset, op.data
+    elif isinstance(op, Band):
+        yield op.offset, band_bytes(op, files)
     else:
         key = (op.tensor.fqn, op.chunk, op.dtype)
         data = decoded.get(key)
@@ -464,6 +469,22 @@ def output_blocks(op: Convert | Gather | Copy | Put | Dequantize | Quantize, fil
         view = memoryview(data)
         for start, offset, length in op.pieces:
             yield offset, view[start:start + length]
+
+
+def band_bytes(op: Band, files: DataFiles) -> memoryview:
+    """Return the band's output bytes: each part's rows read (and cast), its pieces placed."""
+    band = memoryview(thread_buffer(op.length, "band"))[:op.length]
+    for part in op.parts:
+        source = part.source
+        if source is not None and part.dtype == part.tensor.dtype:  # read in place: no bytes object per part
+            data = memoryview(thread_buffer(source.length, "read"))[:source.length]
+            files.read_into(source.file, source.offset, data)
+        else:
+            data = memoryview(gather_bytes(part, files))
+        for start, at, length in part.pieces:
+            at -= op.offset
+            band[at:at + length] = data[start:start + length]
+    return band
 
 
 def gather_bytes(op: Gather, files: DataFiles) -> bytes:
@@ -524,7 +545,7 @@ def output_crc(fd: int, offset: int, length: int, operations: Sequence[Operation
 def first_offset(op: Operation) -> int:
     if isinstance(op, Gather):
         return min(offset for _, offset, _ in op.pieces) if op.pieces else 0
-    return op.offset if isinstance(op, (Record, Records)) else op.dst_offset
+    return op.offset if isinstance(op, (Record, Records, Band)) else op.dst_offset
 
 
 def verify(operations: Iterable[Operation], files: DataFiles, outputs: Mapping[str, int], *, threads: int,
