@@ -82,8 +82,9 @@ class ConvertOptions:
     weights (`everything`), `filters` globs, wrapper names kept (`keep_keys`), `--rename`
     rules, a `dtype` for floating tensors and per-key `dtype_map` (`GLOB=DTYPE`), one copy of
     tied weights (`drop_tied`), the largest shard of a directory output (`max_shard_size`),
-    `quantize="fp8"` to write the linear weights as fine-grained FP8 in `block`s, and the framework
-    tensors a naming table may leave out although they change the outputs (`drops`, globs)."""
+    `quantize="fp8"` to write the linear weights as fine-grained FP8 in `block`s, the framework
+    tensors a naming table may leave out although they change the outputs (`drops`, globs), and
+    the vocabulary export cuts Megatron's padded rows to (`vocab_size`; None: what the save states)."""
 
     everything: bool = False
     filters: tuple[str, ...] = ()
@@ -96,6 +97,8 @@ class ConvertOptions:
     quantize: str | None = None  # "fp8": write fine-grained FP8 (formats.fp8) from a bf16/fp32 source
     block: tuple[int, int] = (128, 128)  # --quantize fp8's block (rows, cols)
     drops: tuple[str, ...] = ()  # --drop: globs of framework tensors export may leave out although they change the outputs
+    # --vocab-size: export writes the first N rows of Megatron's padded embedding and output layer, config.json says N
+    vocab_size: int | None = None
     # derived, checked when built
     rules: KeyRules = field(init=False, repr=False, compare=False)
     cast: str | None = field(init=False, repr=False, compare=False)  # the torch dtype name of `dtype`
@@ -120,6 +123,8 @@ class ConvertOptions:
         object.__setattr__(self, "block", block)
         if self.quantize and (self.dtype or self.dtype_map):
             raise UsageError("--quantize fp8 writes float8 weights with float32 scales: --dtype and --dtype-map do not apply")
+        if self.vocab_size is not None and (type(self.vocab_size) is not int or self.vocab_size <= 0):
+            raise UsageError(f"--vocab-size {self.vocab_size!r}: a positive number of tokens")
 
 
 @dataclass(frozen=True)

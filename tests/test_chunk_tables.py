@@ -48,6 +48,8 @@ NOT_CHECKPOINTS = {
     "frameworks", "frameworks/accelerate", "frameworks/composer", "frameworks/deepspeed",
     "frameworks/deepspeed/trainer_llama_zero2", "frameworks/lightning", "frameworks/lightning/checkpoints",
     "frameworks/megatron", "frameworks/megatron_families",
+    # run folders checkpoints/ beside Megatron-Bridge's export hf/
+    "frameworks/megatron_fsdp_dtensor", "frameworks/megatron_fsdp_dtensor/with_optimizer", "frameworks/megatron_torch_dcp",
     "frameworks/olmo_core", "frameworks/olmo_core/run/step2/train", "frameworks/torchtitan",
     "frameworks/torchtitan/hf_config", "frameworks/torchtitan_families",
     "frameworks/torchtitan_families/qwen3_moe/ep2_world4", "frameworks/torchtitan_model_only",
@@ -63,8 +65,16 @@ NOT_CHECKPOINTS = {
     "frameworks/megatron_legacy/hf", "frameworks/megatron_legacy/virtual_pipeline/hf",
     "frameworks/megatron_legacy_distopt/hf",  # and its rank folders, refused as megatron_legacy's are:
     *(f"frameworks/megatron_legacy_distopt/checkpoints/iter_0000002/mp_rank_{t:02d}_{p:03d}" for t in range(2) for p in range(2)),
+    "frameworks/megatron_legacy_distopt_dp2/hf",  # and its rank folders (pipeline parallel 1: mp_rank_TT)
+    *(f"frameworks/megatron_legacy_distopt_dp2/checkpoints/iter_0000002/mp_rank_{t:02d}" for t in range(2)),
+    # Megatron-DeepSpeed's two saves and its reference; the legacy save's rank folders, refused as megatron_legacy's are
+    "frameworks/megatron_deepspeed",
+    *(f"frameworks/megatron_deepspeed/checkpoints/iter_0000002/mp_rank_{t:02d}" for t in range(2)),
+    "frameworks/megatron_deepspeed/pipeline",
+    *(f"frameworks/megatron_deepspeed/pipeline/checkpoints/iter_0000002/mp_rank_{t:02d}_{p:03d}" for t in range(2)
+      for p in range(2)),
     "frameworks/torchtitan_import", "frameworks/megatron_import", "frameworks/megatron_import/llama",
-    "frameworks/megatron_import/qwen3_moe", "frameworks/megatron_more_families",
+    "frameworks/megatron_import/qwen3_moe", "frameworks/megatron_more_families", "frameworks/megatron_gpt_oss",
     # NeMo 2: context/ holds the model's config, not weights; nemo2/ holds the run and NeMo's export of it
     "frameworks/nemo2",
     *(f"frameworks/nemo2/llama/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0{last}/context"

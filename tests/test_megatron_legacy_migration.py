@@ -7,12 +7,17 @@ Fixtures (fixtures/frameworks/generate_megatron_legacy.py, megatron-core 0.16.1 
 core_v0.16.1 `save_checkpoint`, TP 2 x PP 2, 2 Adam steps by Megatron's FP32Optimizer over torch
 AdamW): `megatron_legacy/` and its `virtual_pipeline/` (2 model chunks per rank); and
 `megatron_legacy_distopt/` (fixtures/frameworks/generate_megatron_legacy_distopt.py: the same run
-with --use-distributed-optimizer, so distrib_optim.pt beside each rank's file). The reference,
+with --use-distributed-optimizer, so distrib_optim.pt beside each rank's file); and
+`megatron_legacy_distopt_dp2/` (generate_megatron_legacy_distopt_dp2.py: TP 2 x DP 2, the
+distributed optimizer's buffers cut into 9 buckets each, every DP rank stepping its half; its
+reference is Megatron-LM's own load_checkpoint of the save, tests/test_megatron_distopt.py says
+more). The reference,
 `optimizer_expected.json` beside each, is Megatron's own, by parameter identity, placed in the
 global tensor by Megatron's sharding metadata (sha256 per tensor, the step's bytes, the group's
 settings): each parameter's AdamW state after Megatron-LM's own `load_checkpoint` of the save
-(generate_megatron_legacy_optimizer.py), or, for the distributed optimizer (whose reload is not run
-on CPU), the live optimizer's state just before the save. No megatron is imported here.
+(generate_megatron_legacy_optimizer.py; for the DP 2 save generate_megatron_legacy_distopt_dp2.py,
+with two stated workarounds of Megatron's fp32 reload), or, for `megatron_legacy_distopt/`, the live
+optimizer's state just before the save. No megatron is imported here.
 
 The acceptance where Megatron does not step here: every parameter's exp_avg, exp_avg_sq and step,
 loaded into AdamW at world 2 and 3 (the issue's acceptance worlds), equal Megatron's loaded state byte for byte (the transformers
@@ -38,7 +43,10 @@ from ckpttool.outputs.temps import TEMP_PREFIX
 LEGACY = FIXTURES / "frameworks" / "megatron_legacy"
 # the same model saved with --use-distributed-optimizer: distrib_optim.pt beside each rank's file
 DISTRIBUTED = FIXTURES / "frameworks" / "megatron_legacy_distopt"
-SAVES = {"tp2_pp2": LEGACY, "virtual_pipeline": LEGACY / "virtual_pipeline", "distributed_optimizer": DISTRIBUTED}
+# the same model at TP 2 x DP 2 (PP 1), the distributed optimizer's grad buffers in 9 buckets each
+DISTRIBUTED_DP2 = FIXTURES / "frameworks" / "megatron_legacy_distopt_dp2"
+SAVES = {"tp2_pp2": LEGACY, "virtual_pipeline": LEGACY / "virtual_pipeline", "distributed_optimizer": DISTRIBUTED,
+         "distributed_optimizer_dp2": DISTRIBUTED_DP2}
 WORLDS = (2, 3)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 INPUT_IDS = json.loads((LEGACY / "expected.json").read_text())["input_ids"]

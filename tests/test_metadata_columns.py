@@ -27,9 +27,14 @@ DECLINED = {"frameworks/megatron/checkpoints/iter_0000002", "frameworks/megatron
             "frameworks/megatron_more_families/mixtral_ep2/checkpoints/iter_0000003",
             "frameworks/megatron_more_families/qwen2_tp2/checkpoints/iter_0000002",
             "frameworks/megatron_more_families/deepseek_v3_ep2/checkpoints/iter_0000002",
+            "frameworks/megatron_distopt_torch_dist/checkpoints/iter_0000002",
+            "frameworks/megatron_gpt_oss/gpt_oss_ep2/checkpoints/iter_0000002",
             # Megatron-Bridge's own import, saved by dist_checkpointing.save (the reference ckpttool's import equals)
             "frameworks/megatron_import/llama/reference/iter_0000000",
             "frameworks/megatron_import/qwen3_moe/reference/iter_0000000",
+            # Megatron-FSDP's chunk metadata: sizes pickled as torch.Size (uneven_dtensor.py `gather_and_compute_chunk_metadata`)
+            "frameworks/megatron_fsdp_dtensor/checkpoints/iter_0000002",
+            "frameworks/megatron_fsdp_dtensor/with_optimizer/checkpoints/iter_0000002",
             # NeMo 2's weights/, written by NeMo's MegatronCheckpointIO through dist_checkpointing.save
             *(f"frameworks/nemo2/llama/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0{last}/weights"
               for last in ("", "-last"))}

@@ -23,6 +23,7 @@ from ckpttool.cli.running import reports_errors, show
 @click.option("--merge-adapter", "merge_adapter", is_flag=False, flag_value="", default=None, metavar="[NAME]", callback=adapter_name, help=MERGE_HELP)
 @click.option("--quantize", type=click.Choice(["fp8"]), help="Write the projection weights (*_proj) as fine-grained FP8 with float32 weight_scale_inv (DeepSeek's weight_quant), and the matching quantization_config.  [default: keep]")
 @click.option("--block", default="128x128", show_default=True, metavar="RxC", help="--quantize fp8's block size.")
+@click.option("--vocab-size", type=click.IntRange(min=1), metavar="N", help="The tokenizer's vocabulary: write the first N rows of a Megatron or NeMo save's padded embedding and output layer, and config.json vocab_size N.  [default: what the save or --assets states; else every row, said in the output]")
 @click.option("--manifest", "with_manifest", is_flag=True, help="Also write manifest.json: the SHA-256 of every tensor written (`ckpttool manifest` of the folder), in the same atomic commit.")  # manifest (issue 34)
 @lora_options
 @model_prefix_option
@@ -32,7 +33,7 @@ from ckpttool.cli.running import reports_errors, show
 @reports_errors
 def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_shard_size: str | None, drop_tied: bool,
            renames: tuple[str, ...], drops: tuple[str, ...], adapter: str | None, merge_adapter: str | None, quantize: str | None, block: str,
-           with_manifest: bool, lora_alpha, use_rslora, fan_in_fan_out, lora_dropout, base_model_name_or_path, as_json: bool, write,
+           vocab_size: int | None, with_manifest: bool, lora_alpha, use_rslora, fan_in_fan_out, lora_dropout, base_model_name_or_path, as_json: bool, write,
            source) -> None:
     """Write a checkpoint as a folder transformers and the Hugging Face Hub load: safetensors
     shards (or model.safetensors), config.json, tokenizer files and a README.md model card;
@@ -46,9 +47,9 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
     lora = (adapter_options(adapter if adapter is not None else merge_adapter, lora_alpha, use_rslora, fan_in_fan_out,
                             lora_dropout, base_model_name_or_path))
     if adapter is not None:
-        if dtype or max_shard_size or drop_tied or renames or with_manifest:
+        if dtype or max_shard_size or drop_tied or renames or with_manifest or vocab_size is not None:
             raise click.UsageError("--adapter writes PEFT's own file: --dtype, --max-shard-size, --drop-tied, "
-                                   "--rename and --manifest do not apply")
+                                   "--rename, --vocab-size and --manifest do not apply")
         from ckpttool.commands.export_adapter import export_adapter
         from ckpttool.render.lora import adapter_document, adapter_text
 
@@ -59,7 +60,8 @@ def export(src: str, outdir: str, assets: str | None, dtype: str | None, max_sha
     if not (rows.isdigit() and cols.isdigit()):
         raise click.UsageError(f"--block {block!r}: expected ROWSxCOLS, e.g. 128x128")
     convert = ConvertOptions(renames=renames, dtype=dtype, drop_tied=drop_tied, max_shard_size=max_shard_size,
-                             quantize=quantize, block=(int(rows), int(cols)), drops=drops)
+                             quantize=quantize, block=(int(rows), int(cols)), drops=drops,
+                             vocab_size=vocab_size)
     report = export_checkpoint(src, outdir, assets, convert, write, source, lora if merge_adapter is not None else None,
                                manifest=with_manifest)
     show(export_document(report) if as_json else None, export_text(report), export_notes(report))

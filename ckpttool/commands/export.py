@@ -40,7 +40,7 @@ from ckpttool.core.checkpoint import Checkpoint, as_path
 from ckpttool.commands.consolidate import (ConsolidateReport, Patch, Planned, load_objects, output_format,
                                            plan_output, report_of, write_output)
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.core.errors import CheckpointError, InvalidCheckpoint, UsageError, WriteFailed
+from ckpttool.core.errors import CheckpointError, InvalidCheckpoint, UsageError, VocabularyMismatch, WriteFailed
 from ckpttool.run.execute import write_file
 from ckpttool.check.expected_keys import transformers_expected, transformers_missing
 from ckpttool.naming import saved_config
@@ -140,13 +140,7 @@ def export(
     asset_dir = _check_arguments(target, assets, convert)
     if not write.dry_run:
         check_destination(target, write.force, write.notify)
-    config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
-    config_from = str(asset_dir / CONFIG_FILENAME) if config is not None and asset_dir is not None else None
-    # read beside --assets too: a setting the tables cannot represent (rotary_interleaved, zero-centred
-    # norms, ...) changes the forward whatever config.json says, and is refused naming the argument or field
-    saved = saved_config.found_in(src, source.follow_symlinks)
-    if config is None and saved is not None:
-        config, config_from = saved.config, saved.where
+    config, config_from, saved, vocab_by = _source_config(src, asset_dir, convert, source)
     tied = bool(config and config.get("tie_word_embeddings", _TIE_DEFAULT.get(config.get("model_type"), False)))
     weights_convert = replace(convert, max_shard_size=convert.shard_bytes or parse_size(hub.DEFAULT_MAX_SHARD_SIZE),
                               drop_tied=convert.drop_tied or tied)
@@ -158,9 +152,13 @@ def export(
 
         merge = AdapterMerge(merge_adapter, assets, source.follow_symlinks, write.verify)
         check_merge_target(target)
-    planned = plan_output(src, target.name, kind, weights_convert, source, write.threads,  # the source is read once, here
-                          adapt=merge.view if merge else None, config=config, families=naming.FAMILIES)
+    try:
+        planned = plan_output(src, target.name, kind, weights_convert, source, write.threads,  # the source is read once, here
+                              adapt=merge.view if merge else None, config=config, families=naming.FAMILIES)
+    except VocabularyMismatch as error:  # said of what stated the vocabulary: the file, or --vocab-size
+        raise _vocabulary_refused(error, config_from, saved, convert.vocab_size) from None
     plan, checkpoint = planned.plan, planned.checkpoint
+    vocab_notes = _vocab_notes(planned, config, vocab_by, saved, convert.vocab_size)
     if merge is not None:
         merge.plan(plan)
     extras = _trainer_entries(checkpoint, source.follow_symlinks)
@@ -181,6 +179,7 @@ def export(
         raise UsageError(f"{checkpoint.path}: the weights use {planned.family.name}'s names, and nothing gives the "
                          "model's config.json to export them as a transformers model; pass --assets DIR (the folder "
                          "with its config.json, e.g. the Hub model it was trained from)")
+    notes.extend(vocab_notes)
     if checked.startswith(NOT_CHECKED) and config is not None:  # never silently: say why on stderr and in --json
         notes.append(f"the weights were not checked against {config_from}: {checked.removeprefix(NOT_CHECKED).strip(' ()')}")
     if merge is not None:
@@ -205,6 +204,24 @@ def export(
         parameters=sum(_numel(shape) for shape in check_shapes.values()), step=step, config=config_from, checked=checked,
         assets=tuple(copied), dry_run=write.dry_run, seconds=time.perf_counter() - started, notes=tuple(notes),
     )
+
+
+def _source_config(src: str | os.PathLike, asset_dir: Path | None, convert: ConvertOptions, source: SourceOptions
+                   ) -> tuple[dict[str, Any] | None, str | None, saved_config.SavedConfig | None, str | None]:
+    """Return the config the export checks against (--assets' config.json, else the one the
+    save states), where it came from, the save's own config, and what stated the vocabulary
+    (`_vocab_source`); `--vocab-size` replaces the config's vocab_size."""
+    config = _read_json(asset_dir / CONFIG_FILENAME) if asset_dir and (asset_dir / CONFIG_FILENAME).exists() else None
+    config_from = str(asset_dir / CONFIG_FILENAME) if config is not None and asset_dir is not None else None
+    # read beside --assets too: a setting the tables cannot represent (rotary_interleaved, zero-centred
+    # norms, ...) changes the forward whatever config.json says, and is refused naming the argument or field
+    saved = saved_config.found_in(src, source.follow_symlinks)
+    if config is None and saved is not None:
+        config, config_from = saved.config, saved.where
+    vocab_by = _vocab_source(config, config_from, saved, convert.vocab_size)
+    if convert.vocab_size is not None and config is not None:
+        config = {**config, "vocab_size": convert.vocab_size}
+    return config, config_from, saved, vocab_by
 
 
 def _config_document(config: dict[str, Any] | None, config_from: str | None, asset_dir: Path | None, planned: Planned,
@@ -239,6 +256,86 @@ def _config_document(config: dict[str, Any] | None, config_from: str | None, ass
         notes.append(f"quantized {len(planned.quantized_keys)} projection weights to FP8 in "
                      f"{convert.block[0]}x{convert.block[1]} blocks (DeepSeek's weight_quant: scale = amax / 448)")
     return config, written_dtype, documents
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary: Megatron pads its embedding and output layer rows (engine.VOCAB_ROWS cuts them)
+
+# the token ids a transformers config names (PretrainedConfig): a vocabulary must hold each
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id")
+
+
+def _vocab_source(config: Mapping[str, Any] | None, config_from: str | None, saved: saved_config.SavedConfig | None,
+                  requested: int | None) -> str | None:
+    """Return what states the vocabulary export writes (--vocab-size, the assets' config.json or
+    the save's own tokenizer arguments), or None when nothing does (the rows are kept). Refuses
+    --vocab-size without a config to state it in, or below a special-token id the config names."""
+    if requested is not None:
+        if config is None:
+            raise UsageError(f"--vocab-size {requested}: no config.json to state it in; pass --assets DIR too")
+        for field in SPECIAL_TOKEN_FIELDS:
+            values = config.get(field)
+            for value in values if isinstance(values, list) else [values]:
+                if type(value) is int and value >= requested:
+                    raise InvalidCheckpoint(f"--vocab-size {requested}: {config_from} names {field} {value}, which a "
+                                            f"vocabulary of {requested} tokens does not hold", code="config-mismatch")
+        return f"--vocab-size {requested}"
+    if saved is not None and config is saved.config:
+        vocabulary = saved.vocabulary
+        return vocabulary.stated_by if vocabulary is not None and vocabulary.size is not None else None
+    return config_from
+
+
+def _vocabulary_refused(error: VocabularyMismatch, config_from: str | None, saved: saved_config.SavedConfig | None,
+                        requested: int | None) -> VocabularyMismatch:
+    """The engine's refusal of a vocabulary the weights' rows cannot hold, said of what stated it."""
+    held = f"{error.target} is made of {error.key}, which holds {error.rows} vocabulary rows"
+    vocabulary = saved.vocabulary if saved is not None and config_from == saved.where else None
+    if requested is not None:
+        message = f"--vocab-size {requested}: {held}"
+    elif vocabulary is not None:
+        message = (f"{config_from}: states {vocabulary.rows} vocabulary rows ({vocabulary.stated_by}: "
+                   f"{error.vocab} tokens), but {held} in the weights")
+    else:
+        message = f"{config_from}: vocab_size {error.vocab!r}, but {held} in the weights"
+    return VocabularyMismatch(message, error.target, error.key, error.rows, error.vocab)
+
+
+def _vocab_notes(planned: Planned, config: Mapping[str, Any] | None, vocab_by: str | None,
+                 saved: saved_config.SavedConfig | None, requested: int | None) -> list[str]:
+    """Say what became of Megatron's padded vocabulary rows: cut to the vocabulary (and what stated
+    it), or all kept because nothing states the tokenizer's vocabulary (then --vocab-size N cuts
+    them). Refuses --vocab-size for weights no table cuts (engine.VOCAB_ROWS)."""
+    family = planned.family
+    if family is None:
+        cuts = False
+    else:  # a naming table converted the weights: the engine is loaded
+        from ckpttool.naming.engine import VOCAB_ROWS
+
+        cuts = any(rule.transform == VOCAB_ROWS for rule in family.rules)
+    if not cuts:
+        if requested is not None:
+            raise UsageError(f"--vocab-size {requested}: {planned.checkpoint.path} is no Megatron or NeMo save "
+                             "(--vocab-size cuts their padded embedding and output layer rows)")
+        return []
+    vocabulary = saved.vocabulary if saved is not None else None
+    rows = vocabulary.rows if vocabulary is not None else None
+    vocab = (config or {}).get("vocab_size")
+    if vocab_by is None and vocab == rows:
+        return [f"kept all {rows} vocabulary rows of the embedding and output layer, Megatron's padding included "
+                f"(config.json vocab_size {rows}): {vocabulary.stated_by if vocabulary else 'the save states no vocabulary'}; "
+                "--vocab-size N writes the first N (the tokenizer's vocabulary)"]
+    if vocabulary is not None and vocabulary.padded and vocab == rows and requested is None:
+        return [f"kept all {rows} vocabulary rows of the embedding and output layer, as {vocab_by} states "
+                f"(vocab_size {rows}), though the save states {vocabulary.size} tokens ({vocabulary.stated_by}); "
+                f"--vocab-size {vocabulary.size} writes those"]
+    if rows is not None and type(vocab) is int and vocab < rows:
+        padding = " (Megatron's padding)" if vocabulary is not None and vocabulary.size == vocab else ""
+        return [f"wrote the first {vocab} of the {rows} vocabulary rows (the vocabulary: {vocab_by}); the other "
+                f"{rows - vocab} rows{padding} are left out"]
+    if rows is None and requested is not None:
+        return [f"wrote the first {requested} vocabulary rows of the embedding and output layer (--vocab-size)"]
+    return []
 
 
 def _compute_dtype(plan: ConsolidatePlan, quantized: tuple[str, ...]) -> str:
@@ -583,6 +680,8 @@ def _command_line(src, assets, convert: ConvertOptions, merged: bool = False) ->
         parts.append("--drop-tied")
     for rule in convert.renames:
         parts += ["--rename", repr(rule)]
+    if convert.vocab_size is not None:
+        parts += ["--vocab-size", str(convert.vocab_size)]
     if merged:
         parts.append("--merge-adapter")
     return " ".join(parts)

@@ -39,6 +39,13 @@ RAW_RANGE_TRANSFORM = "ckpttool.raw"
 # of a source tensor) and the chunk is them as an X x Y grid of rows, transposed: chunk row
 # y * X + x is blob row x * Y + y (a rotary head's rows in torchtitan's order: naming.backward)
 ROWS_TRANSPOSED_TRANSFORM = "ckpttool.rows-transposed"
+# `ckpttool.rows-as-columns/<X>/<Y>`: the blob is X * Y rows of C elements each (a source matrix,
+# raw bytes) and the chunk is them as an X x Y grid of rows transposed, then as a matrix
+# transposed: chunk element [c, y * X + x] is blob element [x * Y + y, c], C the chunk's numel
+# over X * Y (GPT-OSS's experts: Megatron's [gate; up] rows interleaved and transposed, X = 2; a
+# plain transpose, X = 1; C = 1, a bias: the interleave alone). Decoding holds the blob's bytes
+# and their transposed copy: two copies of one expert's matrix (naming/engine.py)
+ROWS_AS_COLUMNS_TRANSFORM = "ckpttool.rows-as-columns"
 OUR_TRANSFORMS = "ckpttool."  # the prefix of our markers (RAW_RANGE_TRANSFORM, ...), never in a file
 
 
@@ -299,6 +306,27 @@ def rows_transposed(blob: Blob) -> tuple[int, int] | None:
         return None
     name, _, grid = blob.transforms[0].partition("/")
     if name != ROWS_TRANSPOSED_TRANSFORM:
+        return None
+    x, _, y = grid.partition("/")
+    return int(x), int(y)
+
+
+def rows_as_columns_transforms(grid: tuple[int, int]) -> tuple[str, ...]:
+    """Return the transforms of a blob whose rows, as a `grid` (X, Y) of rows transposed, are the chunk's columns."""
+    return (f"{ROWS_AS_COLUMNS_TRANSFORM}/{grid[0]}/{grid[1]}",)
+
+
+def rows_as_columns(blob: Blob) -> tuple[int, int] | None:
+    """Return the (X, Y) grid of a ROWS_AS_COLUMNS_TRANSFORM blob, None for any other.
+
+    Example:
+        >>> rows_as_columns(Blob("a.distcp", 0, 8192, rows_as_columns_transforms((2, 32))))
+        (2, 32)
+    """
+    if len(blob.transforms) != 1:
+        return None
+    name, _, grid = blob.transforms[0].partition("/")
+    if name != ROWS_AS_COLUMNS_TRANSFORM:
         return None
     x, _, y = grid.partition("/")
     return int(x), int(y)

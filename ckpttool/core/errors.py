@@ -86,6 +86,15 @@ class InvalidCheckpoint(CheckpointError):
         self.problems = problems
 
 
+class VocabularyMismatch(InvalidCheckpoint):
+    """A vocabulary larger than the padded rows an embedding or output layer holds
+    (naming/engine.py VOCAB_ROWS): `target` (transformers' name) is made of `key`, of `rows` rows."""
+
+    def __init__(self, message: str, target: str, key: str, rows: int, vocab: object):
+        super().__init__(message, code="config-mismatch")
+        self.target, self.key, self.rows, self.vocab = target, key, rows, vocab
+
+
 class OutputExists(CheckpointError):
     """The destination exists and `--force` was not given."""
 

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, MutableMapping, P
 
 from ckpttool.core import dtypes
 from ckpttool.store import spans, storage
-from ckpttool.core.checkpoint import RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, as_path, is_raw_range, rows_transposed
+from ckpttool.core.checkpoint import (RAW_RANGE_TRANSFORM, Blob, Chunk, Tensor, as_path, is_raw_range, rows_as_columns,
+                                      rows_transposed)
 from ckpttool.core.errors import CheckpointError, CorruptBlob, CorruptMetadata, MissingFile, UnsupportedFormat
 from ckpttool.formats import safetensors
 from ckpttool.store.safepaths import check_data_file, containment_root, safe_relative_path
@@ -568,6 +569,9 @@ def read_chunk(files: DataFiles, tensor: Tensor, chunk: Chunk) -> bytes:
     grid = rows_transposed(chunk.blob) if chunk.blob is not None else None
     if grid is not None:
         return _transposed_rows(files, tensor, chunk, grid)
+    grid = rows_as_columns(chunk.blob) if chunk.blob is not None else None
+    if grid is not None:
+        return _rows_as_columns(files, tensor, chunk, grid)
     return _decode_chunk(files, tensor, chunk)
 
 
@@ -584,6 +588,25 @@ def _transposed_rows(files: DataFiles, tensor: Tensor, chunk: Chunk, grid: tuple
                           f"expected {expected}")
     data = np.frombuffer(files.read(blob.file, blob.offset, blob.length), dtype=np.uint8)
     return data.reshape(x, y, expected // (x * y)).transpose(1, 0, 2).tobytes()
+
+
+def _rows_as_columns(files: DataFiles, tensor: Tensor, chunk: Chunk, grid: tuple[int, int]) -> bytes:
+    """Return a ROWS_AS_COLUMNS_TRANSFORM chunk's bytes: its blob (X * Y rows of C elements)
+    read in one range, the rows as an X x Y grid transposed, then the matrix transposed (numpy:
+    one strided copy). Holds the blob's bytes and that copy."""
+    import numpy as np
+
+    blob = cast(Blob, chunk.blob)
+    x, y = grid
+    expected = chunk.numel * tensor.itemsize
+    rows = x * y
+    if blob.length != expected or x <= 0 or y <= 0 or not chunk.sizes or chunk.sizes[-1] != rows \
+            or expected % (rows * tensor.itemsize):
+        raise CorruptBlob(f"{_where(files, tensor, chunk)}: a {x} x {y} grid of rows as the columns of a chunk of "
+                          f"shape {list(chunk.sizes)} in {blob.length} bytes, expected {expected}")
+    columns = expected // (rows * tensor.itemsize)
+    data = np.frombuffer(files.read(blob.file, blob.offset, blob.length), dtype=np.uint8)
+    return data.reshape(x, y, columns, tensor.itemsize).transpose(2, 1, 0, 3).tobytes()
 
 
 def object_bytes(files: DataFiles, entry: Any) -> bytes:

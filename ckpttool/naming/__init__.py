@@ -40,7 +40,9 @@ if TYPE_CHECKING:
         RENAME as RENAME, SPLIT_HALVES as SPLIT_HALVES, SPLIT_QKV as SPLIT_QKV, TRANSFORMS as TRANSFORMS,
         DENSE_BIAS_FROM_CONFIG as DENSE_BIAS_FROM_CONFIG, Apply as Apply, Architecture as Architecture,
         Family as Family, LeftOut as LeftOut, Made as Made, MegatronArgs as MegatronArgs, Piece as Piece, Rule as Rule,
-        TIED_EMBEDDING as TIED_EMBEDDING,
+        TIED_EMBEDDING as TIED_EMBEDDING, EXPERTS_TRANSPOSED as EXPERTS_TRANSPOSED,
+        EXPERTS_INTERLEAVED_TRANSPOSED as EXPERTS_INTERLEAVED_TRANSPOSED, EXPERTS_INTERLEAVED as EXPERTS_INTERLEAVED,
+        STACK_EXPERTS as STACK_EXPERTS,
         Target as Target, Transform as Transform, convert as convert, converted_checkpoint as converted_checkpoint,
         find_family as find_family, hf_names as hf_names, main_layer_count as main_layer_count,
         required_settings as required_settings, rotary_rows as rotary_rows, row_box as row_box,
@@ -52,7 +54,8 @@ if TYPE_CHECKING:
 ENGINE_NAMES = frozenset({
     "EXPERTS", "EXPERTS_HALVES", "PERMUTE_K", "PERMUTE_Q", "RENAME", "SPLIT_HALVES", "SPLIT_QKV", "TRANSFORMS",
     "DENSE_BIAS_FROM_CONFIG", "Apply", "Architecture", "Family", "LeftOut", "Made", "MegatronArgs", "Piece", "Rule", "Target",
-    "TIED_EMBEDDING",
+    "TIED_EMBEDDING", "EXPERTS_TRANSPOSED", "EXPERTS_INTERLEAVED_TRANSPOSED", "EXPERTS_INTERLEAVED", "STACK_EXPERTS",
+    "VOCAB_ROWS",
     "Transform", "convert", "converted_checkpoint", "find_family", "hf_names", "main_layer_count",
     "required_settings", "rotary_rows", "row_box",
 })
@@ -155,9 +158,16 @@ REGISTRY: tuple[Registered, ...] = (
                ("tok_embeddings.weight", "layers.{L}.attention.wq.weight")),
     Registered("megatron deepseek_v3", "megatron_deepseek_v3",
                ("embedding.word_embeddings.weight", "decoder.layers.{L}.self_attention.linear_kv_down_proj.weight")),
+    Registered("megatron gpt_oss", "megatron_gpt_oss",
+               ("embedding.word_embeddings.weight", "decoder.layers.{L}.self_attention.core_attention.softmax_offset")),
     Registered("megatron gpt", "megatron_gpt", _MEGATRON),  # Megatron's three share the names: the config chooses
     Registered("megatron qwen moe", "megatron_qwen_moe", _MEGATRON),
     Registered("megatron mixtral", "megatron_mixtral", _MEGATRON),
+    # Megatron-LM's legacy model as Megatron-DeepSpeed trains it: read, never written by `import --to megatron`
+    # (its name does not start with "megatron ")
+    Registered("megatron-deepspeed gpt", "megatron_legacy_gpt",
+               ("language_model.embedding.word_embeddings.weight",
+                "language_model.encoder.layers.{L}.self_attention.query_key_value.weight")),
 )
 
 

@@ -19,7 +19,16 @@ tensor is ever held:
 - EXPERTS_HALVES: both: grouped experts [E, 2F, D] (Megatron's SequentialMLP `linear_fc1`
   stacked on an experts axis), each expert's rows split into gate and up;
 - SPLIT_QKV: rows un-interleaved per query group (Megatron's `linear_qkv`: each group's block
-  is its q heads, then its k head, then its v head, `head_dim` rows each) into q, k, v.
+  is its q heads, then its k head, then its v head, `head_dim` rows each) into q, k, v;
+- VOCAB_ROWS: the first `vocab_size` rows of Megatron's padded embedding and output layer (one
+  row box; the padding Megatron adds up to make_vocab_size_divisible_by x TP left out).
+
+GPT-OSS's experts, each expert's matrix transposed (a `columns` piece each: expert_columns.py):
+EXPERTS_TRANSPOSED [E, R, C] -> [E, C, R] (`linear_fc2` -> `down_proj`); EXPERTS_INTERLEAVED_
+TRANSPOSED [E, 2F, H] -> [E, H, 2F], [gate; up] rows interleaved (`linear_fc1` -> `gate_up_proj`);
+EXPERTS_INTERLEAVED [E, 2F] interleaved (its bias). With STACK_EXPERTS (an expert placed in the
+stacked tensor) they also take one source tensor per expert (`{E}` in the source): `convert`
+gathers those (`Transform.gathers`), every expert of `num_local_experts` once.
 
 A rule of a split names its targets in order, as a tuple. Each `Transform` states how many
 targets it gives, the config fields it needs, and its inverse: the transform that undoes it
@@ -47,14 +56,24 @@ from types import MappingProxyType
 from typing import Any, Callable, Final, Iterable, Literal, Mapping, NamedTuple, cast
 
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, raw_range_transforms, rows_transposed_transforms
-from ckpttool.core.errors import InvalidCheckpoint, UsageError
+from ckpttool.core.errors import InvalidCheckpoint, UsageError, VocabularyMismatch
 from ckpttool.core.geometry import Box, intersect, row_major_runs, slab_rows
 from ckpttool.naming import Pattern, signature_matches
+from ckpttool.naming.expert_columns import check_gathered, column_chunks
 from ckpttool.naming.fused import FusedLayout
 
 RENAME, PERMUTE_Q, PERMUTE_K, EXPERTS = "rename", "permute-q", "permute-k", "experts"
 SPLIT_HALVES, SPLIT_QKV = "split-halves", "split-qkv"  # rows split into several targets (a tuple of names)
 EXPERTS_HALVES = "experts-split-halves"  # grouped experts [E, 2F, D], each split in two (gate, up)
+# the first `vocab_size` rows (config.json's) of an embedding or output layer whose rows Megatron
+# pads to a multiple of make_vocab_size_divisible_by x TP: the padding rows are left out
+VOCAB_ROWS = "vocab-rows"
+
+# grouped experts whose every matrix transformers stores transposed (GPT-OSS), [gate; up] rows
+# interleaved for the fused gate/up projection and its bias
+EXPERTS_TRANSPOSED, EXPERTS_INTERLEAVED_TRANSPOSED = "experts-transposed", "experts-interleaved-transposed"
+EXPERTS_INTERLEAVED = "experts-interleaved"
+STACK_EXPERTS = "stack-experts"  # one expert's tensor (`{E}` in the source) at its index of the stacked target
 
 
 TIED_EMBEDDING = "model.embed_tokens.weight"  # what transformers reads for a tied lm_head
@@ -241,6 +260,9 @@ class Piece:
     # transposed: target row y * X + x is box row x * Y + y (a rotary head in torchtitan's
     # order, naming.backward). One chunk, not one per row (ROWS_TRANSPOSED_TRANSFORM)
     transposed: tuple[int, int] | None = None
+    # (X, Y), with `at`: the box [1, R, *C] (an expert, R = X * Y rows) as the target's [1, *C, R]:
+    # target column y * X + x is box row x * Y + y (expert_columns.column_chunks)
+    columns: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -273,6 +295,8 @@ class Transform:
     inverse: str | None
     per_expert: bool = False
     settings: tuple[str, ...] = ()
+    # a target made of several source tensors (one per expert): convert gathers their pieces
+    gathers: bool = False
 
 
 def _whole(shape: tuple[int, ...]) -> Box:
@@ -361,7 +385,71 @@ def _permute_k(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, .
     return _permuted(int(config.get("num_key_value_heads") or heads), rule, names[0], key, shape, where)
 
 
+def _vocab_rows(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+                where: str) -> list[Target]:
+    """The first `vocab_size` rows (the config's) of a vocabulary-padded tensor, as one row box
+    (NeMo's exporter: nemo/lightning/io/state.py `TransformFns.prune_padding`, `embedding[:vocab_size]`);
+    all of them when the config states no smaller vocabulary. A vocabulary larger than the rows
+    is refused: the weights cannot hold it."""
+    rows = shape[0] if shape else 0
+    vocab = config.get("vocab_size")
+    if vocab is None or vocab == rows:
+        return [Target(names[0], shape, (Piece(key, _whole(shape)),), rule)]
+    if type(vocab) is not int or not 0 < vocab < rows:
+        raise VocabularyMismatch(f"{where}: {names[0]} is made of {key}, which holds {rows} vocabulary rows (shape "
+                                 f"{list(shape)}); the config's vocab_size {vocab!r} is not between 1 and {rows}",
+                                 names[0], key, rows, vocab)
+    return [Target(names[0], (vocab, *shape[1:]), (Piece(key, row_box(shape, 0, vocab)),), rule)]
+
+
+def _experts_as_columns(interleaved: bool) -> Apply:
+    """The apply of EXPERTS_TRANSPOSED (`interleaved` False) or EXPERTS_INTERLEAVED[_TRANSPOSED]:
+    grouped experts [E, R, *C] -> [E, *C, R], each expert one `columns` piece; interleaved, the
+    rows [first half; second half] become the columns first[0], second[0], first[1], ..."""
+
+    def apply(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+              where: str) -> list[Target]:
+        if "{E}" in rule.source:  # one expert's tensor [R, *C]
+            return _stacked_expert(rule, names[0], key, shape, config, where, interleaved)
+        if len(shape) not in (2, 3) or (interleaved and shape[1] % 2) or (not interleaved and len(shape) != 3):
+            wanted = "[experts, 2F] or [experts, 2F, D]" if interleaved else "[experts, R, C]"
+            raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} is not grouped experts {wanted}",
+                                    code="config-mismatch")
+        experts, rows, rest = shape[0], shape[1], tuple(shape[2:])
+        grid = (2, rows // 2) if interleaved else (1, rows)
+        pieces = tuple(Piece(key, ((expert, 0, *(0,) * len(rest)), (1, rows, *rest)), at=(expert, 0, *(0,) * len(rest)),
+                             columns=grid) for expert in range(experts))
+        return [Target(names[0], (experts, *rest, rows), pieces, rule)]
+
+    return apply
+
+
+def _stacked_expert(rule: Rule, name: str, key: str, shape: tuple[int, ...], config: Mapping[str, Any], where: str,
+                    interleaved: bool | None) -> list[Target]:
+    """The stacked target [experts, ...] holding the one expert `key` is (its number the rule's
+    `{E}`), as a `columns` piece ([R, *C] -> [*C, R]; `interleaved` None: as it is, placed)."""
+    values = rule.pattern.match(key) or {}
+    rows, experts = shape[0] if shape else 0, config.get("num_local_experts")
+    expert = int(values.get("E", -1))
+    if type(experts) is not int or not 0 <= expert < experts or (interleaved is not None and (
+            len(shape) not in (1, 2) or (interleaved and rows % 2))):
+        raise InvalidCheckpoint(f"{where}: {key} of shape {list(shape)} is not one of num_local_experts={experts!r} "
+                                "experts of this table", code="config-mismatch")
+    if interleaved is None:
+        return [Target(name, (experts, *shape), (Piece(key, _whole(shape), at=(expert, *(0,) * len(shape))),), rule)]
+    rest = tuple(shape[1:])
+    grid = (2, rows // 2) if interleaved else (1, rows)
+    piece = Piece(key, _whole(shape), at=(expert, *(0,) * len(shape)), columns=grid)
+    return [Target(name, (experts, *rest, rows), (piece,), rule)]
+
+
+def _stack_experts(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[int, ...], config: Mapping[str, Any],
+                   where: str) -> list[Target]:
+    return _stacked_expert(rule, names[0], key, shape, config, where, None)
+
+
 _HEADS = ("num_attention_heads",)
+_EXPERT_COUNT = ("num_local_experts",)  # the stacked target's size, when one source tensor is one expert
 # every transform a rule may name; the inverses other than RENAME's are issue 46's to write
 TRANSFORMS: Mapping[str, Transform] = MappingProxyType({
     RENAME: Transform(_rename, 1, inverse=RENAME),
@@ -371,6 +459,14 @@ TRANSFORMS: Mapping[str, Transform] = MappingProxyType({
     SPLIT_HALVES: Transform(_split_halves, 2, inverse="join-halves"),
     EXPERTS_HALVES: Transform(_experts_halves, 2, inverse="stack-experts-join-halves", per_expert=True),
     SPLIT_QKV: Transform(_split_qkv, 3, inverse="join-qkv", settings=_HEADS),
+    # GPT-OSS's experts: import has no inverse of a transpose yet
+    EXPERTS_TRANSPOSED: Transform(_experts_as_columns(False), 1, inverse=None, settings=_EXPERT_COUNT, gathers=True),
+    EXPERTS_INTERLEAVED_TRANSPOSED: Transform(_experts_as_columns(True), 1, inverse=None, settings=_EXPERT_COUNT,
+                                              gathers=True),
+    EXPERTS_INTERLEAVED: Transform(_experts_as_columns(True), 1, inverse=None, settings=_EXPERT_COUNT, gathers=True),
+    STACK_EXPERTS: Transform(_stack_experts, 1, inverse=None, settings=_EXPERT_COUNT, gathers=True),
+    # import writes transformers' rows as they are (no padding added): rename
+    VOCAB_ROWS: Transform(_vocab_rows, 1, inverse=RENAME),
 })
 
 
@@ -454,10 +550,16 @@ def convert(family: Family, shapes: Mapping[str, tuple[int, ...]], config: Mappi
             continue
         names = _target_names(rule, values, main_layers)
         for target in TRANSFORMS[rule.transform].apply(rule, names, key, tuple(shape), config, where):
-            if target.key in targets:
+            if target.key in targets and TRANSFORMS[rule.transform].gathers and targets[target.key].shape == \
+                    target.shape and TRANSFORMS[targets[target.key].rule.transform].gathers:  # one expert of several
+                target = replace(target, pieces=targets[target.key].pieces + target.pieces)
+            elif target.key in targets:
                 raise InvalidCheckpoint(f"{where}: {target.key} is made from both {targets[target.key].pieces[0].source} "
                                         f"and {key}", code="config-mismatch")
             targets[target.key] = target
+    for target in targets.values():
+        if TRANSFORMS[target.rule.transform].gathers:
+            check_gathered(target, where)
     return targets
 
 
@@ -513,6 +615,9 @@ def converted_checkpoint(checkpoint: Checkpoint, targets: Mapping[str, Target],
             source = sources.get(piece.source)
             if source is None:
                 source = sources[piece.source] = _Source(checkpoint, piece.source, located[piece.source])
+            if piece.columns is not None:
+                chunks.extend(source.as_columns(piece, key))
+                continue
             if piece.at is not None:
                 chunks.extend(source.placed(piece, piece.at, key))
                 continue
@@ -623,6 +728,11 @@ class _Source:
                 offsets = tuple(first + offset for first, offset in zip(at, relative))
                 chunks.append(Chunk(offsets, tuple(sizes), Blob(raw.file, raw.offset + start, length, _RAW)))
         return chunks
+
+    def as_columns(self, piece: Piece, key: str) -> list[Chunk]:
+        """Return the target chunks of a `columns` piece (expert_columns.column_chunks)."""
+        return column_chunks(self.tensor, self.indices, lambda index: self._raw(index, key), piece,
+                             f"{self.checkpoint.path}: {key}")
 
     def _slab(self, at: int, key: str) -> tuple[int, int, Any]:
         """Return (first row, end row, raw bytes) of the slab holding source row `at`."""

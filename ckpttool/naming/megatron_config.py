@@ -26,6 +26,11 @@ activation, position embedding or normalization, linear biases, MLA, sliding win
 scaling, shared experts, ...: `_REPRESENTABLE`) is refused in one line naming the argument,
 as is a missing argument; --assets with a config.json is then the way.
 
+The vocabulary: `hf_config` states the rows Megatron's model holds (`padded_vocab_size`: what
+Megatron-Bridge's config mapping writes, and what a migration resumes); `vocabulary` says how
+many of them are the tokenizer's, where the arguments alone state it (`TOKENIZER_VOCAB`), and
+saved_config.py gives export that number (the tables write those rows: engine.VOCAB_ROWS).
+
 Example:
     >>> path = common_file("checkpoints")         # the newest iter_* folder's common.pt
     >>> megatron_hf_config(path)["architectures"]
@@ -42,7 +47,10 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, overload
 from ckpttool.store import storage
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.core.errors import CorruptBlob, CorruptMetadata, UnsupportedFormat
-from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY, MEGATRON_LEGACY_FILE, detect, legacy_rank_dirs
+from ckpttool.formats.dcp import METADATA_FILENAME
+from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY, MEGATRON_LEGACY_FILE, detect
+from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, legacy_rank_files
+from ckpttool.readers.detect import MEGATRON_DCP, MEGATRON_FSDP, MEGATRON_ITERATION_FOLDER
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED
 from ckpttool.torchsave.stored import DTypeName, StateDictUnpickler, load_data_pkl
 from ckpttool.torchsave.zip import read_directory
@@ -96,6 +104,12 @@ class _Unpickler(StateDictUnpickler):
     holds = "Megatron-LM's common.pt (its arguments and counters)"
 
 
+class _ArgsUnpickler(_Unpickler):
+    """The same loader for a DCP save's `args` entry (Megatron-LM's Namespace alone)."""
+
+    holds = "Megatron-LM's arguments (its argparse.Namespace)"
+
+
 def _as_saved(raw: bytes) -> bytes:
     return raw  # the Namespace is filled by BUILD: every BUILD is kept
 
@@ -114,11 +128,15 @@ def common_file(src: str | os.PathLike) -> Path | None:
     path = Path(src)
     common = (path / MEGATRON_COMMON).is_file() or any(path.glob(f"*/{MEGATRON_COMMON}"))
     legacy = not common and (any(path.glob(f"mp_rank_*/{MEGATRON_LEGACY_FILE}"))
-                             or any(path.glob(f"*/mp_rank_*/{MEGATRON_LEGACY_FILE}")))
-    if not common and not legacy:
+                             or any(path.glob(f"*/mp_rank_*/{MEGATRON_LEGACY_FILE}"))
+                             # Megatron-DeepSpeed's DeepSpeed-engine save (readers/detect.py deepspeed_engine_rank_files)
+                             or any(path.glob("mp_rank_*_model_states.pt")) or any(path.glob("*/mp_rank_*_model_states.pt")))
+    dcp = not common and not legacy and (_dcp_args_folder(path) or any(map(_dcp_args_folder, path.glob("*/"))))
+    if not common and not legacy and not dcp:
         return None
     detection = detect(path)
-    return args_file_beside(detection.path) if detection.layout in (MEGATRON, MEGATRON_LEGACY) else None
+    return args_file_beside(detection.path) if detection.layout in (MEGATRON, MEGATRON_LEGACY, MEGATRON_FSDP,
+                                                                    MEGATRON_DCP) else None
 
 
 def args_file_beside(path: str | os.PathLike) -> Path | None:
@@ -130,8 +148,48 @@ def args_file_beside(path: str | os.PathLike) -> Path | None:
     folder = Path(path)
     if (folder / MEGATRON_COMMON).is_file():
         return folder / MEGATRON_COMMON
-    ranks = legacy_rank_dirs(folder)
-    return folder / ranks[0] / MEGATRON_LEGACY_FILE if ranks else None
+    ranks = legacy_rank_files(folder)
+    if ranks:
+        return folder / ranks[0]
+    return folder / METADATA_FILENAME if _dcp_args_folder(folder) else None
+
+
+def _dcp_args_folder(folder: Path) -> bool:
+    """True for a torch DCP folder named as Megatron-LM names its iteration folders (`iter_%07d`,
+    `release`): where an fsdp_dtensor save keeps its arguments as the DCP entry `args`. File names only."""
+    return bool(MEGATRON_ITERATION_FOLDER.match(folder.name)) and (folder / METADATA_FILENAME).is_file()
+
+
+def read_dcp_args(folder: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
+    """Return the Megatron-LM arguments a torch DCP save by Megatron-LM (`--ckpt-format fsdp_dtensor`, `torch_dcp`)
+    keeps as its byte entry `args` (dcp.save's torch.save of the Namespace), read through the same
+    checking loader as common.pt's; None when the save has no such entry."""
+    from ckpttool.readers.dcp import read_checkpoint  # on use: only a Megatron-named DCP folder reads it
+
+    folder = Path(folder)
+    entry = read_checkpoint(folder).objects.get(ARGS)
+    if entry is None or entry.blob is None:
+        return None
+    blob = entry.blob
+    where = f"{folder / blob.file}: the entry `{ARGS}` (bytes {blob.offset}..{blob.offset + blob.length})"
+    if blob.transforms:
+        raise UnsupportedFormat(f"{where}: stored with transforms {list(blob.transforms)}, which this build does not read")
+    with DataFiles(folder, follow_symlinks) as files:
+        if blob.offset + blob.length > files.size(blob.file):
+            raise CorruptMetadata(f"{where}: beyond the end of the file ({files.size(blob.file)} bytes); "
+                                  "was the save interrupted?")
+
+        def read(offset: int, length: int) -> bytes:
+            return files.read(blob.file, blob.offset + offset, length)
+
+        try:
+            entries = read_directory(read, blob.length, where)
+        except CorruptBlob as error:
+            raise CorruptMetadata(f"{where}: not a whole torch.save record: {str(error).removeprefix(where + ': ')}") from None
+        args = load_data_pkl(entries, read, blob.length, where, _ArgsUnpickler, _ALLOWED, _as_saved)
+    if not isinstance(args, Namespace):
+        raise CorruptMetadata(f"{where}: holds a {type(args).__name__}, not Megatron-LM's argparse.Namespace")
+    return dict(vars(args))
 
 
 def read_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
@@ -162,6 +220,22 @@ def read_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[st
     return dict(vars(args))
 
 
+def saved_args(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
+    """Return the Megatron-LM arguments the file `path` holds (common.pt, or a legacy save's
+    mp_rank_*/model_optim_rng.pt: its first rank's pickled args), or None when it holds none."""
+    if Path(path).name == MEGATRON_LEGACY_FILE:  # a legacy per-rank save: its first rank's pickled args
+        from ckpttool.readers.megatron_legacy import read_legacy_args
+
+        return read_legacy_args(Path(path).parent.parent, follow_symlinks)
+    if DEEPSPEED_ENGINE_RANK.match(Path(path).name):  # Megatron-DeepSpeed's DeepSpeed-engine save: the same
+        from ckpttool.readers.megatron_legacy import read_legacy_args
+
+        return read_legacy_args(Path(path).parent, follow_symlinks)
+    if Path(path).name == METADATA_FILENAME:  # a torch DCP save by Megatron-LM: its `args` entry
+        return read_dcp_args(Path(path).parent, follow_symlinks)
+    return read_args(path, follow_symlinks)
+
+
 def megatron_hf_config(path: str | os.PathLike, follow_symlinks: bool = False) -> dict[str, Any] | None:
     """Return the transformers config.json (a dict) for the model whose `common.pt` is `path`,
     or None when it stores no Megatron-LM arguments; UnsupportedFormat naming the argument when
@@ -172,13 +246,63 @@ def megatron_hf_config(path: str | os.PathLike, follow_symlinks: bool = False) -
         >>> megatron_hf_config("checkpoints/iter_0000003/common.pt")["num_experts"]
         4
     """
-    if Path(path).name == MEGATRON_LEGACY_FILE:  # a legacy per-rank save: its first rank's pickled args
-        from ckpttool.readers.megatron_legacy import read_legacy_args
-
-        args: dict[str, Any] | None = read_legacy_args(Path(path).parent.parent, follow_symlinks)
-    else:
-        args = read_args(path, follow_symlinks)
+    args = saved_args(path, follow_symlinks)
     return None if args is None else hf_config(args, str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary: the rows Megatron holds, and the tokenizer's part of them
+
+# Megatron-LM --tokenizer-type -> (the argument holding its vocabulary, tokens it adds, why), for
+# the tokenizers whose vocabulary the arguments alone state (megatron/training/tokenizer/
+# tokenizer.py of core_v0.16.1, and megatron-core's megatron/core/tokenizers/text/libraries/
+# null_tokenizer.py alike). Every other one reads its vocabulary from a file the save does not
+# hold (GPT2BPETokenizer: len(encoder) of --vocab-file; SentencePiece, HuggingFace, TikToken:
+# --tokenizer-model), so it is not stated: nothing is guessed.
+TOKENIZER_VOCAB: Mapping[str, tuple[str, int, str]] = {
+    "NullTokenizer": ("vocab_size", 1, "_NullTokenizer.vocab_size: --vocab-size + its EOD token"),
+    "NullMultimodalTokenizer": ("vocab_size", 1, "_NullMultimodalTokenizer.vocab_size: --vocab-size + its EOD token"),
+}
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The vocabulary of a Megatron model: `rows`, what its embedding and output layer hold
+    (`padded_vocab_size`: the tokenizer's, padded to a multiple of make_vocab_size_divisible_by x
+    TP, megatron/training/tokenizer/tokenizer.py `_vocab_size_with_padding`), and `size`, the
+    tokenizer's (None when the save does not state it); `stated_by` says which argument states
+    it, or why none does."""
+
+    rows: int
+    size: int | None
+    stated_by: str
+
+    @property
+    def padded(self) -> bool:
+        """True when the rows hold padding beyond the tokenizer's vocabulary."""
+        return self.size is not None and self.size < self.rows
+
+
+def vocabulary(args: Mapping[str, Any], where: str) -> Vocabulary:
+    """Return the vocabulary Megatron-LM's `args` state: the padded rows, and the tokenizer's
+    size when the arguments alone give it (`TOKENIZER_VOCAB`).
+
+    Example:
+        >>> vocabulary({"padded_vocab_size": 128, "tokenizer_type": "NullTokenizer", "vocab_size": 99}, "args")
+        Vocabulary(rows=128, size=100, stated_by='tokenizer_type NullTokenizer, vocab_size 99: ...')
+    """
+    rows = _int(args, "padded_vocab_size", where)
+    kind = args.get("tokenizer_type")
+    known = TOKENIZER_VOCAB.get(kind) if isinstance(kind, str) else None
+    if known is None:
+        return Vocabulary(rows, None, f"the tokenizer ({kind if isinstance(kind, str) else 'none named'}) reads its "
+                                      "vocabulary from a file the save does not hold")
+    argument, added, why = known
+    size = _int(args, argument, where) + added
+    if size > rows:
+        raise CorruptMetadata(f"{where}: args tokenizer_type {kind} with {argument}={args[argument]} gives {size} tokens, "
+                              f"more than padded_vocab_size={rows}")
+    return Vocabulary(rows, size, f"tokenizer_type {kind}, {argument} {args[argument]}: {why}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +361,8 @@ def hf_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
     """
     if _flag(args, "multi_latent_attention", where):
         return _mla_config(args, where)
+    if args.get("softmax_type") == "learnable":  # attention sinks: GPT-OSS's
+        return _gpt_oss_config(args, where)
     experts = _int(args, "num_experts", where, optional=True) or 0
     _refuse_unrepresentable(args, _REPRESENTABLE + (_MOE_REPRESENTABLE if experts else ()), where)
     qk_norm = _flag(args, "qk_layernorm", where)
@@ -363,6 +489,109 @@ def _mla_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
         "attention_dropout": _number(args, "attention_dropout", where), "torch_dtype": _dtype(args, where),
     }
     return dict(sorted(config.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Learnable softmax offsets (attention sinks): GPT-OSS (naming/families/megatron_gpt_oss.py)
+
+# What GPT-OSS's config states that the generic tables refuse, each checked or mapped by
+# _gpt_oss_config instead (Megatron-Bridge 0.3.1's GPTOSSProvider: its settings)
+_GPT_OSS_OWN = frozenset({"position_embedding_type", "swiglu", "quick_geglu", "glu_linear_offset",
+                          "activation_func_clamp_value", "add_bias_linear", "softmax_type", "window_size"})
+_GPT_OSS_REQUIRED: tuple[tuple[str, tuple, str], ...] = (
+    ("softmax_type", ("learnable",), "the attention softmax (GPT-OSS's sinks)"),
+    ("quick_geglu", (True,), "the experts' activation (GPT-OSS's: gate * sigmoid(1.702 gate), --quick-geglu)"),
+    ("swiglu", (False, None), "the MLP activation (GPT-OSS's is --quick-geglu)"),
+    ("glu_linear_offset", (1.0,), "the GLU's linear offset (GPT-OSS's (up + 1))"),
+    ("add_bias_linear", (True,), "biases on every linear layer (GPT-OSS has them)"),
+    ("position_embedding_type", ("rope", "yarn"), "the position embedding"),
+    ("qk_layernorm", (False, None), "q/k norms (GPT-OSS has none)"),
+    ("moe_router_pre_softmax", (False, None), "the router (GPT-OSS's: a softmax over the top-k logits)"),
+)
+# Megatron's YaRN fields (GPTOSSProvider's, megatron-core's YarnRotaryEmbedding arguments) ->
+# transformers' rope_parameters; mscale / mscale_all_dim must be unset (both frameworks then
+# scale cos/sin by 0.1 ln(factor) + 1)
+_YARN = (("yarn_rotary_scaling_factor", "factor"), ("yarn_original_max_position_embeddings", "original_max_position_embeddings"),
+         ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"))
+
+
+def _gpt_oss_config(args: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """GPT-OSS's config.json for Megatron-LM `args` with learnable softmax offsets (Megatron-Bridge
+    0.3.1's GPTOSSProvider settings read the other way). Megatron's sliding window (W, 0) lets a
+    token see the W tokens before it and itself, transformers' `sliding_window` S the S - 1 before
+    it and itself: S is W + 1 (fixtures/frameworks/generate_megatron_gpt_oss.py checks both)."""
+    from ckpttool import naming
+
+    (architecture,) = naming.family("megatron gpt_oss").converts_to
+    experts = _int(args, "num_experts", where, optional=True) or 0
+    if not experts:
+        raise UnsupportedFormat(f"{where}: args softmax_type='learnable' without num_experts: GPT-OSS is an MoE "
+                                f"model; {_WAY_OUT}")
+    generic = tuple(row for row in _REPRESENTABLE + _MOE_REPRESENTABLE if row[0] not in _GPT_OSS_OWN)
+    _refuse_unrepresentable(args, generic + _GPT_OSS_REQUIRED, where)
+    limit = args.get("activation_func_clamp_value")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        raise UnsupportedFormat(f"{where}: args activation_func_clamp_value={_shown(limit)}: GPT-OSS clamps its "
+                                f"experts' gate and up (swiglu_limit); {_WAY_OUT}")
+    layers = _int(args, "num_layers", where)
+    window, layer_types = _gpt_oss_windows(args, layers, where)
+    rope_theta = _number(args, "rotary_base", where)
+    rope: dict[str, Any] = {"rope_theta": rope_theta, "rope_type": "default"}
+    if args.get("position_embedding_type") == "yarn":
+        if args.get("yarn_mscale") is not None or args.get("yarn_mscale_all_dim") is not None:
+            raise UnsupportedFormat(f"{where}: args yarn_mscale={_shown(args.get('yarn_mscale'))}, yarn_mscale_all_dim="
+                                    f"{_shown(args.get('yarn_mscale_all_dim'))}: only YaRN's default attention "
+                                    f"scaling is mapped; {_WAY_OUT}")
+        rope = {"rope_theta": rope_theta, "rope_type": "yarn",
+                **{name: _number(args, field, where) for field, name in _YARN},
+                "truncate": _flag(args, "yarn_correction_range_round_to_int", where)}
+    heads = _int(args, "num_attention_heads", where)
+    hidden = _int(args, "hidden_size", where)
+    config: dict[str, Any] = {
+        "architectures": [architecture.name], "model_type": architecture.model_type,
+        "num_hidden_layers": layers, "hidden_size": hidden,
+        "intermediate_size": _int(args, "moe_ffn_hidden_size", where, optional=True) or _int(args, "ffn_hidden_size", where),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(args, "num_query_groups", where) if _flag(args, "group_query_attention", where) else heads,
+        "head_dim": _int(args, "kv_channels", where, optional=True) or hidden // heads,
+        "num_local_experts": experts, "num_experts_per_tok": _int(args, "moe_router_topk", where),
+        "sliding_window": window, "layer_types": layer_types,
+        "vocab_size": _int(args, "padded_vocab_size", where),
+        "max_position_embeddings": (_int(args, "max_position_embeddings", where, optional=True)
+                                    or _int(args, "seq_length", where)),
+        "rms_norm_eps": _number(args, "norm_epsilon" if "norm_epsilon" in args else "layernorm_epsilon", where),
+        "rope_parameters": rope, "swiglu_limit": float(limit), "attention_bias": True,
+        "tie_word_embeddings": not _flag(args, "untie_embeddings_and_output_weights", where),
+        "initializer_range": _number(args, "init_method_std", where),
+        "attention_dropout": _number(args, "attention_dropout", where), "torch_dtype": _dtype(args, where),
+    }
+    if rope["rope_type"] == "yarn":  # the context YaRN stretches to, as GPT-OSS's config states it (4096 x 32)
+        config["max_position_embeddings"] = int(rope["original_max_position_embeddings"] * rope["factor"])
+    return dict(sorted(config.items()))
+
+
+def _gpt_oss_windows(args: Mapping[str, Any], layers: int, where: str) -> tuple[int | None, list[str]]:
+    """Return transformers' (sliding_window, layer_types) for Megatron's window_size and
+    window_attn_skip_freq (megatron-core transformer/utils.py `is_layer_window_attention`: layer
+    n, from 1, is windowed unless n % freq == 0; a list: 1 windowed)."""
+    size = args.get("window_size")
+    if size is None:
+        return None, ["full_attention"] * layers
+    if not isinstance(size, (tuple, list)) or len(size) != 2 or any(type(v) is not int for v in size) \
+            or size[0] <= 0 or size[1] != 0:
+        raise UnsupportedFormat(f"{where}: args window_size={_shown(size)}: only a causal window (W, 0) has a "
+                                f"place in GPT-OSS's config; {_WAY_OUT}")
+    frequency = args.get("window_attn_skip_freq")
+    if frequency is None:
+        windowed = [True] * layers
+    elif type(frequency) is int and frequency > 0:
+        windowed = [number % frequency != 0 for number in range(1, layers + 1)]
+    elif isinstance(frequency, list) and len(frequency) == layers and all(v in (0, 1) for v in frequency):
+        windowed = [bool(v) for v in frequency]
+    else:
+        raise UnsupportedFormat(f"{where}: args window_attn_skip_freq={_shown(frequency)} does not say which of "
+                                f"{layers} layers are windowed; {_WAY_OUT}")
+    return size[0] + 1, ["sliding_attention" if flag else "full_attention" for flag in windowed]
 
 
 def _megatron_architectures() -> dict[tuple[bool, bool, bool], tuple[Architecture, MegatronArgs]]:

@@ -31,8 +31,10 @@ are left out, and groups equal in what is left (AdamW's settings: lr, betas, eps
 ...) are one group: the decay and no-decay groups a transformers training script builds.
 
 Refused by name (a save whose optimizer this does not read): Megatron's distributed optimizer
-(`optimizer.distributed.*` entries, a `param_state_sharding_type` in common.pt: flat
-per-data-parallel-rank buffers, or the model-space layouts whose step lives in the groups), any
+(`optimizer.distributed.*` entries, a `param_state_sharding_type` in common.pt: Megatron-LM 0.16's
+default `dp_reshardable`, each model-parallel rank's grad buffer state per bucket with the
+data-parallel ranks' pieces as chunks, laid out as distrib_optim.pt's buffers are; flat
+per-data-parallel-rank buffers; or the model-space layouts whose step lives in the groups), any
 other optimizer state kind, a --decoupled-lr run (its embedding/output group is told apart by a
 module attribute the save does not keep), and tied embeddings.
 
@@ -69,9 +71,11 @@ from ckpttool.core.errors import CorruptMetadata, UnsupportedFormat, UsageError
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.naming import engine, megatron_config
 from ckpttool.naming.fused import FusedLayout
-from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY
+from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_DCP, MEGATRON_FSDP, MEGATRON_LEGACY
 from ckpttool.readers.megatron import MODEL_SUBTREE, model_view, stacked_split, unstack
-from ckpttool.readers.megatron_legacy_optimizer import read_legacy_optimizer
+from ckpttool.formats.dcp import METADATA_FILENAME
+from ckpttool.readers.megatron_fsdp import read_fsdp_optimizer
+from ckpttool.readers.megatron_legacy_optimizer import LegacyOptimizer, read_legacy_optimizer
 from ckpttool.torchsave.archive import saved_value
 from ckpttool.torchsave.pickle import dumps
 from ckpttool.torchsave.record import _Rebuilt, record_bytes
@@ -80,6 +84,9 @@ from ckpttool.torchsave.stored import file_entries, load_data_pkl, raw_blob, sto
 TRANSFORMERS = "transformers"  # reshard --to transformers
 OPTIMIZER_STATE = "optimizer.state."  # Megatron: f'optimizer.state.{state_key}.{model key}'
 DISTRIBUTED = "optimizer.distributed."  # DistributedOptimizer: f'optimizer.distributed.dp_group_idx_{i}.{k}'
+# distrib_optimizer.py sharded_param_state_dp_reshardable (Megatron-LM 0.16's default sharding for torch_dist):
+# f'{DISTRIBUTED}dp_group_idx_{i}.gbuf_idx_{g}.dtype_{dtype}.bucket_idx_{b}.{param,exp_avg,exp_avg_sq}'
+BUCKET_SPACE = ".bucket_idx_"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # torch's Adam/AdamW per-parameter state (its `step` comes from common.pt)
 OPTIMIZER, COMMON_STEP, SHARDING_TYPE = "optimizer", "common_step", "param_state_sharding_type"
 WD_MULT, EXPERT_PARALLEL = "wd_mult", "is_expert_parallel"
@@ -170,15 +177,32 @@ def plan_migration(layout: str, checkpoint: Checkpoint, follow_symlinks: bool = 
     where = str(checkpoint.path)
     if layout == MEGATRON_LEGACY:
         return _legacy_migration(checkpoint, follow_symlinks)
+    if layout == MEGATRON_DCP:
+        saved = any(fqn.startswith(f"{OPTIMIZER}.") for fqn in (*checkpoint.tensors, *checkpoint.objects))
+        raise UnsupportedFormat(f"{where}: a Megatron-LM --ckpt-format torch_dcp save; " + (
+            "its optimizer state (torch's, keyed by integer parameter ids) is not read yet" if saved else
+            "it holds no optimizer state") + f"; reshard --to {TRANSFORMERS} reads torch_dist, fsdp_dtensor and legacy "
+            "saves, `ckpttool export` writes this model")
+    if layout == MEGATRON_FSDP:  # readers/megatron_fsdp.py: the moments per parameter, their steps and groups
+        args = megatron_config.read_dcp_args(checkpoint.path, follow_symlinks)
+        if args is None:
+            raise UnsupportedFormat(f"{where}: holds no Megatron-LM arguments (`{megatron_config.ARGS}`), from which "
+                                    "the transformers config is made")
+        return _migration_of(read_fsdp_optimizer(checkpoint, args, follow_symlinks),
+                             f"{where}/{METADATA_FILENAME}: {megatron_config.ARGS}")
     if layout != MEGATRON:
         raise UsageError(f"{where}: a {layout} checkpoint; reshard --to {TRANSFORMERS} converts a Megatron-Core "
                          "torch_dist save or a legacy per-rank Megatron-LM save (a DCP checkpoint of transformers' "
                          "model reshards as it is)")
     distributed = sorted(fqn for fqn in (*checkpoint.tensors, *checkpoint.objects) if fqn.startswith(DISTRIBUTED))
     if distributed:
+        held = ("its grad buffers' buckets (sharding 'dp_reshardable', Megatron-LM's default: each model-parallel rank's "
+                "flat state per bucket)" if any(BUCKET_SPACE in fqn for fqn in distributed)
+                else "flat per-data-parallel-rank buffers")
         raise UnsupportedFormat(f"{where}: {distributed[0]}: Megatron's distributed optimizer (--use-distributed-optimizer)"
-                                " saves flat per-data-parallel-rank buffers, which are not read yet; reshard --to "
-                                f"{TRANSFORMERS} reads the optimizer state of a run without it")
+                                f" saves {held}, which are not read yet; reshard --to {TRANSFORMERS} reads the optimizer "
+                                "state of a torch_dist run without it, and a legacy (--ckpt-format torch) save's "
+                                "distrib_optim.pt")
     common = checkpoint.path / MEGATRON_COMMON
     config = megatron_config.megatron_hf_config(common, follow_symlinks)
     if config is None:
@@ -249,8 +273,13 @@ def _legacy_migration(checkpoint: Checkpoint, follow_symlinks: bool) -> Migratio
     """The Migration of a legacy per-rank save (readers/megatron_legacy_optimizer.py `read_legacy_optimizer`:
     the model and each parameter's moments merged over the ranks, its saved group and step)."""
     saved = read_legacy_optimizer(checkpoint.path, follow_symlinks)
+    return _migration_of(saved, f"{saved.checkpoint.path}/{saved.checkpoint.metadata_file}")
+
+
+def _migration_of(saved: LegacyOptimizer, args_file: str) -> Migration:
+    """The Migration of a save read per parameter (a legacy save's, an fsdp_dtensor save's): its model
+    and moments converted by the family table, each parameter in its saved group, with its step."""
     where = str(saved.checkpoint.path)
-    args_file = f"{where}/{saved.checkpoint.metadata_file}"
     config = megatron_config.hf_config(saved.args, args_file)
     _refuse_unmigrated(saved.args, config, args_file)
     converted = _convert(saved.checkpoint, config, where)

@@ -26,6 +26,8 @@ x `tensor_model_parallel_size`; gpt/model/base.py `GPTConfig.configure_model`). 
 vocabulary is read from model.yaml only for tokenizers whose `vocab_size` argument is their
 vocabulary (`_VOCAB_TOKENIZERS`); another is refused naming it (--assets is the way). The
 weights' embedding is the ground truth: export checks config.json against it (config-mismatch).
+`vocabulary` says how many of those rows are the tokenizer's where model.yaml states it: NeMo's
+exporters cut the rows to that (saved_config.py gives it to export).
 
 Example:
     >>> megatron_args(read_model_yaml(Path("ckpt/context/model.yaml")), "model.yaml")["padded_vocab_size"]
@@ -190,7 +192,11 @@ def nemo_hf_config(context: str | os.PathLike) -> dict[str, Any]:
         ['LlamaForCausalLM']
     """
     path = Path(context) / MODEL_YAML
-    model = read_model_yaml(path)
+    return hf_config_of(read_model_yaml(path), path)
+
+
+def hf_config_of(model: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """`nemo_hf_config` of the model.yaml `model` (read as data) at `path`."""
     args = megatron_args(model, str(path))
     where = str(path)
     try:
@@ -251,16 +257,48 @@ def megatron_args(model: Mapping[str, Any], where: str) -> dict[str, Any]:
     return args
 
 
+def vocabulary(model: Mapping[str, Any], path: Path) -> megatron_config.Vocabulary:
+    """Return the vocabulary NeMo's `model` (model.yaml as data) states: the rows its embedding
+    and output layer hold (the config's vocab_size, else the tokenizer's padded), and the
+    tokenizer's vocabulary when model.yaml states it (`_VOCAB_TOKENIZERS`): what NeMo's exporters
+    cut the rows to (nemo/lightning/io/state.py `TransformFns.prune_padding`, `vocab_size=
+    self.tokenizer.vocab_size` in e.g. gpt/model/llama.py HFLlamaExporter.config)."""
+    where = str(path)
+    config = model.get("config")
+    if not isinstance(config, dict):
+        raise CorruptMetadata(f"{where}: config is a {type(config).__name__}, not the model's config mapping")
+    rows = _padded_vocab(model, config, where)
+    size = _tokenizer_vocab(model, where)
+    if size is None:
+        kind = _field(model, f"tokenizer.{TARGET}")
+        return megatron_config.Vocabulary(rows, None, f"the tokenizer ({_shown(kind)}) does not state its vocabulary "
+                                                      "in model.yaml")
+    if size > rows:
+        raise CorruptMetadata(f"{where}: the tokenizer's vocabulary ({size}) is larger than config.vocab_size ({rows})")
+    return megatron_config.Vocabulary(rows, size, f"{MODEL_YAML} tokenizer.vocab_size")
+
+
+def _tokenizer_vocab(model: Mapping[str, Any], where: str) -> int | None:
+    """The tokenizer's vocabulary when model.yaml states it (ByteLevelTokenizer: vocab_size, plus
+    its special tokens, nemo/collections/common/tokenizers/bytelevel_tokenizers.py), else None."""
+    tokenizer = model.get("tokenizer")
+    if not isinstance(tokenizer, dict) or tokenizer.get(TARGET) not in _VOCAB_TOKENIZERS:
+        return None
+    special = tokenizer.get("special_tokens")
+    if special is not None and not isinstance(special, (list, dict)):
+        raise CorruptMetadata(f"{where}: tokenizer.special_tokens={_shown(special)} is not a list or mapping")
+    return _positive(tokenizer.get("vocab_size"), "tokenizer.vocab_size", where) + len(special or ())
+
+
 def _padded_vocab(model: Mapping[str, Any], config: Mapping[str, Any], where: str) -> int:
     """NeMo's vocabulary size: the config's, else the tokenizer's padded (nemo/lightning/base.py get_vocab_size)."""
     if config.get("vocab_size") is not None:
         return _positive(config["vocab_size"], "config.vocab_size", where)
-    tokenizer = model.get("tokenizer")
-    kind = tokenizer.get(TARGET) if isinstance(tokenizer, dict) else None
-    if kind not in _VOCAB_TOKENIZERS or not isinstance(tokenizer, dict):
+    vocab = _tokenizer_vocab(model, where)
+    if vocab is None:
+        kind = _field(model, f"tokenizer.{TARGET}")
         raise UnsupportedFormat(f"{where}: config.vocab_size is null and tokenizer.{TARGET}={_shown(kind)} does not state "
                                 f"its vocabulary in model.yaml; {_WAY_OUT}")
-    vocab = _positive(tokenizer.get("vocab_size"), "tokenizer.vocab_size", where)
     multiple = (_positive(config.get("make_vocab_size_divisible_by"), "config.make_vocab_size_divisible_by", where)
                 * _positive(config.get("tensor_model_parallel_size"), "config.tensor_model_parallel_size", where))
     return -(-vocab // multiple) * multiple

@@ -13,21 +13,26 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from ckpttool.naming import megatron_config, nemo_config
+from ckpttool.naming.megatron_config import Vocabulary
 
 
 @dataclass(frozen=True)
 class SavedConfig:
     """A config.json built from a save's own files: `file` is the arguments' file (common.pt,
-    mp_rank_*/model_optim_rng.pt) when `megatron`, else NeMo's context/model.yaml."""
+    mp_rank_*/model_optim_rng.pt) when `megatron`, else NeMo's context/model.yaml. `vocabulary`:
+    the rows the embedding and output layer hold and the tokenizer's vocabulary where the save
+    states it; config's `vocab_size` is the tokenizer's then (the naming tables write only those
+    rows: engine.VOCAB_ROWS), else the rows."""
 
     config: dict[str, Any]
     file: Path
     megatron: bool
+    vocabulary: Vocabulary | None = None
 
     @property
     def where(self) -> str:
@@ -38,6 +43,8 @@ class SavedConfig:
     def label(self) -> str:
         """Which of the save's files states it, as inspect says."""
         if self.megatron:
+            if self.file.name == megatron_config.METADATA_FILENAME:  # a DCP save by Megatron-LM: its byte entry
+                return f"the Megatron-LM arguments in its DCP entry `{megatron_config.ARGS}`"
             return f"{self.file.name}'s Megatron-LM arguments"
         return f"NeMo's {self.file.parent.name}/{self.file.name}"
 
@@ -56,8 +63,19 @@ def beside(path: str | os.PathLike, follow_symlinks: bool = False) -> SavedConfi
 
 
 def _stated(common: Path | None, context_of: Callable[[], Path | None], follow_symlinks: bool) -> SavedConfig | None:
-    if common is not None and (config := megatron_config.megatron_hf_config(common, follow_symlinks)) is not None:
-        return SavedConfig(config, common, True)
+    if common is not None and (args := megatron_config.saved_args(common, follow_symlinks)) is not None:
+        config = megatron_config.hf_config(args, str(common))
+        return _cut(SavedConfig(config, common, True, megatron_config.vocabulary(args, str(common))))
     if (context := context_of()) is not None:  # read as data: nemo_config's docstring
-        return SavedConfig(nemo_config.nemo_hf_config(context), context / nemo_config.MODEL_YAML, False)
+        path = context / nemo_config.MODEL_YAML
+        model = nemo_config.read_model_yaml(path)
+        return _cut(SavedConfig(nemo_config.hf_config_of(model, path), path, False, nemo_config.vocabulary(model, path)))
     return None
+
+
+def _cut(saved: SavedConfig) -> SavedConfig:
+    """`saved` with config.json's vocab_size the tokenizer's, where the save states a smaller one than its rows."""
+    vocabulary = saved.vocabulary
+    if vocabulary is None or not vocabulary.padded:
+        return saved
+    return replace(saved, config={**saved.config, "vocab_size": vocabulary.size})

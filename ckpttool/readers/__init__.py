@@ -28,7 +28,7 @@ from ckpttool.core.errors import CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
-                                     LAYOUTS, LIGHTNING_METADATA, MEGATRON, MEGATRON_LEGACY, NEMO2, SAFETENSORS, TORCH_PT, VERL,
+                                     LAYOUTS, LIGHTNING_METADATA, MEGATRON, MEGATRON_DCP, MEGATRON_FSDP, MEGATRON_LEGACY, NEMO2, SAFETENSORS, TORCH_PT, VERL,
                                      Detection, _detect, detect)
 
 
@@ -57,6 +57,10 @@ def read(path: str | os.PathLike, follow_symlinks: bool = False, as_saved: bool 
         from ckpttool.readers.megatron import model_view as megatron_model_view
 
         checkpoint = megatron_model_view(checkpoint, follow_symlinks)
+    if detection.layout in (MEGATRON_FSDP, MEGATRON_DCP) and not as_saved:  # Megatron-FSDP's prefix, SwiGLU halves undone
+        from ckpttool.readers.megatron_fsdp import model_view as megatron_fsdp_view
+
+        checkpoint = megatron_fsdp_view(checkpoint)
     if detection.layout in TOP_LEVEL_MODEL:
         checkpoint = dataclasses.replace(checkpoint, model_prefix="")
     return detection, _without_lightning_paths(checkpoint)

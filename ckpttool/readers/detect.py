@@ -22,8 +22,15 @@ Layouts (one name each, as `inspect` shows them):
 - `nemo2`: a NeMo 2 checkpoint folder, `context/` (the model's config: io.json, model.yaml) beside
   `weights/` (a `megatron-torch-dist` save, model keys under `module.`) (nemo/lightning/io/pl.py
   `ckpt_to_context_subdir`, `ckpt_to_weights_subdir`); read from `weights/`.
+- `megatron-fsdp-dtensor`: Megatron-LM's `--ckpt-format fsdp_dtensor` (Megatron-FSDP): torch DCP in its
+  `iter_%07d` folder, no common.pt; model tensors `model.module.<GPTModel key>`, the SwiGLU fc1 saved as
+  `weight_w` / `weight_v`, `args` and `checkpoint_version` as byte entries (megatron/training/checkpointing.py
+  `preprocess_fsdp_dtensor_state_dict`; readers/megatron_fsdp.py). Needs the metadata read to tell.
+- `megatron-torch-dcp`: Megatron-LM's `--ckpt-format torch_dcp` (torch FSDP2): the same, the model
+  tensors `model.<GPTModel key>` (no Megatron-FSDP wrapper, no split fc1), `_extra_state` byte entries.
 - `megatron-legacy`: Megatron-LM's `--ckpt-format torch` iteration folder, `mp_rank_TT[_PPP]/model_optim_rng.pt`
-  per tensor and pipeline rank (megatron/training/checkpointing.py `get_checkpoint_name`).
+  per tensor and pipeline rank (megatron/training/checkpointing.py `get_checkpoint_name`); also
+  Megatron-DeepSpeed's DeepSpeed-engine tag folder with more than one `mp_rank_TT_model_states.pt`.
 - `verl`: `model_world_size_W_rank_R.pt` per rank, in the folder or its `actor/`
   (verl/utils/checkpoint/fsdp_checkpoint_manager.py).
 - `dcp-hf`: torch's HuggingFaceStorageWriter (see readers/dcp_hf.py), sharded or consolidated.
@@ -56,9 +63,11 @@ DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING = "dcp", "dcp-hf", "torchtitan", 
 MEGATRON, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT = "megatron-torch-dist", "verl", "safetensors", "hub-folder", "torch-pt"
 OLMO_CORE, DEEPSPEED, DEEPSPEED_UNIVERSAL = "olmo-core", "deepspeed", "deepspeed-universal"
 MEGATRON_LEGACY, NEMO2 = "megatron-legacy", "nemo2"
+MEGATRON_FSDP, MEGATRON_DCP = "megatron-fsdp-dtensor", "megatron-torch-dcp"
 LAYOUTS = (DCP, DCP_HF, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, MEGATRON_LEGACY, NEMO2, OLMO_CORE, DEEPSPEED,
-           DEEPSPEED_UNIVERSAL, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT)
-DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, NEMO2, OLMO_CORE})  # read as torch DCP
+           DEEPSPEED_UNIVERSAL, VERL, SAFETENSORS, HUB_FOLDER, TORCH_PT, MEGATRON_FSDP, MEGATRON_DCP)
+DCP_LAYOUTS = frozenset({DCP, TORCHTITAN, ACCELERATE, LIGHTNING, MEGATRON, NEMO2, OLMO_CORE, MEGATRON_FSDP,
+                         MEGATRON_DCP})  # read as torch DCP
 
 TORCHTITAN_KEYS = frozenset({"lr_scheduler", "dataloader", "train_state"})  # beside "optimizer"
 ACCELERATE_MODEL_DIR = "pytorch_model_fsdp_0"  # f"{FSDP_MODEL_NAME}_{model_index}"
@@ -68,10 +77,20 @@ LIGHTNING_METADATA = "meta.pt"
 MEGATRON_CONFIG = "metadata.json"
 MEGATRON_COMMON = "common.pt"
 MEGATRON_BACKEND = "torch_dist"
+# Megatron-LM's generate_state_dict: state_dict['args'], state_dict['checkpoint_version'] (3.0), beside
+# state_dict['model'] (MegatronFSDP.state_dict: `module.` + the GPTModel's keys) in an fsdp_dtensor save,
+# the GPTModel's own keys in a torch_dcp save
+MEGATRON_ARGS, MEGATRON_VERSION, MEGATRON_FSDP_MODEL = "args", "checkpoint_version", "model.module."
+MEGATRON_DCP_MODEL = "model."
+MEGATRON_ITERATION_FOLDER = re.compile(r"^(?:iter_\d{7,}|release)$")  # checkpointing.py get_checkpoint_name
 MAX_CONFIG_BYTES = 1 << 20  # metadata.json is ~100 bytes
 # Megatron-LM checkpointing.py get_checkpoint_name: iter_%07d/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
 MEGATRON_LEGACY_RANK = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
 MEGATRON_LEGACY_FILE = "model_optim_rng.pt"
+# Megatron-DeepSpeed with --deepspeed: DeepSpeed's engine saves each model-parallel rank's module as
+# <tag>/mp_rank_TT_model_states.pt (deepspeed/runtime/engine.py `_get_ckpt_name`, ZeRO stage 0-2); more
+# than one is a tensor-parallel save, read as a legacy one (readers/megatron_legacy.py)
+DEEPSPEED_ENGINE_RANK = re.compile(r"^mp_rank_(\d{2,})_model_states\.pt$")
 NEMO2_CONTEXT, NEMO2_WEIGHTS = "context", "weights"  # nemo/lightning/io/pl.py: ckpt_to_{context,weights}_subdir
 # deepspeed/runtime/engine.py `_get_ckpt_name` (stage 1/2; stage 3 prefixes zero_pp_rank_R_) and
 # `_get_zero_ckpt_name` (bf16_ when the BF16 optimizer saved it)
@@ -348,6 +367,10 @@ def _directory_layout(path: Path, read_metadata: bool = True) -> tuple[str | Non
         from ckpttool.readers.dcp import read_checkpoint
 
         checkpoint = read_checkpoint(path)
+        if is_megatron_fsdp(checkpoint):
+            return MEGATRON_FSDP, checkpoint
+        if is_megatron_dcp(checkpoint):
+            return MEGATRON_DCP, checkpoint
         return (TORCHTITAN if is_torchtitan(checkpoint.tensors.keys() | checkpoint.objects.keys()) else DCP), checkpoint
     if _is_dcp(path / ACCELERATE_MODEL_DIR):
         return ACCELERATE, None
@@ -357,7 +380,7 @@ def _directory_layout(path: Path, read_metadata: bool = True) -> tuple[str | Non
         return NEMO2, None
     if any(verl_files(path / sub) for sub in VERL_SUBDIRS):
         return VERL, None
-    if legacy_rank_dirs(path):
+    if legacy_rank_dirs(path) or deepspeed_engine_rank_files(path):
         return MEGATRON_LEGACY, None
     if is_deepspeed(path):
         return DEEPSPEED, None
@@ -376,6 +399,20 @@ def is_torchtitan(fqns) -> bool:
     `dataloader`, `train_state` at the top level."""
     tops = {fqn.split(".", 1)[0] for fqn in fqns}
     return "optimizer" in tops and bool(tops & TORCHTITAN_KEYS)
+
+
+def is_megatron_fsdp(checkpoint: Checkpoint) -> bool:
+    """True for Megatron-LM's fsdp_dtensor save: its `args` and `checkpoint_version` byte entries
+    beside model tensors under Megatron-FSDP's `model.module.`."""
+    return (MEGATRON_ARGS in checkpoint.objects and MEGATRON_VERSION in checkpoint.objects
+            and any(fqn.startswith(MEGATRON_FSDP_MODEL) for fqn in checkpoint.tensors))
+
+
+def is_megatron_dcp(checkpoint: Checkpoint) -> bool:
+    """True for Megatron-LM's torch_dcp save: its `args` and `checkpoint_version` byte entries beside
+    model tensors under `model.`."""
+    return (MEGATRON_ARGS in checkpoint.objects and MEGATRON_VERSION in checkpoint.objects
+            and any(fqn.startswith(MEGATRON_DCP_MODEL) for fqn in checkpoint.tensors))
 
 
 def _is_megatron(path: Path) -> bool:
@@ -419,6 +456,23 @@ def is_deepspeed_universal(path: Path) -> bool:
         return False
     return (DEEPSPEED_UNIVERSAL_DIR in names and (path / DEEPSPEED_UNIVERSAL_DIR / "optimizer_state.pt").is_file()
             and any(DEEPSPEED_MODEL_PATTERN.match(name) for name in names))
+
+
+def deepspeed_engine_rank_files(path: Path) -> list[str]:
+    """Return the `mp_rank_TT_model_states.pt` files of a DeepSpeed tag folder holding more than one
+    (a tensor-parallel save: Megatron-DeepSpeed's with --deepspeed), sorted; else []."""
+    try:
+        found = sorted(name for name in _names(path) if DEEPSPEED_ENGINE_RANK.match(name))
+    except OSError:
+        return []
+    return found if len(found) > 1 else []
+
+
+def legacy_rank_files(path: Path) -> list[str]:
+    """Return the rank files of a Megatron-LM legacy save, relative to `path`, sorted: its
+    `mp_rank_TT[_PPP]/model_optim_rng.pt`, or DeepSpeed's engine's `mp_rank_TT_model_states.pt`
+    (`deepspeed_engine_rank_files`)."""
+    return [f"{name}/{MEGATRON_LEGACY_FILE}" for name in legacy_rank_dirs(path)] or deepspeed_engine_rank_files(path)
 
 
 def legacy_rank_dirs(path: Path) -> list[str]:

@@ -29,6 +29,14 @@ Every chunk is a raw byte range of a rank's file (the storage of its tensor insi
 zip); only the pickles are read. `args` comes out as an inert record (`Namespace`), never
 executed; any global outside `_ALLOWED` is refused in one line.
 
+Megatron-DeepSpeed (microsoft/Megatron-DeepSpeed, a fork of Megatron-LM before megatron-core)
+saves the same way, and through DeepSpeed's engine (--deepspeed) as `global_stepN/
+mp_rank_TT_model_states.pt`, its `module` in place of `model` (readers/detect.py
+`legacy_rank_files`); both hold the legacy model's nested state dict (`language_model` ->
+`encoder` -> `layers.N....`), flattened here to its module names, and its arguments, put under
+Megatron-LM's names (`DEEPSPEED_ARGUMENTS`). The engine's ZeRO optimizer partitions beside them
+are not opened.
+
 The optimizer state beside the model is read by readers/megatron_legacy_optimizer.py.
 
 Example:
@@ -50,15 +58,18 @@ from typing import Any
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, raw_range_transforms, refuse_bad_names
 from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.readers.detect import MEGATRON_LEGACY_FILE, legacy_rank_dirs
+from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, MEGATRON_LEGACY_FILE, legacy_rank_files
 from ckpttool.store import storage
 from ckpttool.torchsave.record import _PLAIN_OBJECT_ALLOWED, _TENSOR_PICKLE_ALLOWED, _Rebuilt
 from ckpttool.torchsave.stored import StateDictUnpickler, device, file_entries, ints, load_data_pkl, raw_blob, stored_dtype
 
 MODEL_PREFIX = "model"  # generate_state_dict: state_dict['model'] (the torch_dist model view's subtree too)
+ENGINE_MODEL_KEY = "module"  # DeepSpeed's engine: mp_rank_TT_model_states.pt's `module` (Megatron-DeepSpeed --deepspeed)
 CHUNK_KEY = re.compile(r"^model(\d+)$")  # virtual pipeline: f"model{i}"
 EXTRA_STATE = "_extra_state"  # torch.nn.Module.get_extra_state's key: no weight
-_LAYER = re.compile(r"^(?P<head>decoder\.layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")  # only the decoder's are per stage
+# only the decoder's layers are per stage: megatron-core's `decoder.layers.N.`, the legacy model's
+# (megatron/model/transformer.py ParallelTransformer, Megatron-DeepSpeed's) `language_model.encoder.layers.N.`
+_LAYER = re.compile(r"^(?P<head>(?:decoder|language_model\.encoder)\.layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
 
 COLUMN, ROW, GATED, REPLICATED = "column", "row", "gated", "replicated"
 # name suffix -> how the tensor-parallel parts make the tensor (megatron/core/tensor_parallel/layers.py:
@@ -90,6 +101,21 @@ MERGE_RULES: tuple[tuple[str, str], ...] = (
     ("decoder.final_layernorm.bias", REPLICATED),
     ("output_layer.weight", COLUMN),
     ("output_layer.bias", COLUMN),
+    # the legacy model (megatron/model/, Megatron-DeepSpeed's; its tensor_parallel layers split
+    # alike): its names (`language_model.embedding.word_embeddings.weight` and
+    # `language_model.output_layer.weight` take the rules above)
+    ("self_attention.query_key_value.weight", COLUMN),
+    ("self_attention.query_key_value.bias", COLUMN),
+    ("self_attention.dense.weight", ROW),
+    ("self_attention.dense.bias", REPLICATED),
+    ("post_attention_layernorm.weight", REPLICATED),
+    ("post_attention_layernorm.bias", REPLICATED),
+    ("mlp.dense_h_to_4h.weight", GATED),
+    ("mlp.dense_h_to_4h.bias", GATED),
+    ("mlp.dense_4h_to_h.weight", ROW),
+    ("mlp.dense_4h_to_h.bias", REPLICATED),
+    ("encoder.final_layernorm.weight", REPLICATED),
+    ("encoder.final_layernorm.bias", REPLICATED),
 )
 GATING_ARGS = ("swiglu", "quick_geglu")  # arguments.py core_transformer_config_from_args: gated_linear_unit
 
@@ -149,6 +175,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # the Enum-valued arguments of Megatron-LM core_v0.16.1 (--attention-backend, --exit-signal)
     ("megatron.core.transformer.enums", "AttnBackend"): _Enum("AttnBackend"),
     ("signal", "Signals"): _Enum("Signals"),
+    # Megatron-DeepSpeed's `args.model_type` (megatron/training.py `pretrain` sets it)
+    ("megatron.core.enums", "ModelType"): _Enum("ModelType"),
 }
 
 
@@ -273,13 +301,18 @@ class RankFile:
     refused: str | None = None  # why the optimizer state is not read (kind, absence)
 
 
-def rank_file(tensor_rank: int, pipeline_rank: int, pipeline_parallel: bool) -> str:
-    """Return a rank's file, relative to the iteration folder (checkpointing.py `get_checkpoint_name`).
+def rank_file(tensor_rank: int, pipeline_rank: int, pipeline_parallel: bool, engine: bool = False) -> str:
+    """Return a rank's file, relative to the iteration folder (checkpointing.py `get_checkpoint_name`;
+    `engine`: DeepSpeed's engine's, in its tag folder, `_get_ckpt_name`).
 
     Example:
         >>> rank_file(1, 0, pipeline_parallel=True)
         'mp_rank_01_000/model_optim_rng.pt'
+        >>> rank_file(1, 0, pipeline_parallel=False, engine=True)
+        'mp_rank_01_model_states.pt'
     """
+    if engine:
+        return f"mp_rank_{tensor_rank:02d}_model_states.pt"
     folder = f"mp_rank_{tensor_rank:02d}_{pipeline_rank:03d}" if pipeline_parallel else f"mp_rank_{tensor_rank:02d}"
     return f"{folder}/{MEGATRON_LEGACY_FILE}"
 
@@ -296,9 +329,18 @@ def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = Fals
     if not isinstance(state, dict):
         raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not Megatron-LM's state dict")
     args = state.get("args")
+    engine = DEEPSPEED_ENGINE_RANK.match(Path(name).name) is not None
+    if engine and not isinstance(args, Namespace):
+        raise UnsupportedFormat(f"{where}: DeepSpeed's engine saved tensor-parallel ranks (mp_rank_01 ...) without "
+                                "Megatron's `args`, so not Megatron-DeepSpeed's; this build reads ZeRO saves with one "
+                                "model-parallel rank; convert with DeepSpeed's ds_to_universal first")
     if not isinstance(args, Namespace):
         raise CorruptMetadata(f"{where}: `args` is {type(args).__name__}, not Megatron-LM's argparse.Namespace")
-    models = {0: state[MODEL_PREFIX]} if MODEL_PREFIX in state else {
+    if engine and not isinstance(state.get(ENGINE_MODEL_KEY), dict):
+        raise UnsupportedFormat(f"{where}: `{ENGINE_MODEL_KEY}` is {type(state.get(ENGINE_MODEL_KEY)).__name__}: DeepSpeed's "
+                                "pipeline engine keeps the layers in layer_XX-model_TT-model_states.pt files, which this "
+                                "build does not read")
+    models = {0: state[ENGINE_MODEL_KEY]} if engine else {0: state[MODEL_PREFIX]} if MODEL_PREFIX in state else {
         int(match.group(1)): value for key, value in state.items() if isinstance(key, str) and (match := CHUNK_KEY.match(key))}
     if not models or not all(isinstance(model, dict) for model in models.values()):
         raise CorruptMetadata(f"{where}: no `model` state dict (nor virtual-pipeline `model0`, `model1`, ...)")
@@ -306,11 +348,7 @@ def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = Fals
     chunks: dict[int, dict[str, Stored]] = {}
     for number, model in sorted(models.items()):
         parts: dict[str, Stored] = {}
-        for key, value in model.items():
-            if isinstance(value, dict):
-                raise UnsupportedFormat(f"{where}: {MODEL_PREFIX}.{key} is a nested state dict, as Megatron-LM's legacy "
-                                        "models (--use-legacy-models, Megatron-DeepSpeed) save them; this build reads "
-                                        "megatron-core models' flat state dicts")
+        for key, value in _flattened(model, where):
             if not isinstance(value, _Rebuilt) or str(key).endswith(EXTRA_STATE):
                 continue  # `_extra_state` (None for local layers; Transformer Engine's FP8 metadata), plain values
             here = f"{where}: {key}"
@@ -318,15 +356,83 @@ def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = Fals
             parts[str(key)] = Stored(raw_blob(entries, starts, read, size, here, name, value, dtype), dtype,
                                      ints(value.shape, f"{here}: shape"))
         chunks[number] = parts
+    arguments = megatron_lm_arguments(dict(vars(args)), where)
     if not optimizer:
-        return RankFile(name, dict(vars(args)), chunks, state.get("checkpoint_version"))
+        return RankFile(name, arguments, chunks, state.get("checkpoint_version"))
 
     def stored(value: Any, here: str) -> Stored:
         dtype = stored_dtype(value, here)
         return Stored(raw_blob(entries, starts, read, size, here, name, value, dtype), dtype, ints(value.shape, f"{here}: shape"))
 
     saved, refused = _rank_optimizer(state.get(OPTIMIZER), stored, where)
-    return RankFile(name, dict(vars(args)), chunks, state.get("checkpoint_version"), saved, refused)
+    if engine:  # the engine's `optimizer` is None under ZeRO: the state is in its partition files
+        saved, refused = None, (f"{where}: DeepSpeed's engine keeps the optimizer state in ZeRO's "
+                                "zero_pp_rank_D_mp_rank_TT_optim_states.pt files, which this build does not read at "
+                                "tensor parallel > 1")
+    return RankFile(name, arguments, chunks, state.get("checkpoint_version"), saved, refused)
+
+
+def _flattened(model: dict, where: str, prefix: str = "") -> list[tuple[str, Any]]:
+    """Return (name, value) of a model state dict, nested dicts' names joined by dots: the legacy
+    model's `state_dict_for_save_checkpoint` (megatron/model/gpt_model.py, Megatron-DeepSpeed's)
+    nests `language_model` -> `embedding` -> `word_embeddings` -> `weight`, and `encoder` ->
+    `layers.0.input_layernorm.weight`; the names are then its `named_parameters()` names.
+    megatron-core's state dicts are flat."""
+    found: list[tuple[str, Any]] = []
+    for key, value in model.items():
+        if not isinstance(key, str):
+            raise CorruptMetadata(f"{where}: {MODEL_PREFIX}.{prefix}{key!r:.40} is not a name")
+        if isinstance(value, dict):
+            found.extend(_flattened(value, where, f"{prefix}{key}."))
+        else:
+            found.append((prefix + key, value))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-DeepSpeed's arguments (microsoft/Megatron-DeepSpeed megatron/arguments.py, 6acc370a),
+# under the names Megatron-LM core_v0.16.1 gives them, so that naming/megatron_config.py's one
+# mapping makes config.json of either. Its arguments are told by `use_rotary_position_embeddings`
+# (Megatron-LM has --position-embedding-type instead). Each row: Megatron-LM's name <- how it is
+# made of Megatron-DeepSpeed's arguments; the arguments it has under the same name stay as they are.
+DEEPSPEED_MARK = "use_rotary_position_embeddings"
+_NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}  # --normalization's choices, each
+DEEPSPEED_ARGUMENTS: tuple[tuple[str, Any], ...] = (
+    ("position_embedding_type", lambda a: "rope" if a.get("use_rotary_position_embeddings")
+     else "learned_absolute" if a.get("add_position_embedding", True) else "none"),
+    ("normalization", lambda a: _NORMALIZATION.get(a.get("normalization"), a.get("normalization"))),
+    ("num_query_groups", lambda a: a.get("num_key_value_heads")),
+    ("group_query_attention", lambda a: a.get("num_key_value_heads") not in (None, a.get("num_attention_heads"))),
+    ("rotary_base", lambda a: a.get("rope_theta")),
+    ("layernorm_zero_centered_gamma", lambda a: a.get("apply_layernorm_1p")),
+    # --num-experts is a list, one count per expert layer ([1]: dense; anything else is refused as MoE)
+    ("num_experts", lambda a: None if a.get("num_experts") in ([1], None) else a["num_experts"]),
+    ("expert_model_parallel_size", lambda a: a.get("moe_expert_parallel_size")),
+)
+# 676a482c ("Adding the new feature of FPDT (#441)", 2024-12-04) added --ds-sequence-parallel-fpdt
+# and changed ParallelAttention.forward to read query_key_value's rows as [q | k | v] thirds
+# (`mixed_x_layer.shape[-1] // 3`), not per query group as before and as its converters write them
+DEEPSPEED_THIRDS_MARK = "ds_sequence_parallel_fpdt"
+
+
+def megatron_lm_arguments(args: dict[str, Any], where: str) -> dict[str, Any]:
+    """Return the saved arguments with Megatron-DeepSpeed's put under Megatron-LM's names
+    (`DEEPSPEED_ARGUMENTS`); Megatron-LM's own as they are. Raises UnsupportedFormat for a save
+    of Megatron-DeepSpeed from 676a482c on, whose attention reads the fused QKV otherwise.
+
+    Example:
+        >>> megatron_lm_arguments({"use_rotary_position_embeddings": True, "normalization": "rmsnorm",
+        ...                        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": [1]}, "f")["normalization"]
+        'RMSNorm'
+    """
+    if DEEPSPEED_MARK not in args or "position_embedding_type" in args:
+        return args
+    if DEEPSPEED_THIRDS_MARK in args:
+        raise UnsupportedFormat(f"{where}: saved by Megatron-DeepSpeed from 676a482c (2024-12-04, args hold "
+                                f"{DEEPSPEED_THIRDS_MARK}) on, whose attention reads query_key_value's rows as [q | k | v] "
+                                "thirds while its converters and earlier versions read them per query group; which the "
+                                "weights were trained as is not known, so they are not read")
+    return {**args, **{name: made(args) for name, made in DEEPSPEED_ARGUMENTS}}
 
 
 OPTIMIZER = "optimizer"  # generate_state_dict: state_dict['optimizer'] = optimizer.state_dict()
@@ -405,11 +511,11 @@ def read_legacy_args(path: str | os.PathLike, follow_symlinks: bool = False) -> 
         128
     """
     folder = as_path(storage.location(path))
-    present = legacy_rank_dirs(folder)
+    present = legacy_rank_files(folder)
     if not present:
         raise NotACheckpoint(f"{folder}: no mp_rank_TT[_PPP]/{MEGATRON_LEGACY_FILE}; not a Megatron-LM legacy save")
     with DataFiles(folder, follow_symlinks) as files:
-        return _read_rank(files, folder, f"{present[0]}/{MEGATRON_LEGACY_FILE}").args
+        return _read_rank(files, folder, present[0]).args
 
 
 def read_megatron_legacy(path: str | os.PathLike, follow_symlinks: bool = False) -> Checkpoint:
@@ -445,10 +551,11 @@ def _read_ranks(folder: Path, files: DataFiles, optimizer: bool
                 ) -> tuple[RankFile, dict[tuple[int, int], RankFile], int, int]:
     """Return the first rank file, every (tensor rank, pipeline rank) -> its file, and the tensor
     and pipeline parallel sizes; refuse a missing, extra or disagreeing rank file."""
-    present = legacy_rank_dirs(folder)
+    present = legacy_rank_files(folder)
     if not present:
         raise NotACheckpoint(f"{folder}: no mp_rank_TT[_PPP]/{MEGATRON_LEGACY_FILE}; not a Megatron-LM legacy save")
-    first = _read_rank(files, folder, f"{present[0]}/{MEGATRON_LEGACY_FILE}", optimizer)
+    first = _read_rank(files, folder, present[0], optimizer)
+    engine = DEEPSPEED_ENGINE_RANK.match(present[0]) is not None
     where = str(folder / first.name)
     tensor_parallel = _size_arg(first.args, "tensor_model_parallel_size", where)
     pipeline_parallel = _size_arg(first.args, "pipeline_model_parallel_size", where)
@@ -456,9 +563,9 @@ def _read_ranks(folder: Path, files: DataFiles, optimizer: bool
         raise UnsupportedFormat(f"{where}: a mixture-of-experts save (args num_experts / expert_model_parallel_size); "
                                 "this build reads dense legacy Megatron-LM saves; convert it with Megatron-LM's "
                                 "checkpoint converter to torch_dist first")
-    wanted = {rank_file(t, p, pipeline_parallel > 1): (t, p)
+    wanted = {rank_file(t, p, pipeline_parallel > 1, engine): (t, p)
               for t in range(tensor_parallel) for p in range(pipeline_parallel)}
-    found = sorted(f"{name}/{MEGATRON_LEGACY_FILE}" for name in present)
+    found = sorted(present)
     for name in found:
         if name not in wanted:
             raise CorruptMetadata(f"{folder / name}: beyond the save's tensor parallel {tensor_parallel} x pipeline "

@@ -11,9 +11,11 @@ renumbered by the same rules as the weights, every chunk a raw byte range of a r
 - The distributed optimizer (--use-distributed-optimizer) saves its param groups only (with the
   common `step`, a number) in model_optim_rng.pt, and `distrib_optim.pt` beside it: per model
   chunk's grad buffer the flat float32 exp_avg / exp_avg_sq, gathered over the data-parallel
-  ranks; each parameter's range is found as `_ParamAndGradBuffer` lays the buffer out (the
-  chunk's parameters in reverse, each at a multiple of 64 elements), checked against the
-  buffer's recorded size.
+  ranks (each bucket's part without the padding at its end, one after another); each parameter's
+  range is found as `_ParamAndGradBuffer` lays the buffer out (the chunk's parameters in reverse,
+  each at a multiple of 64 elements of its bucket, a new bucket once one holds `bucket_size`
+  elements: `grad_bucket_size`, from the saved arguments), checked against the buffer's recorded
+  size.
 
 Refused by name: the mixed-precision and chained optimizers' state, other optimizers, non-standard
 param groups, a distrib_optim.pt of another layout (older, non-float32, several buffers a chunk).
@@ -117,8 +119,8 @@ def read_legacy_optimizer(path: str | os.PathLike, follow_symlinks: bool = False
     model = _global_model(folder, first, ranks, tensor_parallel, pipeline_parallel)
     qk_decay = first.args.get("apply_wd_to_qk_layernorm") is True
     groups = _saved_groups(ranks, folder)
-    per_rank = {key: _by_layout(rank, buffers[key], groups, qk_decay, folder) if distributed
-                else _by_name(rank, groups, qk_decay, folder) for key, rank in ranks.items()}
+    per_rank = {key: _by_layout(rank, buffers[key], groups, qk_decay, _bucket_sizes(first.args, key[1], rank, folder), folder)
+                if distributed else _by_name(rank, groups, qk_decay, folder) for key, rank in ranks.items()}
     tensors = {f"{MODEL_PREFIX}.{name}": tensor for name, tensor in model.items()}
     for kind in MOMENTS:
         moments = {key: dataclasses.replace(rank, chunks=per_rank[key][0][kind]) for key, rank in ranks.items()}
@@ -153,8 +155,77 @@ BUFFER_KINDS = ("param", "exp_avg", "exp_avg_sq")  # get_parameter_state_dp_zero
 NUMEL_UNPADDED = "numel_unpadded"
 BUCKETS_COALESCED = "buckets_coalesced"
 # param_and_grad_buffer.py _ParamAndGradBuffer `_pad_start_of_param_if_needed`: with the distributed
-# optimizer every parameter starts at a multiple of 64 elements of its grad buffer
+# optimizer every parameter starts at a multiple of 64 elements of its grad buffer (and of its bucket:
+# a bucket starts at a multiple of lcm(DP, 128), `_pad_end_of_bucket_if_needed`)
 PARAM_ALIGNMENT = 64
+# megatron/training/training.py get_model (core_v0.16.1): without --ddp-bucket-size / --ddp-num-buckets a
+# bucket holds max(40M, 1M x data-parallel size with context parallel) elements
+DEFAULT_BUCKET_SIZE = 40_000_000
+DEFAULT_BUCKET_SIZE_PER_DATA_PARALLEL_RANK = 1_000_000
+
+
+def grad_bucket_size(args: dict[str, Any], stage: int, chunk: int, rank_parameters: int) -> int | None:
+    """Return the bucket size (elements) Megatron-LM gave the grad buffer of model chunk `chunk`
+    on pipeline stage `stage`, or None for one bucket, from the save's arguments.
+
+    megatron/training/training.py get_model: --ddp-num-buckets n gives the rank's parameter count
+    // n, else --ddp-bucket-size, else DEFAULT_BUCKET_SIZE (at least 1M per data-parallel rank);
+    none without --overlap-grad-reduce. megatron/core/distributed/distributed_data_parallel.py:
+    none on a pipeline stage after the first, and get_model disables bucketing for model chunks
+    after the first and with --overlap-param-gather-with-optimizer-step.
+
+    Example:
+        >>> grad_bucket_size({"overlap_grad_reduce": True, "ddp_bucket_size": 2049}, 0, 0, 22848)
+        2049
+    """
+    if not args.get("overlap_grad_reduce") or stage > 0 or chunk > 0 or args.get("overlap_param_gather_with_optimizer_step"):
+        return None
+    if args.get("ddp_num_buckets") is not None:
+        return rank_parameters // int(args["ddp_num_buckets"])
+    if args.get("ddp_bucket_size") is not None:
+        return int(args["ddp_bucket_size"])
+    data_parallel = int(args.get("data_parallel_size") or 1) * int(args.get("context_parallel_size") or 1)
+    return max(DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DATA_PARALLEL_RANK * data_parallel)
+
+
+BUCKET_ARGUMENTS = ("ddp_num_buckets", "ddp_bucket_size", "data_parallel_size", "context_parallel_size")
+
+
+def _bucket_sizes(args: dict[str, Any], stage: int, rank: RankFile, folder: Path) -> dict[int, int | None]:
+    """chunk -> grad_bucket_size of each of `rank`'s model chunks; CorruptMetadata for saved
+    arguments that are no bucket count or size."""
+    for key in BUCKET_ARGUMENTS:
+        value = args.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise CorruptMetadata(f"{folder / rank.name}: args.{key} is {value!r:.40}, not a positive integer")
+    parameters = sum(math.prod(weight.shape) for chunk in rank.chunks.values() for weight in chunk.values())
+    return {chunk: grad_bucket_size(args, stage, chunk, parameters) for chunk in rank.chunks}
+
+
+def parameter_offsets(numels: list[int], bucket_size: int | None) -> tuple[list[int], int]:
+    """Return where each parameter starts in a grad buffer's state in distrib_optim.pt, and its
+    length: `numels` in the order _ParamAndGradBuffer lays them out (the model chunk's parameters
+    in reverse), each at a multiple of PARAM_ALIGNMENT of its bucket; a bucket ends after the
+    parameter that brings it to `bucket_size` elements (None: one bucket), and the padding after
+    its end is left out (get_parameter_state_dp_zero keeps each bucket's `numel_unpadded`).
+    Not modelled: the bucket of its own a `shared_embedding` parameter gets (tied embeddings,
+    which reshard --to transformers refuses before reading the optimizer); a layout it changes
+    disagrees with the buffer's recorded size.
+
+    Example:
+        >>> parameter_offsets([2048, 32, 100], 2049)
+        ([0, 2048, 2080], 2180)
+    """
+    offsets = []
+    bucket_start = 0  # in the state: the sum of the earlier buckets' unpadded lengths
+    position = 0  # in the bucket
+    for numel in numels:
+        position = -(-position // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+        offsets.append(bucket_start + position)
+        position += numel
+        if bucket_size is not None and position >= bucket_size:
+            bucket_start, position = bucket_start + position, 0
+    return offsets, bucket_start + position
 
 
 @dataclass(frozen=True)
@@ -216,12 +287,13 @@ def _read_buffers(files: DataFiles, folder: Path, rank: RankFile) -> list[GradBu
     return found
 
 
-def _by_layout(rank: RankFile, buffers: list[GradBuffer], groups: tuple[dict[str, Any], ...], qk_decay: bool, folder: Path
+def _by_layout(rank: RankFile, buffers: list[GradBuffer], groups: tuple[dict[str, Any], ...], qk_decay: bool,
+               bucket_sizes: dict[int, int | None], folder: Path
                ) -> tuple[dict[str, dict[int, dict[str, Stored]]], dict[tuple[int, str], int], dict[tuple[int, str], float]]:
     """_by_name for the distributed optimizer: each parameter's moments are a range of its model
-    chunk's grad buffer (megatron/core/distributed/param_and_grad_buffer.py `_ParamAndGradBuffer`:
-    the chunk's parameters in reverse order, each starting at a multiple of PARAM_ALIGNMENT), its
-    group the one of its wd_mult, its step the groups' common `step`."""
+    chunk's grad buffer (megatron/core/distributed/param_and_grad_buffer.py `_ParamAndGradBuffer`,
+    as parameter_offsets lays it out with the chunk's bucket size), its group the one of its
+    wd_mult, its step the groups' common `step`."""
     where = folder / rank.name
     if len(buffers) != len(rank.chunks):
         raise UnsupportedFormat(f"{where.parent / DISTRIBUTED_OPTIMIZER_FILE}: {len(buffers)} grad buffers for "
@@ -237,13 +309,20 @@ def _by_layout(rank: RankFile, buffers: list[GradBuffer], groups: tuple[dict[str
     group_of: dict[tuple[int, str], int] = {}
     for chunk, buffer in zip(sorted(rank.chunks), buffers):
         parameters = rank.chunks[chunk]
-        start = 0
-        for name in reversed(list(parameters)):
+        names = list(reversed(list(parameters)))
+        for name in names:
+            if parameters[name].dtype != "float32":
+                raise UnsupportedFormat(f"{where}: {name} is {parameters[name].dtype}; the distributed optimizer's "
+                                        "state is read for float32 models only")
+        offsets, length = parameter_offsets([math.prod(parameters[name].shape) for name in names], bucket_sizes[chunk])
+        if length != buffer.numel_unpadded:
+            buckets = "one bucket" if bucket_sizes[chunk] is None else f"buckets of {bucket_sizes[chunk]} elements"
+            raise UnsupportedFormat(f"{where.parent / DISTRIBUTED_OPTIMIZER_FILE}: grad buffer {chunk} holds "
+                                    f"{buffer.numel_unpadded} elements, model chunk {chunk}'s parameters laid out in "
+                                    f"{buckets} (the save's arguments) at multiples of {PARAM_ALIGNMENT} take {length} "
+                                    "(buckets split otherwise, or frozen parameters): not read")
+        for name, start in zip(names, offsets):
             weight = parameters[name]
-            if weight.dtype != "float32":
-                raise UnsupportedFormat(f"{where}: {name} is {weight.dtype}; the distributed optimizer's state is read "
-                                        "for float32 models only")
-            start = -(-start // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
             numel = math.prod(weight.shape)
             for kind in MOMENTS:
                 flat = buffer.moments[kind].blob
@@ -253,12 +332,6 @@ def _by_layout(rank: RankFile, buffers: list[GradBuffer], groups: tuple[dict[str
             if wd_mult not in by_wd_mult:
                 raise CorruptMetadata(f"{where}: no optimizer param group has {WD_MULT} {wd_mult}, the group of {name}")
             group_of[(chunk, name)] = by_wd_mult[wd_mult]
-            start += numel
-        if start != buffer.numel_unpadded:
-            raise UnsupportedFormat(f"{where.parent / DISTRIBUTED_OPTIMIZER_FILE}: grad buffer {chunk} holds "
-                                    f"{buffer.numel_unpadded} elements, model chunk {chunk}'s parameters laid out one "
-                                    f"after another at multiples of {PARAM_ALIGNMENT} take {start} (buckets split "
-                                    "elsewhere, or frozen parameters): not read")
     return moments, group_of, {key: step for key in group_of}
 
 

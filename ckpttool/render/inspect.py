@@ -102,7 +102,8 @@ def _tensor_document(tensor: TensorInfo, hf_names: dict[str, tuple[str, ...]] | 
 
 
 def _format_name(layout: str, version: str | None) -> str:
-    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist", "olmo-core", "nemo2"):  # torch DCP inside
+    if layout in ("dcp", "torchtitan", "accelerate", "lightning", "megatron-torch-dist", "olmo-core", "nemo2",
+                  "megatron-fsdp-dtensor", "megatron-torch-dcp"):  # torch DCP inside
         return f"DCP {version or 'unversioned'}"
     return layout
 

@@ -24,7 +24,8 @@
 
 from __future__ import annotations
 
-from ckpttool.naming.engine import EXPERTS, EXPERTS_HALVES, RENAME, SPLIT_HALVES, Architecture, Family, Rule
+from ckpttool.naming.engine import (EXPERTS, EXPERTS_HALVES, RENAME, SPLIT_HALVES, VOCAB_ROWS, Architecture, Family,
+                                    Rule)
 from ckpttool.naming.fused import QWEN2_MOE
 
 _ATTENTION = "self_attention."
@@ -81,9 +82,9 @@ FAMILY = Family(
     ),
     rules=(
         *_rules("model.layers.{L}.", "decoder.layers.{L}."),
-        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", VOCAB_ROWS),
         Rule("model.norm.weight", "decoder.final_layernorm.weight"),
-        Rule("lm_head.weight", "output_layer.weight"),
+        Rule("lm_head.weight", "output_layer.weight", VOCAB_ROWS),
         # multi-token prediction: layer M after the main ones
         *_rules("model.layers.{N}.", _MTP + "transformer_layer."),
         Rule("model.layers.{N}.enorm.weight", _MTP + "enorm.weight"),

@@ -6,7 +6,9 @@ readers/megatron.py gives (layers taken apart: `decoder.layers.N.*`).
   query group into q, k, v (Megatron-Bridge `QKVMapping`), its bias too (Qwen2);
 - `linear_fc1` [gate; up] split in two (`GatedMLPMapping`);
 - the pre-MLP norm: `mlp.linear_fc1.layer_norm_weight` (fused, TE spec) or `pre_mlp_layernorm`;
-- `output_layer` -> `lm_head`.
+- `output_layer` -> `lm_head`;
+- both, and the embedding, cut to the config's `vocab_size` rows (`VOCAB_ROWS`: Megatron pads them to
+  a multiple of make_vocab_size_divisible_by x TP; NeMo's exporter `prune_padding` cuts them alike).
 
 Megatron's three families share these names (megatron_qwen_moe.py and megatron_mixtral.py add
 experts): the config's `architectures` picks the table. Without --assets, the Megatron-LM
@@ -15,7 +17,7 @@ arguments in common.pt choose the architecture (`megatron` below; naming/megatro
 
 from __future__ import annotations
 
-from ckpttool.naming.engine import (DENSE_BIAS_FROM_CONFIG, SPLIT_HALVES, SPLIT_QKV, Architecture, Family,
+from ckpttool.naming.engine import (DENSE_BIAS_FROM_CONFIG, SPLIT_HALVES, SPLIT_QKV, VOCAB_ROWS, Architecture, Family,
                                     MegatronArgs, Rule)
 
 _LAYER = "decoder.layers.{L}."
@@ -52,9 +54,9 @@ FAMILY = Family(
         Rule(("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"),
              _LAYER + "mlp.linear_fc1.weight", SPLIT_HALVES),
         Rule("model.layers.{L}.mlp.down_proj.weight", _LAYER + "mlp.linear_fc2.weight"),
-        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", VOCAB_ROWS),
         Rule("model.norm.weight", "decoder.final_layernorm.weight"),
-        Rule("lm_head.weight", "output_layer.weight"),
+        Rule("lm_head.weight", "output_layer.weight", VOCAB_ROWS),
     ),
     tied_head="output_layer.weight",
 )

@@ -11,7 +11,7 @@ into gate and up:
 
 from __future__ import annotations
 
-from ckpttool.naming.engine import (EXPERTS, EXPERTS_HALVES, SPLIT_HALVES, SPLIT_QKV, Architecture, Family,
+from ckpttool.naming.engine import (EXPERTS, EXPERTS_HALVES, SPLIT_HALVES, SPLIT_QKV, VOCAB_ROWS, Architecture, Family,
                                     MegatronArgs, Rule)
 from ckpttool.naming.fused import QWEN2_MOE
 
@@ -56,9 +56,9 @@ FAMILY = Family(
         Rule(_GATE_UP, _EXPERTS + "experts.linear_fc1.weight", EXPERTS_HALVES),
         Rule(_DOWN, _EXPERTS + "experts.linear_fc2.weight", EXPERTS),
         Rule("model.layers.{L}.mlp.gate.weight", "decoder.layers.{L}.mlp.router.weight"),
-        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        Rule("model.embed_tokens.weight", "embedding.word_embeddings.weight", VOCAB_ROWS),
         Rule("model.norm.weight", "decoder.final_layernorm.weight"),
-        Rule("lm_head.weight", "output_layer.weight"),
+        Rule("lm_head.weight", "output_layer.weight", VOCAB_ROWS),
     ),
     ignored=("decoder.layers.{L}.mlp.router.expert_bias", "decoder.layers.{L}.mlp.router.local_tokens_per_expert"),
     changes_forward=("decoder.layers.{L}.mlp.router.expert_bias",),  # the router adds it to its scores before choosing experts
