@@ -8,7 +8,8 @@ iteration, model} with the stage's tensor-parallel parts under the local layer s
 layers numbered from 0 on each stage, plus `latest_checkpointed_iteration.txt`. The args are the
 fixture's own (read as ckpttool reads them: its two enum values left out, dtypes as torch's)
 with the model's sizes: a Llama-shaped bf16 model, hidden 2048, 12 layers, 16 heads in 4 query
-groups, SwiGLU 5632, vocabulary 32000 (padded to 32000: a multiple of 128 x 2), untied output.
+groups, SwiGLU 5632, vocabulary 32000 (Megatron's NullTokenizer: --vocab-size 31999 and its EOD token;
+already a multiple of 128 x 2, so no padding rows), untied output.
 Random weights; the optimizer state is left out (neither command reads it).
 
 Rows, each command its own process, warm page cache, `--repeats` interleaved runs (medians; the
@@ -16,7 +17,7 @@ CPU time is user + system, os.wait4's, as is the peak RSS):
 - `ckpttool consolidate SAVE out.safetensors` (baseline: the same bytes read and written once,
   under Megatron's names),
 - `ckpttool export SAVE OUT` (transformers' names: linear_qkv split per query group, linear_fc1
-  into gate and up, the vocabulary trimmed to args.vocab_size, config.json from the args),
+  into gate and up, the vocabulary rows the tokenizer's (all 32000 here), config.json from the args),
 - `cat` of the rank files to /dev/null (the read floor).
 
     python benchmarks/megatron_legacy.py [--repeats 3] [--keep DIR]
@@ -38,7 +39,7 @@ from import_frameworks import interleaved, table  # benchmarks/: the same timing
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "frameworks" / "megatron_legacy" / "checkpoints" / "iter_0000002"
 SIZES = {"num_layers": 12, "hidden_size": 2048, "ffn_hidden_size": 5632, "num_attention_heads": 16,
-         "num_query_groups": 4, "kv_channels": 128, "vocab_size": 32000, "padded_vocab_size": 32000,
+         "num_query_groups": 4, "kv_channels": 128, "vocab_size": 31999, "padded_vocab_size": 32000,
          "make_vocab_size_divisible_by": 128, "seq_length": 4096, "max_position_embeddings": 4096,
          "bf16": True, "fp16": False}
 TP, PP = 2, 2

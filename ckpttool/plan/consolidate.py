@@ -27,7 +27,7 @@ from ckpttool.model.keys import KeyRules, match_dtype, normalise, output_keys
 from ckpttool.core.geometry import row_major_runs, slab_rows, slab_runs
 from ckpttool.model.model_view import ModelView
 from ckpttool.plan import unique_chunks
-from ckpttool.plan.operations import (CONVERT_BLOCK, DEQUANTIZE_ELEMENTS, GATHER_PART, STREAM_BLOCK, Band, Convert, Copy,
+from ckpttool.plan.operations import (BAND_BYTES, CONVERT_BLOCK, DEQUANTIZE_ELEMENTS, GATHER_PART, Band, Convert, Copy,
                                       Dequantize, Gather, Operation, Quantize, Rows)
 from ckpttool.model.quantization import QuantizedWeight
 from ckpttool.torchsave import ptfile
@@ -305,7 +305,7 @@ def plan_tensor(tensor: Tensor, located: Mapping[int, RawData | None], dtype: st
     return tuple(operations)
 
 
-def bands(gathers: list[Gather], row: int, offset: int, size: int = STREAM_BLOCK) -> list[Operation]:
+def bands(gathers: list[Gather], row: int, offset: int, size: int = BAND_BYTES) -> list[Operation]:
     """Return `gathers` (all the chunks of one tensor written at `offset`, `row` output bytes
     a row) as Bands of whole rows, about `size` output bytes each, when every chunk is raw
     bytes written as row pieces shorter than GATHER_PART on average; else `gathers` as they are.

@@ -42,6 +42,9 @@ STREAM_BLOCK = 8 << 20  # bytes read, checksummed and written per step of a reco
 # in one span and written from memory (run.record_writes.copy_groups): a copy_file_range, a
 # pread and a CRC-32 combine per row of a weight cut into rows (4 KiB) cost more than its bytes
 GATHER_PART = 64 << 10
+# output bytes a Band assembles at a time: a few hundred rows of a large weight, one write each;
+# held per thread with the rows read for it, so small beside STREAM_BLOCK
+BAND_BYTES = 2 << 20
 GATHER_SPAN = STREAM_BLOCK // 2  # the most source bytes read at once for them, and the most gathered
 GATHER_WINDOW = 1 << 20  # a span may read through this much, else at most twice what it copies
 RECORDS_WRITE_BLOCK = 4 << 20  # a Records operation's output is built and written this much at a time
