@@ -164,6 +164,26 @@ def test_export_loads_in_transformers_and_its_logits_match_megatrons_forward(run
     assert float((logits - megatron).abs().max()) < LOGIT_TOLERANCE
 
 
+@pytest.mark.parametrize("save", [LEGACY, VIRTUAL], ids=["pipeline-2", "virtual-pipeline-2"])
+def test_export_without_assets_trims_the_padding_and_its_logits_match_megatrons_forward(run, tmp_path, save):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from safetensors.torch import load_file
+
+    expected = json.loads((save / "expected.json").read_text())
+    out = tmp_path / "hf"
+    result = run("export", save / "checkpoints", out)
+    assert result.exit_code == 0, result.output
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        logits = model(torch.tensor(expected["input_ids"])).logits
+    megatron = load_file(save / "logits.safetensors")["logits"]  # over all 128 padded rows
+    assert logits.shape == (1, 8, 100) and megatron.shape == (1, 8, 128)  # NullTokenizer: 99 + its EOD token
+    assert float((logits - megatron[..., :100]).abs().max()) < LOGIT_TOLERANCE
+
+
 def test_the_pickled_args_give_the_config_json_of_the_model():
     from ckpttool.naming.megatron_config import hf_config
     from ckpttool.readers.megatron_legacy import Namespace, read_legacy_args
