@@ -392,8 +392,24 @@ def test_short_copies_far_apart_or_with_a_stored_crc_are_not_gathered():
     assert [len(group) for group in record_writes.copy_groups(far)] == [1, 1]
     stored = [Copy("a", 0, "out", 0, row, crc32=1), Copy("a", row, "out", row, row)]
     assert [len(group) for group in record_writes.copy_groups(stored)] == [1, 1]
-    other_file = [Copy("a", 0, "out", 0, row), Copy("b", row, "out", row, row)]
-    assert [len(group) for group in record_writes.copy_groups(other_file)] == [1, 1]
+    files = [Copy(name, 0, "out", n * row, row) for n, name in enumerate("abcdefghi")]  # one more than GATHER_FILES
+    assert [len(group) for group in record_writes.copy_groups(files)] == [8, 1]
+
+
+def test_the_row_pieces_of_tensor_parallel_ranks_are_gathered_from_a_span_of_each_file(tmp_path):
+    """A weight cut on dim 1 gives each output row a piece from each rank's file: the pieces
+    alternate between the files, each file's rows lie end to end, so one span of each is read."""
+    from ckpttool.plan.operations import Copy
+
+    row = 4096
+    (tmp_path / "a").write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "b").write_bytes(bytes(reversed(range(256))) * 64)
+    parts = [Copy(name, 100 + n * row, "out", (2 * n + k) * row, row) for n in range(3) for k, name in enumerate("ab")]
+    assert [len(group) for group in record_writes.copy_groups(parts)] == [6]
+    a, b = (tmp_path / "a").read_bytes(), (tmp_path / "b").read_bytes()
+    with DataFiles(tmp_path) as files:
+        got = bytes(record_writes.gathered(parts, files))
+    assert got == b"".join((a if k == 0 else b)[100 + n * row:100 + (n + 1) * row] for n in range(3) for k in range(2))
 
 
 def test_a_large_source_range_is_summed_from_maps_of_its_pages(tmp_path, monkeypatch):

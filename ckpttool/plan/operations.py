@@ -46,6 +46,7 @@ GATHER_PART = 64 << 10
 # held per thread with the rows read for it, so small beside STREAM_BLOCK
 BAND_BYTES = 2 << 20
 GATHER_SPAN = STREAM_BLOCK // 2  # the most source bytes read at once for them, and the most gathered
+GATHER_FILES = 8  # the most source files one group reads from (a span each): a row's tensor-parallel pieces
 GATHER_WINDOW = 1 << 20  # a span may read through this much, else at most twice what it copies
 RECORDS_WRITE_BLOCK = 4 << 20  # a Records operation's output is built and written this much at a time
 # the bytes between its runs a Records operation may read through (at least its own length):

@@ -40,8 +40,8 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 from ckpttool.dcp.blobs import DataFiles, RawData
 from ckpttool.core.errors import CorruptBlob
 from ckpttool.store.io import Output, copy_range, thread_buffer, write_at
-from ckpttool.plan.operations import (GATHER_PART, GATHER_SPAN, GATHER_WINDOW, RECORDS_WRITE_BLOCK, STREAM_BLOCK, Copy,
-                                      Operation, Record, Records)
+from ckpttool.plan.operations import (GATHER_FILES, GATHER_PART, GATHER_SPAN, GATHER_WINDOW, RECORDS_WRITE_BLOCK,
+                                      STREAM_BLOCK, Copy, Operation, Record, Records)
 from ckpttool.torchsave import native
 from ckpttool.torchsave.assembly import assemble
 from ckpttool.torchsave.crc32 import crc32_combine, crc32_slice
@@ -251,10 +251,12 @@ def write_record(op: Record, files: DataFiles, fd: int) -> int:
 def copy_groups(copies: Sequence[Copy]) -> list[list[Copy]]:
     """Return `copies` (in output order) as groups: neighbouring short copies (under
     GATHER_PART bytes each, their CRC-32 to be summed from their own bytes: `sums_own_bytes`)
-    from one file, laid end to end in the output, whose source lies in one span of at most
-    GATHER_SPAN bytes, and at most twice what they copy or GATHER_WINDOW (the rows of a
-    permuted head alternate between its two halves), together; every other copy alone. A
-    group copies at most GATHER_SPAN bytes (`Record.memory` counts the span and them).
+    from at most GATHER_FILES files, laid end to end in the output, whose source lies in one
+    span of each file, the spans together at most GATHER_SPAN bytes and at most twice what
+    they copy or GATHER_WINDOW (the rows of a permuted head alternate between its two halves;
+    the rows of a weight cut on dim 1 alternate between its tensor-parallel ranks' files),
+    together; every other copy alone. A group copies at most GATHER_SPAN bytes (`Record.memory`
+    counts the spans and them).
 
     Example (three rows of 4 KiB, 8 KiB apart in the source, then a 1 MiB copy):
         >>> [len(group) for group in copy_groups([row0, row2, row4, big])]
@@ -262,38 +264,50 @@ def copy_groups(copies: Sequence[Copy]) -> list[list[Copy]]:
     """
     groups: list[list[Copy]] = []
     group: list[Copy] = []
-    start = end = copied = reached = 0
+    spans: dict[str, tuple[int, int]] = {}
+    copied = reached = 0
     for part in copies:
         at, length = part.src_offset, part.length
         if length >= GATHER_PART or not sums_own_bytes(part):
             group = []
             groups.append([part])
             continue
-        if group and part.src == group[0].src and part.dst_offset == reached:
-            low, high = min(start, at), max(end, at + length)
-            if high - low <= min(GATHER_SPAN, max(2 * (copied + length), GATHER_WINDOW)) and copied + length <= GATHER_SPAN:
+        if group and part.dst_offset == reached:
+            low, high = spans.get(part.src, (at, at + length))
+            joined = {**spans, part.src: (min(low, at), max(high, at + length))}
+            read = sum(end - start for start, end in joined.values())
+            if (len(joined) <= GATHER_FILES and copied + length <= GATHER_SPAN
+                    and read <= min(GATHER_SPAN, max(2 * (copied + length), GATHER_WINDOW))):
                 group.append(part)
-                start, end, copied, reached = low, high, copied + length, reached + length
+                spans, copied, reached = joined, copied + length, reached + length
                 continue
         group = [part]
         groups.append(group)
-        start, end, copied, reached = at, at + length, length, part.dst_offset + length
+        spans, copied, reached = {part.src: (at, at + length)}, length, part.dst_offset + length
     return groups
 
 
 def gathered(group: Sequence[Copy], files: DataFiles) -> memoryview:
-    """Return the bytes `group` (a `copy_groups` group) copies, end to end, read in one span:
-    a view of this thread's buffer, valid until the next call."""
-    start = min(part.src_offset for part in group)
-    end = max(part.src_offset + part.length for part in group)
-    span = memoryview(thread_buffer(end - start, "gather-span"))[:end - start]
-    files.read_into(group[0].src, start, span)
+    """Return the bytes `group` (a `copy_groups` group) copies, end to end, read in one span
+    of each of its files: a view of this thread's buffer, valid until the next call."""
+    spans: dict[str, tuple[int, int]] = {}
+    for part in group:
+        low, high = spans.get(part.src, (part.src_offset, part.src_offset + part.length))
+        spans[part.src] = (min(low, part.src_offset), max(high, part.src_offset + part.length))
+    size = sum(end - start for start, end in spans.values())
+    read = memoryview(thread_buffer(size, "gather-span"))[:size]
+    base: dict[str, int] = {}  # file -> where its span starts in `read`, less the span's source offset
+    at = 0
+    for file, (start, end) in spans.items():
+        files.read_into(file, start, read[at:at + end - start])
+        base[file] = at - start
+        at += end - start
     total = sum(part.length for part in group)
     out = memoryview(thread_buffer(total, "gather-out"))[:total]
     at = 0
     for part in group:
-        begin = part.src_offset - start
-        out[at:at + part.length] = span[begin:begin + part.length]
+        begin = base[part.src] + part.src_offset
+        out[at:at + part.length] = read[begin:begin + part.length]
         at += part.length
     return out
 
