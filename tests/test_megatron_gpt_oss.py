@@ -179,11 +179,16 @@ def test_the_family_is_found_by_its_sinks(run):
                               "decoder.layers.0.self_attention.core_attention.softmax_offset"])[0] == FAMILY
 
 
-def test_import_to_megatron_is_refused_naming_the_rule_with_no_inverse(cli, tmp_path):
-    result = cli("import", FIXTURE / "hf", tmp_path / "out", "--to", "megatron")
-    assert result.exit_code == 2, result.output
-    assert "megatron gpt_oss" in result.output and "cannot run backwards" in result.output
-    assert not (tmp_path / "out").exists()
+def test_every_rule_import_writes_runs_backwards():
+    """`import --to megatron` writes GPT-OSS (tests/test_import_gpt_oss.py proves the bytes): the
+    rules it chooses (the stacked experts, megatron-core's torch_dist names) all have an inverse;
+    the per-expert source names (STACK_EXPERTS) are read by export only."""
+    from ckpttool.naming.backward import INVERSES, chosen_rules
+    from ckpttool.naming.engine import TRANSFORMS
+
+    chosen = chosen_rules(naming.family(FAMILY))
+    assert all(TRANSFORMS[rule.transform].inverse in INVERSES for rule in chosen), chosen
+    assert not any(".local_experts." in rule.source or "{E}" in rule.source for rule in chosen)
 
 
 def test_load_into_a_transformers_model_straight_from_megatrons_checkpoint():

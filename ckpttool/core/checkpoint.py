@@ -43,8 +43,10 @@ ROWS_TRANSPOSED_TRANSFORM = "ckpttool.rows-transposed"
 # raw bytes) and the chunk is them as an X x Y grid of rows transposed, then as a matrix
 # transposed: chunk element [c, y * X + x] is blob element [x * Y + y, c], C the chunk's numel
 # over X * Y (GPT-OSS's experts: Megatron's [gate; up] rows interleaved and transposed, X = 2; a
-# plain transpose, X = 1; C = 1, a bias: the interleave alone). Decoding holds the blob's bytes
-# and their transposed copy: two copies of one expert's matrix (naming/engine.py)
+# plain transpose, X = 1; C = 1, a bias: the interleave alone), the chunk's row-major elements
+# read as that [C, X * Y] matrix whatever its shape (import's inverse: a band of an expert's rows
+# as an (R, X', Y') array, axes reversed: naming/expert_columns.py `row_chunks`). Decoding holds
+# the blob's bytes and their transposed copy: two copies of one expert's matrix (naming/engine.py)
 ROWS_AS_COLUMNS_TRANSFORM = "ckpttool.rows-as-columns"
 OUR_TRANSFORMS = "ckpttool."  # the prefix of our markers (RAW_RANGE_TRANSFORM, ...), never in a file
 

@@ -593,15 +593,15 @@ def _transposed_rows(files: DataFiles, tensor: Tensor, chunk: Chunk, grid: tuple
 def _rows_as_columns(files: DataFiles, tensor: Tensor, chunk: Chunk, grid: tuple[int, int]) -> bytes:
     """Return a ROWS_AS_COLUMNS_TRANSFORM chunk's bytes: its blob (X * Y rows of C elements)
     read in one range, the rows as an X x Y grid transposed, then the matrix transposed (numpy:
-    one strided copy). Holds the blob's bytes and that copy."""
+    one strided copy), whatever the chunk's shape (import's chunks are [C', R]: row_chunks).
+    Holds the blob's bytes and that copy."""
     import numpy as np
 
     blob = cast(Blob, chunk.blob)
     x, y = grid
     expected = chunk.numel * tensor.itemsize
     rows = x * y
-    if blob.length != expected or x <= 0 or y <= 0 or not chunk.sizes or chunk.sizes[-1] != rows \
-            or expected % (rows * tensor.itemsize):
+    if blob.length != expected or x <= 0 or y <= 0 or expected % (rows * tensor.itemsize):
         raise CorruptBlob(f"{_where(files, tensor, chunk)}: a {x} x {y} grid of rows as the columns of a chunk of "
                           f"shape {list(chunk.sizes)} in {blob.length} bytes, expected {expected}")
     columns = expected // (rows * tensor.itemsize)

@@ -13,7 +13,13 @@ how the transformers tensors make the framework's tensor again, here in `INVERSE
   q heads, then its k head, then its v head;
 - stack-experts: one tensor per expert stacked on a new dim 0 (torchtitan's grouped
   `w1_EFD`/`w3_EFD`/`w2_EDF`, Megatron's experts axis);
-- stack-experts-join-halves: both, [E, 2F, D].
+- stack-experts-join-halves: both, [E, 2F, D];
+- GPT-OSS's experts (Megatron-Bridge GPTOSSMLPGateUpProjMapping / GPTOSSMLPDownProjMapping run
+  megatron-ward): stack-experts-uninterleaved-transposed, transformers' `gate_up_proj` [E, H, 2F]
+  (columns gate, up, gate, ...) as Megatron's stacked `linear_fc1` [E, 2F, H] = [gate; up] per
+  expert; stack-experts-uninterleaved, its bias [E, 2F] as [gate; up]; stack-experts-transposed,
+  `down_proj` [E, F, H] as `linear_fc2` [E, H, F]. Each expert one `rows` piece (Piece.rows:
+  expert_columns.row_chunks), decoded one expert's matrix at a time.
 
 Each gives the framework tensor as `Piece`s of transformers tensors, so the bytes move by range
 (`engine.converted_checkpoint` turns them into chunks): nothing is read here. When several rules
@@ -31,7 +37,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from ckpttool.core.errors import InvalidCheckpoint, UsageError
@@ -180,6 +186,32 @@ def _stack_experts_join_halves(rule: Rule, key: str, parts: Mapping[int, Mapping
     return Target(key, (len(experts), 2 * shape[0], *shape[1:]), pieces, rule)
 
 
+def _experts_as_rows(interleaved: bool, matrix: bool) -> Inverse:
+    """The inverse of EXPERTS_[INTERLEAVED_]TRANSPOSED (`matrix`) or EXPERTS_INTERLEAVED: the
+    transformers experts [E, R, C] as [E, C, R] ([E, C] as [E, C]), each expert a `rows` piece
+    whose target row y * X + x is its column x * Y + y: interleaved, (C / 2, 2), the columns
+    gate[0], up[0], gate[1], ... as the rows [gate; up]; else (C, 1), a transpose."""
+
+    def inverse(rule: Rule, key: str, parts: Mapping[int, Mapping[int, str]], shapes: Mapping[str, tuple[int, ...]],
+                config: Mapping[str, Any], where: str) -> Target:
+        source = _only(parts)
+        shape = shapes[source]
+        experts = config.get("num_local_experts")
+        if len(shape) != (3 if matrix else 2) or (interleaved and shape[-1] % 2) or \
+                (experts is not None and shape[:1] != (experts,)):
+            wanted = "[experts, H, 2F]" if matrix and interleaved else "[experts, F, H]" if matrix else "[experts, 2F]"
+            raise InvalidCheckpoint(f"{where}: {source} of shape {list(shape)} is not num_local_experts={experts!r} "
+                                    f"grouped experts {wanted} ({rule.source} stacks them)", code="config-mismatch")
+        columns = shape[-1]
+        grid = (columns // 2, 2) if interleaved else (columns, 1)
+        zeros = (0,) * (len(shape) - 1)
+        pieces = tuple(Piece(source, ((expert, *zeros), (1, *shape[1:])), at=(expert, *zeros), rows=grid)
+                       for expert in range(shape[0]))
+        return Target(key, (shape[0], columns, shape[1]) if matrix else shape, pieces, rule)
+
+    return inverse
+
+
 # transform name (engine.TRANSFORMS[...].inverse) -> how it runs
 INVERSES: Mapping[str, Inverse] = {
     "rename": _rename,
@@ -189,6 +221,9 @@ INVERSES: Mapping[str, Inverse] = {
     "join-qkv": _join_qkv,
     "stack-experts": _stack_experts,
     "stack-experts-join-halves": _stack_experts_join_halves,
+    "stack-experts-uninterleaved-transposed": _experts_as_rows(interleaved=True, matrix=True),
+    "stack-experts-uninterleaved": _experts_as_rows(interleaved=True, matrix=False),
+    "stack-experts-transposed": _experts_as_rows(interleaved=False, matrix=True),
 }
 
 
@@ -333,8 +368,8 @@ def _placed_in_layer(target: Target, layer: int) -> list[Piece]:
     placed, row = [], 0
     zeros = (0,) * max(len(target.shape) - 1, 0)
     for piece in target.pieces:
-        if piece.at is not None:
-            placed.append(Piece(piece.source, piece.box, piece.step, at=(layer, *piece.at)))
+        if piece.at is not None:  # with its `columns` or `rows` grid, if any
+            placed.append(replace(piece, at=(layer, *piece.at)))
             continue
         rows = piece.box[1][len(piece.box[1]) - len(target.shape)] if target.shape else 1
         if piece.step != 1 or piece.transposed is not None:

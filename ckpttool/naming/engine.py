@@ -32,9 +32,8 @@ gathers those (`Transform.gathers`), every expert of `num_local_experts` once.
 
 A rule of a split names its targets in order, as a tuple. Each `Transform` states how many
 targets it gives, the config fields it needs, and its inverse: the transform that undoes it
-(transformers -> the framework, which `import` will run the same tables backwards with: issue
-46), or None when nothing can. Only RENAME's inverse (itself) exists yet; the others name the
-transform that issue 46 adds.
+(transformers -> the framework: `import --to` runs the same tables backwards with them,
+naming/backward.py INVERSES), or None when nothing can (backward.py refuses such a rule by name).
 
 Placeholders: `{L}` a layer number, `{E}` an expert number, `{M}` an extra layer's number in the
 source (DeepSeek's MTP layers), which the target numbers `{N}`: after the main layers. Pure:
@@ -263,6 +262,9 @@ class Piece:
     # (X, Y), with `at`: the box [1, R, *C] (an expert, R = X * Y rows) as the target's [1, *C, R]:
     # target column y * X + x is box row x * Y + y (expert_columns.column_chunks)
     columns: tuple[int, int] | None = None
+    # (X, Y), with `at`: its inverse (import): the box [1, R, C] (C = X * Y; [1, C]: R = 1) as the
+    # target's [1, C, R]: target row y * X + x is box column x * Y + y (expert_columns.row_chunks)
+    rows: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -450,7 +452,7 @@ def _stack_experts(rule: Rule, names: tuple[str, ...], key: str, shape: tuple[in
 
 _HEADS = ("num_attention_heads",)
 _EXPERT_COUNT = ("num_local_experts",)  # the stacked target's size, when one source tensor is one expert
-# every transform a rule may name; the inverses other than RENAME's are issue 46's to write
+# every transform a rule may name, and the inverse import runs (naming/backward.py INVERSES)
 TRANSFORMS: Mapping[str, Transform] = MappingProxyType({
     RENAME: Transform(_rename, 1, inverse=RENAME),
     PERMUTE_Q: Transform(_permute_q, 1, inverse="unpermute-q", settings=_HEADS),
@@ -459,11 +461,13 @@ TRANSFORMS: Mapping[str, Transform] = MappingProxyType({
     SPLIT_HALVES: Transform(_split_halves, 2, inverse="join-halves"),
     EXPERTS_HALVES: Transform(_experts_halves, 2, inverse="stack-experts-join-halves", per_expert=True),
     SPLIT_QKV: Transform(_split_qkv, 3, inverse="join-qkv", settings=_HEADS),
-    # GPT-OSS's experts: import has no inverse of a transpose yet
-    EXPERTS_TRANSPOSED: Transform(_experts_as_columns(False), 1, inverse=None, settings=_EXPERT_COUNT, gathers=True),
-    EXPERTS_INTERLEAVED_TRANSPOSED: Transform(_experts_as_columns(True), 1, inverse=None, settings=_EXPERT_COUNT,
-                                              gathers=True),
-    EXPERTS_INTERLEAVED: Transform(_experts_as_columns(True), 1, inverse=None, settings=_EXPERT_COUNT, gathers=True),
+    # GPT-OSS's experts: import writes them stacked, each expert's matrix transposed back (backward.py)
+    EXPERTS_TRANSPOSED: Transform(_experts_as_columns(False), 1, inverse="stack-experts-transposed",
+                                  settings=_EXPERT_COUNT, gathers=True),
+    EXPERTS_INTERLEAVED_TRANSPOSED: Transform(_experts_as_columns(True), 1, inverse="stack-experts-uninterleaved-"
+                                              "transposed", settings=_EXPERT_COUNT, gathers=True),
+    EXPERTS_INTERLEAVED: Transform(_experts_as_columns(True), 1, inverse="stack-experts-uninterleaved",
+                                   settings=_EXPERT_COUNT, gathers=True),
     STACK_EXPERTS: Transform(_stack_experts, 1, inverse=None, settings=_EXPERT_COUNT, gathers=True),
     # import writes transformers' rows as they are (no padding added): rename
     VOCAB_ROWS: Transform(_vocab_rows, 1, inverse=RENAME),
@@ -615,7 +619,7 @@ def converted_checkpoint(checkpoint: Checkpoint, targets: Mapping[str, Target],
             source = sources.get(piece.source)
             if source is None:
                 source = sources[piece.source] = _Source(checkpoint, piece.source, located[piece.source])
-            if piece.columns is not None:
+            if piece.columns is not None or piece.rows is not None:
                 chunks.extend(source.as_columns(piece, key))
                 continue
             if piece.at is not None:
@@ -730,7 +734,7 @@ class _Source:
         return chunks
 
     def as_columns(self, piece: Piece, key: str) -> list[Chunk]:
-        """Return the target chunks of a `columns` piece (expert_columns.column_chunks)."""
+        """Return the target chunks of a `columns` or `rows` piece (expert_columns.column_chunks)."""
         return column_chunks(self.tensor, self.indices, lambda index: self._raw(index, key), piece,
                              f"{self.checkpoint.path}: {key}")
 

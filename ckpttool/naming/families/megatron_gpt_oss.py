@@ -23,8 +23,12 @@ model view readers/megatron.py gives.
   checked against the config's `num_local_experts` (engine.py `Transform.gathers`; tested on
   tables of chunks, no fixture of a legacy GPT-OSS save).
 
-Not taken: `import --to megatron`: the transposes have no inverse yet (naming/backward.py
-refuses a family whose transforms have none).
+Import (`import --to megatron`, naming/backward.py) runs the table backwards and writes what
+megatron-core 0.16.1's torch_dist `sharded_state_dict` of GPT-OSS holds (the fixture's save): the
+experts stacked (`mlp.experts.experts.linear_fc1.weight` [E, 2F, H] as [gate; up] per expert, its
+bias un-interleaved, `linear_fc2` [E, H, F] transposed back), the pre-MLP norm as
+`mlp.linear_fc1.layer_norm_weight` and the input norm as `linear_qkv.layer_norm_weight`
+(`backward`).
 """
 
 from __future__ import annotations
@@ -79,4 +83,9 @@ FAMILY = Family(
     ignored=("decoder.layers.{L}.mlp.router.expert_bias", "decoder.layers.{L}.mlp.router.local_tokens_per_expert"),
     changes_forward=("decoder.layers.{L}.mlp.router.expert_bias",),  # the router adds it to its scores before choosing experts
     tied_head="output_layer.weight",
+    # import writes the names megatron-core's torch_dist save holds: the experts stacked, the
+    # norms fused into the linear layers that follow them
+    backward=(_LAYER + "self_attention.linear_qkv.layer_norm_weight", _LAYER + "mlp.linear_fc1.layer_norm_weight",
+              _EXPERTS + "linear_fc1.weight", _EXPERTS + "linear_fc1.bias", _EXPERTS + "linear_fc2.weight",
+              _EXPERTS + "linear_fc2.bias"),
 )
