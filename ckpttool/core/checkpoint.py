@@ -304,13 +304,7 @@ def rows_transposed(blob: Blob) -> tuple[int, int] | None:
         >>> rows_transposed(Blob("a.safetensors", 0, 1024, rows_transposed_transforms((2, 64))))
         (2, 64)
     """
-    if len(blob.transforms) != 1:
-        return None
-    name, _, grid = blob.transforms[0].partition("/")
-    if name != ROWS_TRANSPOSED_TRANSFORM:
-        return None
-    x, _, y = grid.partition("/")
-    return int(x), int(y)
+    return _grid(blob, ROWS_TRANSPOSED_TRANSFORM)
 
 
 def rows_as_columns_transforms(grid: tuple[int, int]) -> tuple[str, ...]:
@@ -325,10 +319,15 @@ def rows_as_columns(blob: Blob) -> tuple[int, int] | None:
         >>> rows_as_columns(Blob("a.distcp", 0, 8192, rows_as_columns_transforms((2, 32))))
         (2, 32)
     """
+    return _grid(blob, ROWS_AS_COLUMNS_TRANSFORM)
+
+
+def _grid(blob: Blob, transform: str) -> tuple[int, int] | None:
+    """Return the (X, Y) grid of a blob whose one transform is `transform/X/Y`, else None."""
     if len(blob.transforms) != 1:
         return None
     name, _, grid = blob.transforms[0].partition("/")
-    if name != ROWS_AS_COLUMNS_TRANSFORM:
+    if name != transform:
         return None
     x, _, y = grid.partition("/")
     return int(x), int(y)
