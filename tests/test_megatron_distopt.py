@@ -15,9 +15,9 @@ byte, a check independent of the moments.
 
 Fixture `megatron_distopt_torch_dist/` (generate_megatron_distopt_torch_dist.py): the same run saved
 with --ckpt-format torch_dist, so in Megatron-LM 0.16.1's default distributed-optimizer sharding,
-`dp_reshardable` (each model-parallel rank's state per bucket, as DCP tensors). Not migrated yet: it
-is refused by name; its buckets are shown to be distrib_optim.pt's, byte for byte at every
-parameter's range, which is what a reader of it can build on.
+`dp_reshardable` (each model-parallel rank's state per bucket, as DCP tensors): its buckets are shown
+to be distrib_optim.pt's, byte for byte at every parameter's range; its migration is
+tests/test_megatron_dp_reshardable.py's.
 """
 
 from __future__ import annotations
@@ -225,18 +225,8 @@ def test_the_torch_dist_buckets_hold_distrib_optim_pts_bytes_at_the_same_offsets
     assert (ours["tensors"], ours["step"], ours["groups"]) == (theirs["tensors"], theirs["step"], theirs["groups"])
 
 
-def test_the_torch_dist_distributed_optimizer_is_refused_by_name_with_nothing_written(run, tmp_path):
-    result = run("reshard", TORCH_DIST / "checkpoints", tmp_path / "out", "--world", "2", "--to", "transformers")
-    assert result.exit_code == 1, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Megatron's distributed optimizer" in lines[0] and "'dp_reshardable'" in lines[0]
-    assert "bucket_idx_0" in lines[0] and "Traceback" not in result.output
-    assert not (tmp_path / "out").exists()
-
-
 def test_the_torch_dist_distributed_optimizer_saves_model_still_exports(run, tmp_path):
-    """The refusal is the migration's only: the model of that save exports, to the same tensors as
-    the legacy save of the same run."""
+    """The model of that save exports to the same tensors as the legacy save of the same run."""
     from safetensors.torch import load_file
 
     from conftest import tensor_bytes

@@ -30,11 +30,12 @@ bookkeeping keys (`MEGATRON_GROUP_KEYS`: its scheduler's multipliers and bounds,
 are left out, and groups equal in what is left (AdamW's settings: lr, betas, eps, weight_decay,
 ...) are one group: the decay and no-decay groups a transformers training script builds.
 
-Refused by name (a save whose optimizer this does not read): Megatron's distributed optimizer
-(`optimizer.distributed.*` entries, a `param_state_sharding_type` in common.pt: Megatron-LM 0.16's
-default `dp_reshardable`, each model-parallel rank's grad buffer state per bucket with the
-data-parallel ranks' pieces as chunks, laid out as distrib_optim.pt's buffers are; flat
-per-data-parallel-rank buffers; or the model-space layouts whose step lives in the groups), any
+Megatron's distributed optimizer in Megatron-LM 0.16's default torch_dist sharding, `dp_reshardable`
+(`optimizer.distributed.*...bucket_idx_*` tensors: each model-parallel rank's grad buffer state
+per bucket), is read per parameter by readers/megatron_bucket_space.py and converted as a legacy
+save's is (below). Refused by name (a save whose optimizer this does not read): the distributed
+optimizer's other shardings (flat per-data-parallel-rank buffers; a `param_state_sharding_type`
+in common.pt beside model-space state whose step lives in the groups), any
 other optimizer state kind, a --decoupled-lr run (its embedding/output group is told apart by a
 module attribute the save does not keep), and tied embeddings.
 
@@ -73,6 +74,7 @@ from ckpttool.naming import engine, megatron_config
 from ckpttool.naming.fused import FusedLayout
 from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_DCP, MEGATRON_FSDP, MEGATRON_LEGACY
 from ckpttool.readers.megatron import MODEL_SUBTREE, model_view, stacked_split, unstack
+from ckpttool.readers.megatron_bucket_space import read_bucket_optimizer
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.megatron_fsdp import read_fsdp_optimizer
 from ckpttool.readers.megatron_legacy_optimizer import LegacyOptimizer, read_legacy_optimizer
@@ -195,15 +197,19 @@ def plan_migration(layout: str, checkpoint: Checkpoint, follow_symlinks: bool = 
                          "torch_dist save or a legacy per-rank Megatron-LM save (a DCP checkpoint of transformers' "
                          "model reshards as it is)")
     distributed = sorted(fqn for fqn in (*checkpoint.tensors, *checkpoint.objects) if fqn.startswith(DISTRIBUTED))
-    if distributed:
-        held = ("its grad buffers' buckets (sharding 'dp_reshardable', Megatron-LM's default: each model-parallel rank's "
-                "flat state per bucket)" if any(BUCKET_SPACE in fqn for fqn in distributed)
-                else "flat per-data-parallel-rank buffers")
-        raise UnsupportedFormat(f"{where}: {distributed[0]}: Megatron's distributed optimizer (--use-distributed-optimizer)"
-                                f" saves {held}, which are not read yet; reshard --to {TRANSFORMERS} reads the optimizer "
-                                "state of a torch_dist run without it, and a legacy (--ckpt-format torch) save's "
-                                "distrib_optim.pt")
     common = checkpoint.path / MEGATRON_COMMON
+    if distributed and any(BUCKET_SPACE in fqn for fqn in distributed):
+        # sharding 'dp_reshardable', Megatron-LM's default: readers/megatron_bucket_space.py
+        args = megatron_config.read_args(common, follow_symlinks)
+        if args is None:
+            raise UnsupportedFormat(f"{common}: holds no Megatron-LM arguments (`args`), from which the transformers "
+                                    "config and the distributed optimizer's bucket layout are made")
+        return _migration_of(read_bucket_optimizer(checkpoint, args, follow_symlinks), f"{common}: args")
+    if distributed:
+        raise UnsupportedFormat(f"{where}: {distributed[0]}: Megatron's distributed optimizer (--use-distributed-optimizer)"
+                                " saves flat per-data-parallel-rank buffers (a deprecated sharding), which are not read; "
+                                f"reshard --to {TRANSFORMERS} reads its default dp_reshardable and fully_reshardable "
+                                "shardings, and a legacy (--ckpt-format torch) save's distrib_optim.pt")
     config = megatron_config.megatron_hf_config(common, follow_symlinks)
     if config is None:
         raise UnsupportedFormat(f"{common}: holds no Megatron-LM arguments (`args`), from which the transformers "

@@ -216,7 +216,20 @@ def parameter_offsets(numels: list[int], bucket_size: int | None) -> tuple[list[
         >>> parameter_offsets([2048, 32, 100], 2049)
         ([0, 2048, 2080], 2180)
     """
+    offsets, lengths = bucket_layout(numels, bucket_size)
+    return offsets, sum(lengths)
+
+
+def bucket_layout(numels: list[int], bucket_size: int | None) -> tuple[list[int], list[int]]:
+    """Return parameter_offsets' offsets (in the buckets laid end to end) and each bucket's
+    unpadded length, in order: what a torch_dist save's `per_bucket_numel_unpadded` records.
+
+    Example:
+        >>> bucket_layout([2048, 32, 100], 2049)
+        ([0, 2048, 2080], [2080, 100])
+    """
     offsets = []
+    lengths = []
     bucket_start = 0  # in the state: the sum of the earlier buckets' unpadded lengths
     position = 0  # in the bucket
     for numel in numels:
@@ -224,8 +237,11 @@ def parameter_offsets(numels: list[int], bucket_size: int | None) -> tuple[list[
         offsets.append(bucket_start + position)
         position += numel
         if bucket_size is not None and position >= bucket_size:
+            lengths.append(position)
             bucket_start, position = bucket_start + position, 0
-    return offsets, bucket_start + position
+    if position:
+        lengths.append(position)
+    return offsets, lengths
 
 
 @dataclass(frozen=True)
