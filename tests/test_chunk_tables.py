@@ -73,12 +73,17 @@ NOT_CHECKPOINTS = {
     "frameworks/megatron_deepspeed/pipeline",
     *(f"frameworks/megatron_deepspeed/pipeline/checkpoints/iter_0000002/mp_rank_{t:02d}_{p:03d}" for t in range(2)
       for p in range(2)),
+    "frameworks/megatron_deepspeed/pipeline_engine",  # DeepSpeed's pipeline engine's save beside its reference
     "frameworks/torchtitan_import", "frameworks/megatron_import", "frameworks/megatron_import/llama",
     "frameworks/megatron_import/qwen3_moe", "frameworks/megatron_more_families", "frameworks/megatron_gpt_oss",
     # NeMo 2: context/ holds the model's config, not weights; nemo2/ holds the run and NeMo's export of it
     "frameworks/nemo2",
     *(f"frameworks/nemo2/llama/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0{last}/context"
       for last in ("", "-last")),
+    # NeMo 2 beyond Llama: each family's run folder beside NeMo's export of it (reference/hf)
+    "frameworks/nemo2_families", *(f"frameworks/nemo2_families/{name}" for name in ("qwen3", "qwen3_moe", "mixtral", "qwen2")),
+    *(f"frameworks/nemo2_families/{name}/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0-last/context"
+      for name in ("qwen3", "qwen3_moe", "mixtral", "qwen2")),
 }
 # one rank of a Megatron-LM legacy save: refused with its iteration folder named (tests/test_megatron_legacy.py)
 LEGACY_RANK_FOLDERS = re.compile(r"frameworks/megatron_legacy(/virtual_pipeline)?/checkpoints/iter_0000002/mp_rank_\d\d_\d{3}")

@@ -54,7 +54,8 @@ def exported(tmp_path_factory, run):
 
 
 def test_the_fixture_is_small_and_its_reference_is_the_one_the_generator_recorded(reference):
-    assert sum(p.stat().st_size for p in MDS.rglob("*") if p.is_file()) < 1_000_000
+    # pipeline_engine/ (tests/test_megatron_deepspeed_pipeline.py) is under 1 MB on its own
+    assert sum(p.stat().st_size for p in MDS.rglob("*") if p.is_file() and "pipeline_engine" not in p.parts) < 1_000_000
     assert sorted(EXPECTED["tensors"]) == sorted(reference)
     assert EXPECTED["versions"]["megatron-deepspeed"] == "6acc370a41440098031227e881bd9f1f23aa369e"
 

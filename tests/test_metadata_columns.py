@@ -37,7 +37,9 @@ DECLINED = {"frameworks/megatron/checkpoints/iter_0000002", "frameworks/megatron
             "frameworks/megatron_fsdp_dtensor/with_optimizer/checkpoints/iter_0000002",
             # NeMo 2's weights/, written by NeMo's MegatronCheckpointIO through dist_checkpointing.save
             *(f"frameworks/nemo2/llama/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0{last}/weights"
-              for last in ("", "-last"))}
+              for last in ("", "-last")),
+            *(f"frameworks/nemo2_families/{name}/checkpoints/model_name=0--val_loss=0.00-step=3-consumed_samples=4.0-last/weights"
+              for name in ("qwen3", "qwen3_moe", "mixtral", "qwen2"))}
 
 
 def _columns(path: Path, raw: bytes) -> Checkpoint | None:

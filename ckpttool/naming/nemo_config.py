@@ -17,8 +17,10 @@ arguments are; `megatron_args` renames the rest (`_RENAMED`, `share_embeddings_a
 `gated_linear_unit` with `activation_func`) and `megatron_config.hf_config` writes config.json
 from them, refusing what transformers' models cannot represent (an error names the NeMo field).
 Which NeMo classes are read: `_FAMILIES` (model class, its config classes, the architectures its
-fields may give); Llama 3.1+/4 configs, which rescale rope in `configure_model`, are not in it.
-Only LlamaModel/LlamaConfig is tested on a NeMo save (fixtures/frameworks/nemo2).
+fields may give, the vocabulary its HF exporter cuts the rows to); Llama 3.1+/4 configs, which
+rescale rope in `configure_model`, are not in it. Tested on NeMo's own saves, each against NeMo's
+exporter: LlamaConfig (fixtures/frameworks/nemo2), Qwen2Config, Qwen3Config, Qwen3MoEConfig and
+MixtralConfig (fixtures/frameworks/nemo2_families).
 
 The vocabulary: the config's `vocab_size` when set, else the tokenizer's, padded as NeMo pads
 it (nemo/lightning/base.py `get_vocab_size`: up to a multiple of `make_vocab_size_divisible_by`
@@ -26,8 +28,10 @@ x `tensor_model_parallel_size`; gpt/model/base.py `GPTConfig.configure_model`). 
 vocabulary is read from model.yaml only for tokenizers whose `vocab_size` argument is their
 vocabulary (`_VOCAB_TOKENIZERS`); another is refused naming it (--assets is the way). The
 weights' embedding is the ground truth: export checks config.json against it (config-mismatch).
-`vocabulary` says how many of those rows are the tokenizer's where model.yaml states it: NeMo's
-exporters cut the rows to that (saved_config.py gives it to export).
+`vocabulary` says how many of those rows config.json keeps, as the class's NeMo exporter does:
+LlamaModel's and MixtralModel's cut them to the tokenizer's vocabulary where model.yaml states it;
+Qwen2Model's and Qwen3Model's keep every row of the config's vocab_size (saved_config.py gives it
+to export).
 
 Example:
     >>> megatron_args(read_model_yaml(Path("ckpt/context/model.yaml")), "model.yaml")["padded_vocab_size"]
@@ -53,25 +57,32 @@ _WAY_OUT = "export with --assets DIR holding the model's config.json"
 
 _LLAMA, _QWEN2, _QWEN3, _MIXTRAL = ("nemo.collections.llm.gpt.model." + name for name in
                                     ("llama", "qwen2", "qwen3", "mixtral"))
-# (model class, its config classes, the architectures its fields may give): nemo_toolkit 2.7.3
-# nemo/collections/llm/gpt/model/{llama,qwen2,qwen3,mixtral}.py. Configs whose configure_model
-# changes the model beyond its fields (Llama31Config's and Llama32's rope scaling, Llama4) are absent.
-_FAMILIES: tuple[tuple[str, frozenset[str], tuple[str, ...]], ...] = (
+# What the class's HF exporter cuts the embedding and output rows to (TransformFns.prune_padding cuts
+# to the HF config's vocab_size): the tokenizer's vocabulary (HFLlamaExporter.config, HFMixtralExporter
+# .config: `vocab_size=self.tokenizer.vocab_size`), or the config's own vocab_size, every row kept
+# (HFQwen2Exporter.config, HFQwen3Exporter.config: `getattr(source, 'vocab_size', ...)`, set in every
+# Qwen config; with it null, NeMo's exporter would pass vocab_size=None, and the tokenizer's rule applies).
+_TOKENIZER, _CONFIG = "tokenizer", "config"
+# (model class, its config classes, the architectures its fields may give, the rows its exporter keeps):
+# nemo_toolkit 2.7.3 nemo/collections/llm/gpt/model/{llama,qwen2,qwen3,mixtral}.py. Configs whose
+# configure_model changes the model beyond its fields (Llama31Config's and Llama32's rope scaling,
+# Llama4) are absent.
+_FAMILIES: tuple[tuple[str, frozenset[str], tuple[str, ...], str], ...] = (
     (f"{_LLAMA}.LlamaModel", frozenset(f"{_LLAMA}.{name}" for name in (
         "LlamaConfig", "Llama2Config7B", "Llama2Config13B", "Llama2Config70B", "Llama3Config", "Llama3Config8B",
         "Llama3Config70B", "CodeLlamaConfig7B", "CodeLlamaConfig13B", "CodeLlamaConfig34B", "CodeLlamaConfig70B")),
-     ("LlamaForCausalLM",)),
+     ("LlamaForCausalLM",), _TOKENIZER),
     (f"{_QWEN2}.Qwen2Model", frozenset(f"{_QWEN2}.{name}" for name in (
         "Qwen2Config", "Qwen2Config500M", "Qwen25Config500M", "Qwen2Config1P5B", "Qwen25Config3B", "Qwen25Config1P5B",
         "Qwen2Config7B", "Qwen25Config7B", "Qwen25Config14B", "Qwen25Config32B", "Qwen2Config72B", "Qwen25Config72B")),
-     ("Qwen2ForCausalLM",)),
+     ("Qwen2ForCausalLM",), _CONFIG),
     (f"{_QWEN3}.Qwen3Model", frozenset(f"{_QWEN3}.{name}" for name in (
         "Qwen3Config", "Qwen3MoEConfig", "Qwen3Config600M", "Qwen3Config1P7B", "Qwen3Config4B", "Qwen3Config8B",
         "Qwen3Config14B", "Qwen3Config32B", "Qwen3Config30B_A3B", "Qwen3Config235B_A22B")),
-     ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
+     ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), _CONFIG),
     (f"{_MIXTRAL}.MixtralModel", frozenset(f"{_MIXTRAL}.{name}" for name in (
         "MixtralConfig", "MixtralConfig8x3B", "MixtralConfig8x7B", "MixtralConfig8x22B")),
-     ("MixtralForCausalLM",)),
+     ("MixtralForCausalLM",), _TOKENIZER),
 )
 # tokenizers whose `vocab_size` argument is their vocabulary (nemo/collections/common/tokenizers/
 # bytelevel_tokenizers.py: ByteLevelTokenizer(vocab_size=...) has exactly that many ids)
@@ -204,7 +215,7 @@ def hf_config_of(model: Mapping[str, Any], path: Path) -> dict[str, Any]:
     except (UnsupportedFormat, CorruptMetadata) as error:
         raise type(error)(_in_nemo_names(str(error), where)) from None
     target = model.get(TARGET)
-    allowed = next(architectures for model_class, _, architectures in _FAMILIES if model_class == target)
+    allowed = next(architectures for model_class, _, architectures, _ in _FAMILIES if model_class == target)
     if config["architectures"][0] not in allowed:
         raise UnsupportedFormat(f"{where}: {TARGET}={target} with qk_layernorm={args.get('qk_layernorm')}, "
                                 f"add_qkv_bias={args.get('add_qkv_bias')}, num_moe_experts={args.get('num_experts')}: "
@@ -259,15 +270,20 @@ def megatron_args(model: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def vocabulary(model: Mapping[str, Any], path: Path) -> megatron_config.Vocabulary:
     """Return the vocabulary NeMo's `model` (model.yaml as data) states: the rows its embedding
-    and output layer hold (the config's vocab_size, else the tokenizer's padded), and the
-    tokenizer's vocabulary when model.yaml states it (`_VOCAB_TOKENIZERS`): what NeMo's exporters
-    cut the rows to (nemo/lightning/io/state.py `TransformFns.prune_padding`, `vocab_size=
-    self.tokenizer.vocab_size` in e.g. gpt/model/llama.py HFLlamaExporter.config)."""
+    and output layer hold (the config's vocab_size, else the tokenizer's padded), and how many of
+    them the class's NeMo exporter keeps (`_FAMILIES`, nemo/lightning/io/state.py
+    `TransformFns.prune_padding`): every row for a Qwen class with the config's vocab_size set,
+    else the tokenizer's vocabulary when model.yaml states it (`_VOCAB_TOKENIZERS`)."""
     where = str(path)
     config = model.get("config")
     if not isinstance(config, dict):
         raise CorruptMetadata(f"{where}: config is a {type(config).__name__}, not the model's config mapping")
     rows = _padded_vocab(model, config, where)
+    family = next((row for row in _FAMILIES if row[0] == model.get(TARGET)), None)
+    if family is not None and family[3] == _CONFIG and config.get("vocab_size") is not None:
+        name = family[0].rsplit(".", 1)[1]
+        return megatron_config.Vocabulary(rows, rows, f"{MODEL_YAML} config.vocab_size (NeMo's {name} exporter "
+                                                      "keeps every row)")
     size = _tokenizer_vocab(model, where)
     if size is None:
         kind = _field(model, f"tokenizer.{TARGET}")

@@ -29,7 +29,7 @@ from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.dcp import read_checkpoint
 from ckpttool.readers.detect import (ACCELERATE, ACCELERATE_MODEL_DIR, DCP_HF, DCP_LAYOUTS, DEEPSPEED, DEEPSPEED_UNIVERSAL, HUB_FOLDER,
                                      LAYOUTS, LIGHTNING_METADATA, MEGATRON, MEGATRON_DCP, MEGATRON_FSDP, MEGATRON_LEGACY, NEMO2, SAFETENSORS, TORCH_PT, VERL,
-                                     Detection, _detect, detect)
+                                     Detection, _detect, detect, pipeline_layer_files)
 
 
 # layouts that hold only the model, its fqns at the top level (model_view.find_model finds the
@@ -129,8 +129,11 @@ def _read(detection: Detection, follow_symlinks: bool) -> Checkpoint:
             return read_deepspeed(detection.path, follow_symlinks)
         return read_deepspeed_universal(detection.path, follow_symlinks)
     if detection.layout == MEGATRON_LEGACY:  # per-rank torch.save files merged into one global model
+        from ckpttool.readers.megatron_deepspeed_pipe import read_megatron_deepspeed_pipe
         from ckpttool.readers.megatron_legacy import read_megatron_legacy
 
+        if pipeline_layer_files(detection.path):  # DeepSpeed's pipeline engine's (Megatron-DeepSpeed's GPTModelPipe)
+            return read_megatron_deepspeed_pipe(detection.path, follow_symlinks)
         return read_megatron_legacy(detection.path, follow_symlinks)
     if detection.layout == TORCH_PT:
         from ckpttool.readers.torch_pt import read_torch_pt

@@ -30,7 +30,8 @@ Layouts (one name each, as `inspect` shows them):
   tensors `model.<GPTModel key>` (no Megatron-FSDP wrapper, no split fc1), `_extra_state` byte entries.
 - `megatron-legacy`: Megatron-LM's `--ckpt-format torch` iteration folder, `mp_rank_TT[_PPP]/model_optim_rng.pt`
   per tensor and pipeline rank (megatron/training/checkpointing.py `get_checkpoint_name`); also
-  Megatron-DeepSpeed's DeepSpeed-engine tag folder with more than one `mp_rank_TT_model_states.pt`.
+  Megatron-DeepSpeed's DeepSpeed-engine tag folder with more than one `mp_rank_TT_model_states.pt`, or
+  with its pipeline engine's `layer_XX-model_TT-model_states.pt` files beside them.
 - `verl`: `model_world_size_W_rank_R.pt` per rank, in the folder or its `actor/`
   (verl/utils/checkpoint/fsdp_checkpoint_manager.py).
 - `dcp-hf`: torch's HuggingFaceStorageWriter (see readers/dcp_hf.py), sharded or consolidated.
@@ -91,6 +92,10 @@ MEGATRON_LEGACY_FILE = "model_optim_rng.pt"
 # <tag>/mp_rank_TT_model_states.pt (deepspeed/runtime/engine.py `_get_ckpt_name`, ZeRO stage 0-2); more
 # than one is a tensor-parallel save, read as a legacy one (readers/megatron_legacy.py)
 DEEPSPEED_ENGINE_RANK = re.compile(r"^mp_rank_(\d{2,})_model_states\.pt$")
+# DeepSpeed's pipeline engine (Megatron-DeepSpeed's GPTModelPipe): one file per pipeline layer index and
+# tensor-parallel rank, <tag>/layer_XX-model_TT-model_states.pt (deepspeed/runtime/pipe/module.py
+# `ckpt_layer_path`: the layer's global index, then the topology's rank without its pipe and data axes)
+DEEPSPEED_PIPE_LAYER = re.compile(r"^layer_(\d{2,})-model_(\d{2,})-model_states\.pt$")
 NEMO2_CONTEXT, NEMO2_WEIGHTS = "context", "weights"  # nemo/lightning/io/pl.py: ckpt_to_{context,weights}_subdir
 # deepspeed/runtime/engine.py `_get_ckpt_name` (stage 1/2; stage 3 prefixes zero_pp_rank_R_) and
 # `_get_zero_ckpt_name` (bf16_ when the BF16 optimizer saved it)
@@ -460,12 +465,22 @@ def is_deepspeed_universal(path: Path) -> bool:
 
 def deepspeed_engine_rank_files(path: Path) -> list[str]:
     """Return the `mp_rank_TT_model_states.pt` files of a DeepSpeed tag folder holding more than one
-    (a tensor-parallel save: Megatron-DeepSpeed's with --deepspeed), sorted; else []."""
+    (a tensor-parallel save: Megatron-DeepSpeed's with --deepspeed), or any beside pipeline layer
+    files (`pipeline_layer_files`), sorted; else []."""
     try:
         found = sorted(name for name in _names(path) if DEEPSPEED_ENGINE_RANK.match(name))
     except OSError:
         return []
-    return found if len(found) > 1 else []
+    return found if len(found) > 1 or (found and pipeline_layer_files(path)) else []
+
+
+def pipeline_layer_files(path: Path) -> list[str]:
+    """Return the `layer_XX-model_TT-model_states.pt` files of a DeepSpeed pipeline engine's tag
+    folder (Megatron-DeepSpeed's GPTModelPipe), sorted; else []."""
+    try:
+        return sorted(name for name in _names(path) if DEEPSPEED_PIPE_LAYER.match(name))
+    except OSError:
+        return []
 
 
 def legacy_rank_files(path: Path) -> list[str]:
@@ -576,7 +591,7 @@ def _looks_like_checkpoint(path: Path, nested: bool = True) -> bool:
 
     if (_is_dcp(path) or _is_dcp(path / ACCELERATE_MODEL_DIR) or _is_dcp(path / OLMO_CORE_DIR)
             or any(verl_files(path / s) for s in VERL_SUBDIRS) or is_deepspeed(path) or is_deepspeed_universal(path)
-            or bool(legacy_rank_dirs(path)) or is_nemo2(path)
+            or bool(legacy_rank_dirs(path)) or bool(pipeline_layer_files(path)) or is_nemo2(path)
             or bool(hub_folder.safetensors_files(path)) or bool(hub_folder.index_files(path))
             or (path / HUB_TORCH_FILE).is_file()):  # an index alone: a save whose data went missing, not "no checkpoint"
         return True

@@ -35,7 +35,9 @@ mp_rank_TT_model_states.pt`, its `module` in place of `model` (readers/detect.py
 `legacy_rank_files`); both hold the legacy model's nested state dict (`language_model` ->
 `encoder` -> `layers.N....`), flattened here to its module names, and its arguments, put under
 Megatron-LM's names (`DEEPSPEED_ARGUMENTS`). The engine's ZeRO optimizer partitions beside them
-are not opened.
+are not opened. Its pipeline engine's saves (`layer_XX-model_TT-model_states.pt` beside
+`mp_rank_MM_model_states.pt` holding `module` None and the args) are read by
+readers/megatron_deepspeed_pipe.py into the same merge (`read_layer_file`, `_global_model`).
 
 The optimizer state beside the model is read by readers/megatron_legacy_optimizer.py.
 
@@ -58,7 +60,7 @@ from typing import Any
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, raw_range_transforms, refuse_bad_names
 from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, MEGATRON_LEGACY_FILE, legacy_rank_files
+from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, MEGATRON_LEGACY_FILE, legacy_rank_files, pipeline_layer_files
 from ckpttool.store import storage
 from ckpttool.torchsave.record import _PLAIN_OBJECT_ALLOWED, _TENSOR_PICKLE_ALLOWED, _Rebuilt
 from ckpttool.torchsave.stored import StateDictUnpickler, device, file_entries, ints, load_data_pkl, raw_blob, stored_dtype
@@ -336,26 +338,19 @@ def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = Fals
                                 "model-parallel rank; convert with DeepSpeed's ds_to_universal first")
     if not isinstance(args, Namespace):
         raise CorruptMetadata(f"{where}: `args` is {type(args).__name__}, not Megatron-LM's argparse.Namespace")
-    if engine and not isinstance(state.get(ENGINE_MODEL_KEY), dict):
-        raise UnsupportedFormat(f"{where}: `{ENGINE_MODEL_KEY}` is {type(state.get(ENGINE_MODEL_KEY)).__name__}: DeepSpeed's "
-                                "pipeline engine keeps the layers in layer_XX-model_TT-model_states.pt files, which this "
-                                "build does not read")
-    models = {0: state[ENGINE_MODEL_KEY]} if engine else {0: state[MODEL_PREFIX]} if MODEL_PREFIX in state else {
-        int(match.group(1)): value for key, value in state.items() if isinstance(key, str) and (match := CHUNK_KEY.match(key))}
-    if not models or not all(isinstance(model, dict) for model in models.values()):
+    # DeepSpeed's pipeline engine saves `module` None beside the layer files (readers/megatron_deepspeed_pipe.py)
+    layers_beside = engine and state.get(ENGINE_MODEL_KEY) is None and bool(pipeline_layer_files(folder))
+    if engine and not layers_beside and not isinstance(state.get(ENGINE_MODEL_KEY), dict):
+        raise UnsupportedFormat(f"{where}: `{ENGINE_MODEL_KEY}` is {type(state.get(ENGINE_MODEL_KEY)).__name__} and no "
+                                "layer_XX-model_TT-model_states.pt beside it: neither DeepSpeed's engine's model nor its "
+                                "pipeline engine's layers")
+    models = {} if layers_beside else {0: state[ENGINE_MODEL_KEY]} if engine else {0: state[MODEL_PREFIX]} \
+        if MODEL_PREFIX in state else {int(match.group(1)): value for key, value in state.items()
+                                       if isinstance(key, str) and (match := CHUNK_KEY.match(key))}
+    if not layers_beside and (not models or not all(isinstance(model, dict) for model in models.values())):
         raise CorruptMetadata(f"{where}: no `model` state dict (nor virtual-pipeline `model0`, `model1`, ...)")
     starts: dict[str, int] = {}
-    chunks: dict[int, dict[str, Stored]] = {}
-    for number, model in sorted(models.items()):
-        parts: dict[str, Stored] = {}
-        for key, value in _flattened(model, where):
-            if not isinstance(value, _Rebuilt) or str(key).endswith(EXTRA_STATE):
-                continue  # `_extra_state` (None for local layers; Transformer Engine's FP8 metadata), plain values
-            here = f"{where}: {key}"
-            dtype = stored_dtype(value, here)
-            parts[str(key)] = Stored(raw_blob(entries, starts, read, size, here, name, value, dtype), dtype,
-                                     ints(value.shape, f"{here}: shape"))
-        chunks[number] = parts
+    chunks = {number: _parts(model, entries, starts, read, size, where, name) for number, model in sorted(models.items())}
     arguments = megatron_lm_arguments(dict(vars(args)), where)
     if not optimizer:
         return RankFile(name, arguments, chunks, state.get("checkpoint_version"))
@@ -370,6 +365,37 @@ def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = Fals
                                 "zero_pp_rank_D_mp_rank_TT_optim_states.pt files, which this build does not read at "
                                 "tensor parallel > 1")
     return RankFile(name, arguments, chunks, state.get("checkpoint_version"), saved, refused)
+
+
+def _parts(model: dict, entries: Any, starts: dict[str, int], read: Any, size: int, where: str,
+           name: str) -> dict[str, Stored]:
+    """Return a model state dict's tensors (flattened names) as raw ranges of the file `name`."""
+    parts: dict[str, Stored] = {}
+    for key, value in _flattened(model, where):
+        if not isinstance(value, _Rebuilt) or str(key).endswith(EXTRA_STATE):
+            continue  # `_extra_state` (None for local layers; Transformer Engine's FP8 metadata), plain values
+        here = f"{where}: {key}"
+        dtype = stored_dtype(value, here)
+        parts[str(key)] = Stored(raw_blob(entries, starts, read, size, here, name, value, dtype), dtype,
+                                 ints(value.shape, f"{here}: shape"))
+    return parts
+
+
+def read_layer_file(files: DataFiles, folder: Path, name: str) -> dict[str, Stored]:
+    """Return the tensors of one of DeepSpeed's pipeline layer files (`layer_XX-model_TT-model_states.pt`:
+    the layer module's state dict, its own names) as raw ranges of the file, read through the
+    checking loader."""
+    where = str(folder / name)
+    size = files.size(name)
+
+    def read(offset: int, length: int) -> bytes:
+        return files.read(name, offset, length)
+
+    entries = file_entries(read, size, where)
+    state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED, ordered_dict_builds_as_pops)
+    if not isinstance(state, dict):
+        raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not a pipeline layer's state dict")
+    return _parts(state, entries, {}, read, size, where, name)
 
 
 def _flattened(model: dict, where: str, prefix: str = "") -> list[tuple[str, Any]]:
@@ -554,15 +580,15 @@ def _read_ranks(folder: Path, files: DataFiles, optimizer: bool
     present = legacy_rank_files(folder)
     if not present:
         raise NotACheckpoint(f"{folder}: no mp_rank_TT[_PPP]/{MEGATRON_LEGACY_FILE}; not a Megatron-LM legacy save")
+    if pipeline_layer_files(folder):  # the model: readers/megatron_deepspeed_pipe.py; the optimizer: not read
+        raise UnsupportedFormat(f"{folder}: DeepSpeed's pipeline engine keeps the optimizer state in ZeRO's "
+                                "zero_pp_rank_D_mp_rank_TT_optim_states.pt files, which this build does not read")
     first = _read_rank(files, folder, present[0], optimizer)
     engine = DEEPSPEED_ENGINE_RANK.match(present[0]) is not None
     where = str(folder / first.name)
     tensor_parallel = _size_arg(first.args, "tensor_model_parallel_size", where)
     pipeline_parallel = _size_arg(first.args, "pipeline_model_parallel_size", where)
-    if _size_arg(first.args, "expert_model_parallel_size", where) > 1 or first.args.get("num_experts"):
-        raise UnsupportedFormat(f"{where}: a mixture-of-experts save (args num_experts / expert_model_parallel_size); "
-                                "this build reads dense legacy Megatron-LM saves; convert it with Megatron-LM's "
-                                "checkpoint converter to torch_dist first")
+    refuse_experts(first.args, where)
     wanted = {rank_file(t, p, pipeline_parallel > 1, engine): (t, p)
               for t in range(tensor_parallel) for p in range(pipeline_parallel)}
     found = sorted(present)
@@ -605,6 +631,14 @@ def _check_same_topology(ranks: dict[tuple[int, int], RankFile], first: RankFile
                                   f" x {first.args.get(keys[1])!r:.20}")
 
 
+def refuse_experts(args: dict[str, Any], where: str) -> None:
+    """Raise UnsupportedFormat for a mixture-of-experts save's arguments."""
+    if _size_arg(args, "expert_model_parallel_size", where) > 1 or args.get("num_experts"):
+        raise UnsupportedFormat(f"{where}: a mixture-of-experts save (args num_experts / expert_model_parallel_size); "
+                                "this build reads dense legacy Megatron-LM saves; convert it with Megatron-LM's "
+                                "checkpoint converter to torch_dist first")
+
+
 def _layout(ranks: dict[tuple[int, int], RankFile], pipeline_parallel: int) -> list[tuple[int, int, int]]:
     """Return (model chunk, pipeline stage, its first global layer number) in the global layer
     order: chunk-major for a virtual pipeline (the interleaved schedule's layer order)."""
@@ -642,7 +676,7 @@ def _merge(ranks: dict[tuple[int, int], RankFile], tensor_parallel: int, pipelin
                 raise CorruptMetadata(f"{folder / parts[0].name}: {name} gives {global_name}, which another stage "
                                       "gives too")
             pieces = [rank.chunks[chunk][name] for rank in parts]
-            tensors[global_name] = _placed(global_name, pieces, [rank.name for rank in parts], gated, folder)
+            tensors[global_name] = _placed(global_name, pieces, [piece.blob.file for piece in pieces], gated, folder)
     return tensors
 
 

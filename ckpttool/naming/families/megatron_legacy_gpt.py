@@ -2,7 +2,8 @@
 Megatron-DeepSpeed still trains it, as a table: Megatron-DeepSpeed's own converter
 (tools/hf2megads_weight_converter.py `refactor.transform_from_megads_to_hf`, microsoft/
 Megatron-DeepSpeed f4157bea) written as data, over the model view readers/megatron_legacy.py
-gives (the nested `language_model` state dict flattened, layers numbered globally).
+gives (the nested `language_model` state dict flattened, layers numbered globally), and
+readers/megatron_deepspeed_pipe.py gives the pipeline engine's layer files under the same names.
 
 - `self_attention.query_key_value` un-interleaved per query group into q, k, v (the converter's
   `_qkv_refactor_to_hf`: [kv heads, q heads per group + 2, head_dim, hidden] split [group, 1, 1]);
