@@ -362,3 +362,22 @@ def test_inspect_and_diff_read_the_pickled_args_as_export_does(run, tmp_path):
     assert run("consolidate", RUN_DIR, flat, "--quiet").exit_code == 0
     result = run("diff", RUN_DIR, flat)
     assert result.exit_code == 0 and "27 tensors" in result.output, result.output
+
+
+# -- Megatron-Bridge's export --------------------------------------------------------------------
+
+@pytest.mark.parametrize("save", [LEGACY, VIRTUAL], ids=["pipeline-2", "virtual-pipeline-2"])
+def test_export_equals_megatron_bridges_export_with_the_padding_cut_byte_for_byte(run, tmp_path, save):
+    # bridge_expected.json: Megatron-LM's load_checkpoint at the saved parallelism, then Megatron-Bridge
+    # 0.3.1 LlamaBridge's stream_weights_megatron_to_hf, embedding and lm_head cut to the 100 tokens
+    # (NeMo's prune_padding; Bridge has no cut): fixtures/frameworks/generate_megatron_legacy_bridge.py
+    from safetensors.torch import load_file
+
+    bridge = json.loads((save / "bridge_expected.json").read_text())
+    out = tmp_path / "hf"
+    result = run("export", save / "checkpoints", out)
+    assert result.exit_code == 0, result.output
+    exported = {name: describe(tensor) for path in sorted(out.glob("*.safetensors"))
+                for name, tensor in load_file(path).items()}
+    assert exported == bridge["tensors"] and len(exported) == 39
+    assert exported["lm_head.weight"]["shape"] == [bridge["vocab"]["tokens"], 32] == [100, 32]
