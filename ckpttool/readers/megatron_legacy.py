@@ -55,7 +55,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from pickle import POP
-from typing import Any
+from typing import Any, Callable
 
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, raw_range_transforms, refuse_bad_names
 from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
@@ -319,7 +319,10 @@ def rank_file(tensor_rank: int, pipeline_rank: int, pipeline_parallel: bool, eng
     return f"{folder}/{MEGATRON_LEGACY_FILE}"
 
 
-def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = False) -> RankFile:
+def _load(files: DataFiles, folder: Path, name: str, holds: str) -> tuple[dict, Any, Callable[[int, int], bytes], int, str]:
+    """Return the state dict a rank or layer file holds (read through the checking loader), its zip
+    entries, a reader of its bytes, its size and its path for messages; CorruptMetadata naming
+    `holds` when it holds no dict."""
     where = str(folder / name)
     size = files.size(name)
 
@@ -329,7 +332,12 @@ def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = Fals
     entries = file_entries(read, size, where)
     state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED, ordered_dict_builds_as_pops)
     if not isinstance(state, dict):
-        raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not Megatron-LM's state dict")
+        raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not {holds}")
+    return state, entries, read, size, where
+
+
+def _read_rank(files: DataFiles, folder: Path, name: str, optimizer: bool = False) -> RankFile:
+    state, entries, read, size, where = _load(files, folder, name, "Megatron-LM's state dict")
     args = state.get("args")
     engine = DEEPSPEED_ENGINE_RANK.match(Path(name).name) is not None
     if engine and not isinstance(args, Namespace):
@@ -385,16 +393,7 @@ def read_layer_file(files: DataFiles, folder: Path, name: str) -> dict[str, Stor
     """Return the tensors of one of DeepSpeed's pipeline layer files (`layer_XX-model_TT-model_states.pt`:
     the layer module's state dict, its own names) as raw ranges of the file, read through the
     checking loader."""
-    where = str(folder / name)
-    size = files.size(name)
-
-    def read(offset: int, length: int) -> bytes:
-        return files.read(name, offset, length)
-
-    entries = file_entries(read, size, where)
-    state = load_data_pkl(entries, read, size, where, _Unpickler, _ALLOWED, ordered_dict_builds_as_pops)
-    if not isinstance(state, dict):
-        raise CorruptMetadata(f"{where}: holds a {type(state).__name__}, not a pipeline layer's state dict")
+    state, entries, read, size, where = _load(files, folder, name, "a pipeline layer's state dict")
     return _parts(state, entries, {}, read, size, where, name)
 
 
