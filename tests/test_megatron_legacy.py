@@ -381,3 +381,22 @@ def test_export_equals_megatron_bridges_export_with_the_padding_cut_byte_for_byt
                 for name, tensor in load_file(path).items()}
     assert exported == bridge["tensors"] and len(exported) == 39
     assert exported["lm_head.weight"]["shape"] == [bridge["vocab"]["tokens"], 32] == [100, 32]
+
+
+def test_a_signal_pickled_by_name_is_read_as_the_member(run, tmp_path, monkeypatch):
+    """Python 3.11.0-3.11.4 pickle a global enum's member by name (`signal.SIGTERM`, not
+    `signal.Signals(15)`): Megatron-LM's `args.exit_signal` in every save made there."""
+    import signal
+
+    from ckpttool.readers.megatron_legacy import EnumValue, read_legacy_args
+
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(LEGACY / "checkpoints", copy)
+    monkeypatch.setattr(signal.Signals, "__reduce_ex__", lambda member, protocol: member.name)
+    for name in RANK_FILES:
+        resave(copy / "iter_0000002" / name, lambda state: None)
+    monkeypatch.undo()
+    assert b"csignal\nSIGTERM\n" in (copy / "iter_0000002" / RANK_FILES[0]).read_bytes()
+    assert read_legacy_args(copy / "iter_0000002")["exit_signal"] == EnumValue("Signals", signal.SIGTERM.value)
+    result = run("export", copy, tmp_path / "hf", "--quiet")
+    assert result.exit_code == 0, result.output

@@ -40,13 +40,14 @@ Example:
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, overload
 
 from ckpttool.store import storage
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.core.errors import CorruptBlob, CorruptMetadata, UnsupportedFormat
+from ckpttool.core.errors import CorruptBlob, CorruptMetadata, UnsafeMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY, MEGATRON_LEGACY_FILE, detect
 from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, legacy_rank_files
@@ -88,6 +89,14 @@ class _Enum:
         return EnumValue(self.name, value)
 
 
+def _by_name(enum: Any, name: Any) -> EnumValue:
+    """`getattr(AnEnum, "member")`, as Python 3.11.0-3.11.4 pickle an Enum member: only a member
+    of an admitted Enum (`_Enum`), recorded by its name; getattr of anything else is refused."""
+    if isinstance(enum, _Enum) and type(name) is str:
+        return EnumValue(enum.name, name)
+    raise UnsafeMetadata(f"getattr of {type(enum).__name__} {name!r:.40}, not a member of an Enum Megatron-LM's arguments hold")
+
+
 _ALLOWED: dict[tuple[str, str], Any] = {
     **_TENSOR_PICKLE_ALLOWED,  # a tensor would be an inert record (Megatron-LM's common.pt holds none)
     ("argparse", "Namespace"): Namespace,
@@ -95,6 +104,11 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # --exit-signal); torch dtypes (--params-dtype) are StateDictUnpickler's own
     ("megatron.core.transformer.enums", "AttnBackend"): _Enum("AttnBackend"),
     ("signal", "Signals"): _Enum("Signals"),
+    # the same member pickled by name (`signal.SIGTERM`): Python 3.11.0-3.11.4's global enums reduce so
+    **{("signal", member.name): EnumValue("Signals", member.value) for member in signal.Signals},
+    # and an Enum's member (`AttnBackend.auto`) as getattr(AttnBackend, "auto"), the same Pythons
+    ("builtins", "getattr"): _by_name,
+    ("__builtin__", "getattr"): _by_name,
 }
 
 

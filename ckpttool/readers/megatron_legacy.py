@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import os
+import signal
 import pickletools
 import re
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ from pickle import POP
 from typing import Any, Callable
 
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, raw_range_transforms, refuse_bad_names
-from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
+from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
 from ckpttool.dcp.blobs import DataFiles
 from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, MEGATRON_LEGACY_FILE, legacy_rank_files, pipeline_layer_files
 from ckpttool.store import storage
@@ -163,6 +164,14 @@ class _Enum:
         return EnumValue(self.name, value)
 
 
+def _by_name(enum: Any, name: Any) -> EnumValue:
+    """`getattr(AnEnum, "member")`, as Python 3.11.0-3.11.4 pickle an Enum member: only a member
+    of an admitted Enum (`_Enum`), recorded by its name; getattr of anything else is refused."""
+    if isinstance(enum, _Enum) and type(name) is str:
+        return EnumValue(enum.name, name)
+    raise UnsafeMetadata(f"getattr of {type(enum).__name__} {name!r:.40}, not a member of an Enum Megatron-LM's arguments hold")
+
+
 def _parameter(data: Any, *rest: Any) -> Any:
     """`torch._utils._rebuild_parameter`: an nn.Parameter is its tensor."""
     return data
@@ -177,6 +186,11 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # the Enum-valued arguments of Megatron-LM core_v0.16.1 (--attention-backend, --exit-signal)
     ("megatron.core.transformer.enums", "AttnBackend"): _Enum("AttnBackend"),
     ("signal", "Signals"): _Enum("Signals"),
+    # the same member pickled by name (`signal.SIGTERM`): Python 3.11.0-3.11.4's global enums reduce so
+    **{("signal", member.name): EnumValue("Signals", member.value) for member in signal.Signals},
+    # and an Enum's member (`AttnBackend.auto`) as getattr(AttnBackend, "auto"), the same Pythons
+    ("builtins", "getattr"): _by_name,
+    ("__builtin__", "getattr"): _by_name,
     # Megatron-DeepSpeed's `args.model_type` (megatron/training.py `pretrain` sets it)
     ("megatron.core.enums", "ModelType"): _Enum("ModelType"),
 }
