@@ -6,6 +6,7 @@ import builtins
 import pickle
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -194,19 +195,23 @@ def test_metadata_pickled_by_python_3_11_early_releases_reads_the_same(tmp_path)
                 return getattr, (type(obj), obj.name)
             return NotImplemented
 
-    source = FIXTURES / "fsdp2_world2_adamw"
-    copy = tmp_path / "ckpt"
-    shutil.copytree(source, copy)
-    with open(copy / ".metadata", "wb") as handle:
-        EarlyPython311Pickler(handle).dump(FileSystemReader(source).read_metadata())
-    assert b"getattr" in (copy / ".metadata").read_bytes()
-    expected, got = read_checkpoint(source), read_checkpoint(copy)
-    assert got.tensors == expected.tensors and got.objects == expected.objects
+    # Megatron's torch_dist `.metadata` holds its SavePlans too: WriteItemType members by name
+    megatron = Path(__file__).parent.parent / "fixtures" / "frameworks" / "megatron" / "checkpoints" / "iter_0000002"
+    for number, source in enumerate((FIXTURES / "fsdp2_world2_adamw", megatron)):
+        copy = tmp_path / f"ckpt{number}"
+        shutil.copytree(source, copy)
+        with open(copy / ".metadata", "wb") as handle:
+            EarlyPython311Pickler(handle).dump(FileSystemReader(source).read_metadata())
+        assert b"getattr" in (copy / ".metadata").read_bytes()
+        expected, got = read_checkpoint(source), read_checkpoint(copy)
+        assert got.tensors == expected.tensors and got.objects == expected.objects
+    assert b"WriteItemType" in (tmp_path / "ckpt1" / ".metadata").read_bytes()
 
 
 def test_getattr_in_metadata_reaches_nothing_but_the_memory_format_enum(tmp_path):
     (tmp_path / "ckpt").mkdir()
-    for target in ((pickle.GLOBAL + b"os\nsystem\n"), (pickle.GLOBAL + b"torch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n")):
+    for target in ((pickle.GLOBAL + b"os\nsystem\n"), (pickle.GLOBAL + b"torch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"),
+                   (pickle.GLOBAL + b"torch.distributed.checkpoint.planner\nWriteItemType\n")):
         for name in (b"__class__", b"mro", b"TORCH_NO_SUCH_FORMAT"):
             data = (b"\x80\x02" + pickle.GLOBAL + b"builtins\ngetattr\n" + target + pickle.SHORT_BINSTRING
                     + bytes([len(name)]) + name + pickle.TUPLE2 + pickle.REDUCE + pickle.STOP)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ckpttool.safepickle.nodes import _DICT, _FROZENSET, _GLOBAL, _LIST, _SET, _SIZE, _TUPLE, PickleRefused, _Node
-from ckpttool.safepickle.standins import (_MEMORY_FORMATS, _Shape, _enum_member, _layout, _memory_format_encoding,
+from ckpttool.safepickle.standins import (_MEMBERS, _Shape, _enum_member, _layout, _memory_format_encoding,
                                           _path, _windows_path, _write_item_type)
 
 
@@ -69,12 +69,19 @@ def _call_one_string(args: _Node) -> Any:
     raise PickleRefused("a layout named by something other than a string")
 
 
+def _members(enum: Any) -> dict[str, int]:
+    try:
+        return _MEMBERS.get(enum, {})
+    except TypeError:  # an unhashable allowlisted object: no enum of ours
+        return {}
+
+
 def _call_enum_member(args: _Node) -> Any:
     items = args.items
     if (items is not None and len(items) == 2 and type(items[0]) is _Node and items[0].kind == _GLOBAL
-            and items[0].value is _memory_format_encoding and items[1] in _MEMORY_FORMATS):
+            and type(items[1]) is str and items[1] in _members(items[0].value)):
         return int
-    raise PickleRefused("getattr of something other than a memory format by name")
+    raise PickleRefused("getattr of something other than a DCP metadata enum's member by name")
 
 
 def _call_one_int(args: _Node) -> Any:

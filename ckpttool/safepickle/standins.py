@@ -73,18 +73,25 @@ def _memory_format_encoding(value: int) -> int:
     return int(value)
 
 
-# torch/distributed/checkpoint/metadata.py `_MEM_FORMAT_ENCODING`: CPython 3.11.0-3.11.4
-# pickle its members by name, as getattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")
-_MEMORY_FORMATS = {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2}
-
-
-def _enum_member(enum: Any, name: str) -> int:
-    """Stand-in for `builtins.getattr`: only a member of the memory format enum, by name."""
-    if enum is _memory_format_encoding and type(name) is str and name in _MEMORY_FORMATS:
-        return _MEMORY_FORMATS[name]
-    raise UnsafeMetadata(f"getattr of something other than a memory format ({type(name).__name__})")
-
-
 def _write_item_type(value: int) -> int:
     """Stand-in for the `WriteItemType` enum (SHARD, TENSOR, BYTE_IO), called with its value."""
     return value
+
+
+# CPython 3.11.0-3.11.4 pickle an Enum's member by name, as getattr(Enum, "NAME"): the enums a DCP
+# `.metadata` holds, torch/distributed/checkpoint/metadata.py `_MEM_FORMAT_ENCODING` and (in a
+# SavePlan's WriteItems, Megatron's planner data) planner.py `WriteItemType`, their members' values
+_MEMORY_FORMATS = {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2}
+_WRITE_ITEM_TYPES = {"TENSOR": 1, "SHARD": 2, "BYTE_IO": 3}
+_MEMBERS: dict[Any, dict[str, int]] = {_memory_format_encoding: _MEMORY_FORMATS, _write_item_type: _WRITE_ITEM_TYPES}
+
+
+def _enum_member(enum: Any, name: str) -> int:
+    """Stand-in for `builtins.getattr`: only a member, by name, of an enum `_MEMBERS` names."""
+    try:
+        members = _MEMBERS.get(enum)
+    except TypeError:  # unhashable: no enum of ours
+        members = None
+    if members is not None and type(name) is str and name in members:
+        return members[name]
+    raise UnsafeMetadata(f"getattr of something other than a member of a DCP metadata enum ({type(name).__name__})")
