@@ -40,18 +40,18 @@ Example:
 from __future__ import annotations
 
 import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, overload
 
 from ckpttool.store import storage
 from ckpttool.dcp.blobs import DataFiles
-from ckpttool.core.errors import CorruptBlob, CorruptMetadata, UnsafeMetadata, UnsupportedFormat
+from ckpttool.core.errors import CorruptBlob, CorruptMetadata, UnsupportedFormat
 from ckpttool.formats.dcp import METADATA_FILENAME
 from ckpttool.readers.detect import MEGATRON, MEGATRON_COMMON, MEGATRON_LEGACY, MEGATRON_LEGACY_FILE, detect
 from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, legacy_rank_files
 from ckpttool.readers.detect import MEGATRON_DCP, MEGATRON_FSDP, MEGATRON_ITERATION_FOLDER
+from ckpttool.readers.megatron_args import ARGS_ALLOWED, EnumValue, Namespace
 from ckpttool.torchsave.record import _TENSOR_PICKLE_ALLOWED
 from ckpttool.torchsave.stored import DTypeName, StateDictUnpickler, load_data_pkl
 from ckpttool.torchsave.zip import read_directory
@@ -67,48 +67,9 @@ _WAY_OUT = "export with --assets DIR holding the model's config.json"
 # Stand-ins for what common.pt's data.pkl names (nothing here runs code from the file)
 
 
-class Namespace:
-    """`argparse.Namespace`: made empty by NEWOBJ, its arguments put in `__dict__` by BUILD."""
-
-
-@dataclass(frozen=True)
-class EnumValue:
-    """A member of an Enum an argument holds (`AttnBackend(5)`), recorded by class name and value."""
-
-    enum: str
-    value: Any
-
-
-class _Enum:
-    """An admitted Enum class: calling it (REDUCE) records the value, nothing else."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(self, value: Any) -> EnumValue:
-        return EnumValue(self.name, value)
-
-
-def _by_name(enum: Any, name: Any) -> EnumValue:
-    """`getattr(AnEnum, "member")`, as Python 3.11.0-3.11.4 pickle an Enum member: only a member
-    of an admitted Enum (`_Enum`), recorded by its name; getattr of anything else is refused."""
-    if isinstance(enum, _Enum) and type(name) is str:
-        return EnumValue(enum.name, name)
-    raise UnsafeMetadata(f"getattr of {type(enum).__name__} {name!r:.40}, not a member of an Enum Megatron-LM's arguments hold")
-
-
 _ALLOWED: dict[tuple[str, str], Any] = {
     **_TENSOR_PICKLE_ALLOWED,  # a tensor would be an inert record (Megatron-LM's common.pt holds none)
-    ("argparse", "Namespace"): Namespace,
-    # the Enum-valued arguments of megatron-core 0.16.1's Megatron-LM (--attention-backend,
-    # --exit-signal); torch dtypes (--params-dtype) are StateDictUnpickler's own
-    ("megatron.core.transformer.enums", "AttnBackend"): _Enum("AttnBackend"),
-    ("signal", "Signals"): _Enum("Signals"),
-    # the same member pickled by name (`signal.SIGTERM`): Python 3.11.0-3.11.4's global enums reduce so
-    **{("signal", member.name): EnumValue("Signals", member.value) for member in signal.Signals},
-    # and an Enum's member (`AttnBackend.auto`) as getattr(AttnBackend, "auto"), the same Pythons
-    ("builtins", "getattr"): _by_name,
-    ("__builtin__", "getattr"): _by_name,
+    **ARGS_ALLOWED,  # the Namespace and its Enum members; torch dtypes (--params-dtype) are StateDictUnpickler's own
 }
 
 

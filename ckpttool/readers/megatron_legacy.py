@@ -50,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import os
-import signal
 import pickletools
 import re
 from dataclasses import dataclass
@@ -59,8 +58,9 @@ from pickle import POP
 from typing import Any, Callable
 
 from ckpttool.core.checkpoint import Blob, Checkpoint, Chunk, Tensor, as_path, raw_range_transforms, refuse_bad_names
-from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsafeMetadata, UnsupportedFormat
+from ckpttool.core.errors import CorruptMetadata, MissingFile, NotACheckpoint, UnsupportedFormat
 from ckpttool.dcp.blobs import DataFiles
+from ckpttool.readers.megatron_args import ARGS_ALLOWED, EnumValue, Namespace
 from ckpttool.readers.detect import DEEPSPEED_ENGINE_RANK, MEGATRON_LEGACY_FILE, legacy_rank_files, pipeline_layer_files
 from ckpttool.store import storage
 from ckpttool.torchsave.record import _PLAIN_OBJECT_ALLOWED, _TENSOR_PICKLE_ALLOWED, _Rebuilt
@@ -142,36 +142,6 @@ def merge_rule(name: str, gated: bool) -> str | None:
 # Stand-ins for what model_optim_rng.pt's data.pkl names (nothing here runs code from the file)
 
 
-class Namespace:
-    """`argparse.Namespace`: made empty by NEWOBJ, its arguments put in `__dict__` by BUILD."""
-
-
-@dataclass(frozen=True)
-class EnumValue:
-    """A member of an Enum an argument holds (`AttnBackend(5)`), recorded by class name and value."""
-
-    enum: str
-    value: Any
-
-
-class _Enum:
-    """An admitted Enum class: calling it (REDUCE) records the value, nothing else."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(self, value: Any) -> EnumValue:
-        return EnumValue(self.name, value)
-
-
-def _by_name(enum: Any, name: Any) -> EnumValue:
-    """`getattr(AnEnum, "member")`, as Python 3.11.0-3.11.4 pickle an Enum member: only a member
-    of an admitted Enum (`_Enum`), recorded by its name; getattr of anything else is refused."""
-    if isinstance(enum, _Enum) and type(name) is str:
-        return EnumValue(enum.name, name)
-    raise UnsafeMetadata(f"getattr of {type(enum).__name__} {name!r:.40}, not a member of an Enum Megatron-LM's arguments hold")
-
-
 def _parameter(data: Any, *rest: Any) -> Any:
     """`torch._utils._rebuild_parameter`: an nn.Parameter is its tensor."""
     return data
@@ -182,17 +152,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     **_TENSOR_PICKLE_ALLOWED,  # _rebuild_tensor_v2/v3, typed storages, OrderedDict, torch.Size
     ("torch._utils", "_rebuild_parameter"): _parameter,
     ("torch", "device"): device,
-    ("argparse", "Namespace"): Namespace,
-    # the Enum-valued arguments of Megatron-LM core_v0.16.1 (--attention-backend, --exit-signal)
-    ("megatron.core.transformer.enums", "AttnBackend"): _Enum("AttnBackend"),
-    ("signal", "Signals"): _Enum("Signals"),
-    # the same member pickled by name (`signal.SIGTERM`): Python 3.11.0-3.11.4's global enums reduce so
-    **{("signal", member.name): EnumValue("Signals", member.value) for member in signal.Signals},
-    # and an Enum's member (`AttnBackend.auto`) as getattr(AttnBackend, "auto"), the same Pythons
-    ("builtins", "getattr"): _by_name,
-    ("__builtin__", "getattr"): _by_name,
-    # Megatron-DeepSpeed's `args.model_type` (megatron/training.py `pretrain` sets it)
-    ("megatron.core.enums", "ModelType"): _Enum("ModelType"),
+    **ARGS_ALLOWED,  # args: the Namespace and its Enum members (readers/megatron_args.py)
 }
 
 
@@ -744,4 +704,4 @@ def _natural(name: str) -> list:
     return [int(piece) if piece.isdigit() else piece for piece in re.split(r"(\d+)", name)]
 
 
-__all__ = ["MERGE_RULES", "Namespace", "merge_rule", "rank_file", "read_legacy_args", "read_megatron_legacy"]
+__all__ = ["MERGE_RULES", "EnumValue", "Namespace", "merge_rule", "rank_file", "read_legacy_args", "read_megatron_legacy"]
